@@ -1,0 +1,5 @@
+import sys
+
+from pipetune.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""The ``pipetune`` command line."""

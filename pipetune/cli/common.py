@@ -1,0 +1,48 @@
+"""Arguments shared by several subcommands: model, data source, batch shape."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from pipetune.config import ModelConfig, load_model_config
+from pipetune.data import Overlong, SampleTable, make_mix, open_dataset
+
+
+def add_model_args(p: argparse.ArgumentParser, default: str = "13b") -> None:
+    p.add_argument("--model", default=default, help="model preset name (3b, 7b, 13b, tiny) or a model TOML file")
+    p.add_argument("--model-config", help="model TOML file; overrides --model")
+
+
+def model_from_args(args) -> ModelConfig:
+    return load_model_config(args.model_config or args.model)
+
+
+def add_data_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--data", help="data set: a `pipetune data make` directory, .jsonl/.parquet file(s)")
+    g.add_argument("--mix", help="generate a mix in memory instead: datamix1|datamix2|datamix3 or weights mmc4:coyo:flan")
+    p.add_argument("--samples", type=int, default=100_000, help="samples to generate with --mix")
+    p.add_argument("--data-seed", type=int, default=0, help="seed of the generated mix and of the batch order")
+
+
+def table_from_args(args) -> SampleTable:
+    if args.data:
+        return open_dataset(args.data).table
+    return make_mix(args.mix or "datamix2", args.samples, args.data_seed)
+
+
+def add_batch_args(p: argparse.ArgumentParser, *, mbs: int | None = 2) -> None:
+    p.add_argument("--gbs", type=int, default=128, help="global batch size in samples")
+    p.add_argument("--max-seq-len", type=int, default=8192)
+    if mbs is not None:
+        p.add_argument("--mbs", type=int, default=mbs, help="micro-batch size: a micro-batch holds mbs x max-seq-len tokens")
+    p.add_argument("--overlong", default="truncate", choices=[o.value for o in Overlong], help="policy for samples over max-seq-len")
+    p.add_argument("--iters", type=int, default=10, help="iterations (global batches) to process")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
+
+def emit_json(obj) -> None:
+    json.dump(obj, sys.stdout, indent=2)
+    sys.stdout.write("\n")

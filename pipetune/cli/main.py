@@ -1,0 +1,29 @@
+"""Entry point: ``pipetune <command> ...``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pipetune.cli import data_cmd, pack_cmd
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pipetune", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for module in (data_cmd, pack_cmd):
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"pipetune: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

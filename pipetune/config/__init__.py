@@ -1,0 +1,6 @@
+"""Model configs and their TOML presets."""
+
+from pipetune.config.model import BackboneConfig, EncoderConfig, ModelConfig
+from pipetune.config.presets import available_models, load_model_config
+
+__all__ = ["BackboneConfig", "EncoderConfig", "ModelConfig", "available_models", "load_model_config"]

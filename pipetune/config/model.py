@@ -1,0 +1,122 @@
+"""Model shapes the planner needs: a LLaMA-style backbone, a ViT encoder and its MLP projector.
+
+These are plain numbers, not modules: FLOPs, memory and latency estimates are functions of them,
+and the runtime (``torchtitan_patches``) builds the real model from the same objects.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BackboneConfig:
+    """LLaMA-style decoder: RMSNorm, GQA attention with RoPE, SwiGLU FFN, untied output head."""
+
+    n_layers: int
+    dim: int
+    ffn_dim: int
+    n_heads: int
+    n_kv_heads: int
+    vocab_size: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        for name in ("n_layers", "dim", "ffn_dim", "n_heads", "n_kv_heads", "vocab_size"):
+            _require(getattr(self, name) > 0, f"backbone.{name} must be > 0, got {getattr(self, name)}")
+        _require(self.dim % self.n_heads == 0, f"backbone.dim={self.dim} is not divisible by n_heads={self.n_heads}")
+        _require(
+            self.n_heads % self.n_kv_heads == 0,
+            f"backbone.n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}",
+        )
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def layer_params(self) -> int:
+        """Weights of one decoder layer's matmuls (norm weights are negligible and left out)."""
+        attn = self.dim * (self.dim + 2 * self.kv_dim) + self.dim * self.dim
+        return attn + 3 * self.dim * self.ffn_dim
+
+
+@dataclass(frozen=True, kw_only=True)
+class EncoderConfig:
+    """ViT vision encoder (SigLIP-style: GELU MLP with two matrices, full attention) + projector.
+
+    ``tokens_per_image`` follows from the resolution: (image_size / patch_size) ** 2.
+    The projector is a 2-layer MLP (encoder dim -> backbone dim -> backbone dim) and is always
+    trained; ``frozen`` refers to the ViT only, which is what lets its forward be pre-computed.
+    """
+
+    n_layers: int
+    dim: int
+    ffn_dim: int
+    n_heads: int
+    image_size: int
+    patch_size: int
+    channels: int = 3
+    frozen: bool = True
+    norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        for name in ("n_layers", "dim", "ffn_dim", "n_heads", "image_size", "patch_size", "channels"):
+            _require(getattr(self, name) > 0, f"encoder.{name} must be > 0, got {getattr(self, name)}")
+        _require(self.dim % self.n_heads == 0, f"encoder.dim={self.dim} is not divisible by n_heads={self.n_heads}")
+        _require(
+            self.image_size % self.patch_size == 0,
+            f"encoder.image_size={self.image_size} is not a multiple of patch_size={self.patch_size}",
+        )
+
+    @property
+    def tokens_per_image(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def layer_params(self) -> int:
+        return 4 * self.dim * self.dim + 2 * self.dim * self.ffn_dim
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """A VLM: backbone plus (optionally) a vision encoder; text-only models have ``encoder=None``."""
+
+    name: str
+    backbone: BackboneConfig
+    encoder: EncoderConfig | None = None
+
+    @property
+    def tokens_per_image(self) -> int:
+        return self.encoder.tokens_per_image if self.encoder is not None else 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        enc = d.get("encoder")
+        return cls(
+            name=d["name"],
+            backbone=BackboneConfig(**d["backbone"]),
+            encoder=EncoderConfig(**enc) if enc else None,
+        )
+
+    def fingerprint(self) -> str:
+        """Stable hash of the shapes (not the name): latency tables are keyed on it."""
+        shapes = self.to_dict()
+        shapes.pop("name")
+        blob = json.dumps(shapes, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]

@@ -1,0 +1,22 @@
+"""Sample metadata, generated data mixes, storage on disk and the deterministic batch stream."""
+
+from pipetune.data.batch import BatchMeta, batch_meta
+from pipetune.data.mixes import MIXES, make_mix
+from pipetune.data.samples import Overlong, OverlongReport, SampleTable, apply_overlong_policy
+from pipetune.data.storage import SampleStore, open_dataset, write_dataset
+from pipetune.data.stream import BatchStream
+
+__all__ = [
+    "MIXES",
+    "BatchMeta",
+    "BatchStream",
+    "Overlong",
+    "OverlongReport",
+    "SampleStore",
+    "SampleTable",
+    "apply_overlong_policy",
+    "batch_meta",
+    "make_mix",
+    "open_dataset",
+    "write_dataset",
+]

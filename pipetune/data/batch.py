@@ -1,0 +1,44 @@
+"""Metadata of one global batch: which rows, and their samples after the overlong policy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipetune.data.samples import Overlong, OverlongReport, SampleTable, apply_overlong_policy
+from pipetune.data.stream import BatchStream
+
+
+@dataclass(frozen=True)
+class BatchMeta:
+    """Everything the planner may know about batch ``step`` before any tensor exists.
+
+    ``table`` row ``k`` is data set row ``rows[k]``; samples rejected by the overlong policy are
+    absent from both and listed in ``overlong``.
+    """
+
+    step: int
+    rows: np.ndarray
+    table: SampleTable
+    overlong: OverlongReport
+
+
+def batch_meta(
+    table: SampleTable,
+    stream: BatchStream,
+    step: int,
+    *,
+    tokens_per_image: int,
+    max_seq_len: int,
+    overlong: Overlong | str = Overlong.TRUNCATE,
+) -> BatchMeta:
+    """Look up batch ``step`` of ``stream`` in the data set metadata and make every sample fit."""
+    rows = stream.rows(step)
+    raw = table.take(rows).with_tokens_per_image(tokens_per_image)
+    resolved, report = apply_overlong_policy(raw, max_seq_len, overlong)
+    if report.rejected_ids:
+        rows = rows[np.isin(raw.ids, resolved.ids)]
+    if len(resolved) == 0:
+        raise ValueError(f"batch {step}: every sample was rejected as longer than max_seq_len={max_seq_len}")
+    return BatchMeta(step=step, rows=rows, table=resolved, overlong=report)

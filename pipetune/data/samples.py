@@ -1,0 +1,239 @@
+"""Sample metadata as a struct of numpy arrays, and the policy for samples that do not fit.
+
+A sample is (id, source, text tokens, images, tokens per image). Its packed sequence is its text
+with each image's tokens inserted at a text offset (``image_offsets``, ascending), so its length is
+``text_tokens + num_images * tokens_per_image``. Everything downstream (packing, cost, planning)
+sees only these arrays; tensors are built from them later, by the runtime.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import numpy as np
+
+
+class Overlong(str, Enum):
+    """What to do with a sample longer than ``max_seq_len`` (always counted in reports).
+
+    - ``truncate``: keep the longest prefix that fits; an image that would straddle the cut is
+      dropped together with everything after it. A sample left without any text token is an error.
+    - ``reject``: leave the sample out of its batch.
+    - ``error``: raise, naming the sample.
+    """
+
+    TRUNCATE = "truncate"
+    REJECT = "reject"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class SampleTable:
+    """Metadata of a set of samples; row ``i`` is one sample.
+
+    ``image_offsets`` is stored flat with ``image_ptr`` (CSR): the offsets of sample ``i`` are
+    ``image_offsets[image_ptr[i]:image_ptr[i + 1]]`` and there are ``num_images[i]`` of them.
+    """
+
+    ids: np.ndarray
+    source: np.ndarray
+    source_names: tuple[str, ...]
+    text_tokens: np.ndarray
+    num_images: np.ndarray
+    image_offsets: np.ndarray
+    image_ptr: np.ndarray
+    tokens_per_image: np.ndarray
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        ids,
+        source,
+        source_names,
+        text_tokens,
+        num_images,
+        image_offsets=None,
+        tokens_per_image: int | np.ndarray = 0,
+    ) -> "SampleTable":
+        """Build from per-sample lists. ``image_offsets`` defaults to every image before the text."""
+        ids = np.asarray(ids, dtype=np.int64)
+        n = len(ids)
+        num_images = np.asarray(num_images, dtype=np.int64)
+        if (num_images < 0).any():
+            i = int(np.argmax(num_images < 0))
+            raise ValueError(f"sample id={ids[i]} has a negative image count ({num_images[i]})")
+        if image_offsets is None:
+            flat = np.zeros(int(num_images.sum()), dtype=np.int64)
+        else:
+            flat = np.concatenate([np.asarray(o, dtype=np.int64) for o in image_offsets]) if n else np.zeros(0, np.int64)
+        ptr = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(num_images, out=ptr[1:])
+        tpi = np.broadcast_to(np.asarray(tokens_per_image, dtype=np.int64), (n,)).copy()
+        table = cls(
+            ids=ids,
+            source=np.asarray(source, dtype=np.int16),
+            source_names=tuple(source_names),
+            text_tokens=np.asarray(text_tokens, dtype=np.int64),
+            num_images=num_images,
+            image_offsets=flat,
+            image_ptr=ptr,
+            tokens_per_image=tpi,
+        )
+        table.validate()
+        return table
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Packed sequence length of each sample (text + image tokens)."""
+        return self.text_tokens + self.num_images * self.tokens_per_image
+
+    @property
+    def image_tokens(self) -> np.ndarray:
+        return self.num_images * self.tokens_per_image
+
+    def offsets_of(self, i: int) -> np.ndarray:
+        return self.image_offsets[self.image_ptr[i] : self.image_ptr[i + 1]]
+
+    def validate(self) -> None:
+        """Reject degenerate rows with a message naming the first bad sample."""
+        n = len(self.ids)
+        for name in ("source", "text_tokens", "num_images", "tokens_per_image"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"sample table: column {name} has {len(getattr(self, name))} rows, ids has {n}")
+        if len(self.image_offsets) != self.image_ptr[-1]:
+            raise ValueError("sample table: image_offsets does not match num_images")
+        checks = [
+            (self.text_tokens <= 0, "has no text tokens (text_tokens={v}); every sample needs text to train on", self.text_tokens),
+        ]
+        for bad, msg, col in checks:
+            if bad.any():
+                i = int(np.argmax(bad))
+                raise ValueError(f"sample id={self.ids[i]} {msg.format(v=col[i])}")
+        if len(self.image_offsets):
+            owner = np.repeat(np.arange(n), self.num_images)
+            bad = (self.image_offsets < 0) | (self.image_offsets > self.text_tokens[owner])
+            if bad.any():
+                i = int(owner[np.argmax(bad)])
+                raise ValueError(
+                    f"sample id={self.ids[i]} has image offsets {self.offsets_of(i).tolist()} outside its "
+                    f"text of {self.text_tokens[i]} tokens"
+                )
+            step_back = np.diff(self.image_offsets) < 0
+            same_owner = owner[1:] == owner[:-1]
+            if (step_back & same_owner).any():
+                i = int(owner[1:][np.argmax(step_back & same_owner)])
+                raise ValueError(f"sample id={self.ids[i]} has image offsets not in ascending order: {self.offsets_of(i).tolist()}")
+
+    def take(self, idx: np.ndarray) -> "SampleTable":
+        idx = np.asarray(idx, dtype=np.int64)
+        counts = self.num_images[idx]
+        ptr = np.zeros(len(idx) + 1, dtype=np.int64)
+        np.cumsum(counts, out=ptr[1:])
+        starts = self.image_ptr[idx]
+        gather = np.repeat(starts - ptr[:-1], counts) + np.arange(ptr[-1])
+        return SampleTable(
+            ids=self.ids[idx],
+            source=self.source[idx],
+            source_names=self.source_names,
+            text_tokens=self.text_tokens[idx],
+            num_images=counts,
+            image_offsets=self.image_offsets[gather],
+            image_ptr=ptr,
+            tokens_per_image=self.tokens_per_image[idx],
+        )
+
+    def with_tokens_per_image(self, tokens_per_image: int) -> "SampleTable":
+        """Image token count is the model's (encoder resolution), not the data's."""
+        if tokens_per_image <= 0 and self.num_images.any():
+            i = int(np.argmax(self.num_images > 0))
+            raise ValueError(
+                f"sample id={self.ids[i]} has {self.num_images[i]} images but the model has no vision encoder "
+                f"(tokens_per_image={tokens_per_image})"
+            )
+        return SampleTable(**{**self.__dict__, "tokens_per_image": np.full(len(self), tokens_per_image, np.int64)})
+
+
+@dataclass(frozen=True)
+class OverlongReport:
+    """How many samples of a batch exceeded ``max_seq_len`` and what was done with them."""
+
+    policy: Overlong
+    truncated_ids: tuple[int, ...] = ()
+    rejected_ids: tuple[int, ...] = ()
+    tokens_cut: int = 0
+
+    def to_dict(self) -> dict:
+        return {
+            "policy": self.policy.value,
+            "truncated": len(self.truncated_ids),
+            "rejected": len(self.rejected_ids),
+            "tokens_cut": self.tokens_cut,
+        }
+
+
+def apply_overlong_policy(table: SampleTable, max_seq_len: int, policy: Overlong | str) -> tuple[SampleTable, OverlongReport]:
+    """Make every sample fit in ``max_seq_len`` tokens according to ``policy``."""
+    policy = Overlong(policy)
+    if max_seq_len <= 0:
+        raise ValueError(f"max_seq_len must be > 0, got {max_seq_len}")
+    lengths = table.lengths
+    over = np.flatnonzero(lengths > max_seq_len)
+    if len(over) == 0:
+        return table, OverlongReport(policy)
+    if policy is Overlong.ERROR:
+        i = over[0]
+        raise ValueError(
+            f"sample id={table.ids[i]} is {lengths[i]} tokens ({table.text_tokens[i]} text + "
+            f"{table.num_images[i]} images x {table.tokens_per_image[i]}), longer than max_seq_len={max_seq_len} "
+            f"({len(over)} such samples in this batch; set the overlong policy to truncate or reject)"
+        )
+    if policy is Overlong.REJECT:
+        keep = np.setdiff1d(np.arange(len(table)), over)
+        return table.take(keep), OverlongReport(
+            policy, rejected_ids=tuple(int(x) for x in table.ids[over]), tokens_cut=int(lengths[over].sum())
+        )
+    text = table.text_tokens.copy()
+    nimg = table.num_images.copy()
+    for i in over:
+        text[i], nimg[i] = _truncate_one(table, int(i), max_seq_len)
+    out = SampleTable.build(
+        ids=table.ids,
+        source=table.source,
+        source_names=table.source_names,
+        text_tokens=text,
+        num_images=nimg,
+        image_offsets=[table.offsets_of(i)[: nimg[i]] for i in range(len(table))],
+        tokens_per_image=table.tokens_per_image,
+    )
+    cut = int(lengths.sum() - out.lengths.sum())
+    return out, OverlongReport(policy, truncated_ids=tuple(int(x) for x in table.ids[over]), tokens_cut=cut)
+
+
+def _truncate_one(table: SampleTable, i: int, max_seq_len: int) -> tuple[int, int]:
+    """Longest prefix of sample ``i`` within ``max_seq_len``: (text tokens kept, images kept)."""
+    tpi = int(table.tokens_per_image[i])
+    offsets = table.offsets_of(i).tolist()
+    room, prev = max_seq_len, 0
+    for j, off in enumerate(offsets):
+        if off - prev >= room:
+            kept = (prev + room, j)
+            break
+        room -= off - prev
+        if tpi > room:
+            kept = (off, j)
+            break
+        room -= tpi
+        prev = off
+    else:
+        kept = (prev + min(int(table.text_tokens[i]) - prev, room), len(offsets))
+    if kept[0] <= 0:
+        raise ValueError(
+            f"sample id={table.ids[i]}: after truncation to max_seq_len={max_seq_len} no text token remains "
+            f"(its first image alone is {tpi} tokens); raise max_seq_len or reject such samples"
+        )
+    return kept

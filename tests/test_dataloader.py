@@ -1,0 +1,142 @@
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from pipetune.packing import PackingConfig
+from torchtitan_patches.data import DataLoaderConfig
+from torchtitan_patches.data.micro_batch import IGNORE_INDEX, IMAGE_TOKEN_ID, synthetic_tokens
+
+
+def loader_config(data, **kw):
+    base = dict(data=data, gbs=8, max_seq_len=512, packing=PackingConfig(mbs=1, max_seq_len=512))
+    return DataLoaderConfig(**{**base, **kw})
+
+
+def same_batch(a, b):
+    return a.step == b.step and len(a.micro_batches) == len(b.micro_batches) and all(
+        x.equal(y) for x, y in zip(a.micro_batches, b.micro_batches)
+    )
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_is_exact_over_60_steps(datamix2_dir, tiny, workers):
+    cfg = loader_config(datamix2_dir, num_workers=workers, prefetch_factor=2 if workers else None, max_steps=60)
+    reference = list(cfg.build(tiny))
+    assert [b.step for b in reference] == list(range(60))
+
+    first = cfg.build(tiny)
+    it = iter(first)
+    head = [next(it) for _ in range(23)]
+    state = first.state_dict()
+    resumed = cfg.build(tiny)
+    resumed.load_state_dict(state)
+    tail = list(resumed)
+    got = head + tail
+    assert len(got) == 60
+    assert all(same_batch(a, b) for a, b in zip(reference, got))
+
+
+def test_upcoming_metadata_matches_what_is_yielded(datamix2_dir, tiny):
+    dl = loader_config(datamix2_dir, max_steps=6).build(tiny)
+    ahead = dl.upcoming(3)
+    it = iter(dl)
+    b0 = next(it)
+    assert sorted(sum(b0.sample_ids, [])) == sorted(ahead[0].table.ids.tolist())
+    later = dl.upcoming(2)
+    assert [m.step for m in later] == [1, 2]
+    assert np.array_equal(later[0].table.ids, ahead[1].table.ids)
+
+
+def test_tensors_follow_the_metadata(datamix2_dir, tiny):
+    dl = loader_config(datamix2_dir, max_steps=3).build(tiny)
+    for batch in dl:
+        meta = dl.meta(batch.step)
+        by_id = {int(s): k for k, s in enumerate(meta.table.ids)}
+        for mb in batch.micro_batches:
+            lengths = np.diff(mb.cu_seqlens.numpy())
+            assert mb.tokens.shape == mb.labels.shape == mb.positions.shape
+            assert mb.num_tokens == lengths.sum() <= 512
+            assert mb.image_token_index.numel() == mb.num_images * tiny.tokens_per_image
+            assert (mb.tokens[mb.image_token_index] == IMAGE_TOKEN_ID).all()
+            images = mb.image_token_index.view(-1, tiny.tokens_per_image)
+            assert (mb.labels[images[:, :-1]] == IGNORE_INDEX).all()  # image tokens predict nothing...
+            for sid, start, n in zip(mb.sample_ids.tolist(), mb.cu_seqlens[:-1].tolist(), lengths.tolist()):
+                k = by_id[sid]
+                assert n == meta.table.lengths[k]
+                assert mb.positions[start : start + n].tolist() == list(range(n))
+                doc = mb.tokens[start : start + n]
+                text = np.ones(n, bool)
+                idx = mb.image_token_index.numpy()
+                text[idx[(idx >= start) & (idx < start + n)] - start] = False
+                expect = synthetic_tokens(1, sid, int(meta.table.text_tokens[k]), tiny.backbone.vocab_size)
+                assert doc.numpy()[text].tolist() == expect.tolist()
+                lab = mb.labels[start : start + n].numpy()
+                assert lab[-1] == IGNORE_INDEX  # nothing to predict past a document's end
+                nxt = np.flatnonzero(text[1:])
+                assert (lab[nxt] == doc.numpy()[nxt + 1]).all()  # ...except the next text token
+                assert (lab[np.flatnonzero(~text[1:])] == IGNORE_INDEX).all()
+
+
+def test_label_count_does_not_depend_on_packing(datamix2_dir, tiny):
+    counts = {}
+    for packer, mbs in (("balanced", 1), ("original", 2), ("balanced", 3)):
+        cfg = loader_config(datamix2_dir, packing=PackingConfig(packer=packer, mbs=mbs, max_seq_len=512), max_steps=4)
+        counts[(packer, mbs)] = [b.num_label_tokens for b in cfg.build(tiny)]
+    assert len({tuple(v) for v in counts.values()}) == 1
+
+
+def test_an_outside_packing_is_used_as_given(datamix2_dir, tiny):
+    chosen = {}
+
+    def one_per_micro_batch_reversed(meta):
+        chosen[meta.step] = [[int(s)] for s in meta.table.ids[::-1]]
+        return chosen[meta.step]
+
+    dl = loader_config(datamix2_dir, max_steps=2).build(tiny, packing_source=one_per_micro_batch_reversed)
+    for batch in dl:
+        assert batch.sample_ids == chosen[batch.step]
+
+
+@pytest.mark.parametrize(
+    "bad,message",
+    [
+        (lambda ids: [ids[:-1]], "packing misses sample id="),
+        (lambda ids: [ids, ids[:1]], "packing repeats sample id="),
+        (lambda ids: [ids, []], "micro-batch 1 of the packing is empty"),
+        (lambda ids: [ids + [10**9]], "packing names sample id=1000000000, which is not in this batch"),
+    ],
+)
+def test_a_wrong_outside_packing_is_refused(datamix2_dir, tiny, bad, message):
+    dl = loader_config(datamix2_dir, max_steps=1).build(tiny, packing_source=lambda m: bad(m.table.ids.tolist()))
+    with pytest.raises(ValueError, match=message):
+        next(iter(dl))
+
+
+def test_user_rows_with_token_ids_and_an_image_file(tmp_path, tiny):
+    from PIL import Image
+
+    Image.fromarray(np.full((40, 40, 3), 255, np.uint8)).save(tmp_path / "white.png")
+    rows = [
+        {"id": 1, "input_ids": [10, 11, 12, 13], "images": ["white.png"], "image_offsets": [2]},
+        {"id": 2, "input_ids": [20, 21], "images": [], "image_offsets": []},
+    ]
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    cfg = DataLoaderConfig(data=tmp_path / "d.jsonl", gbs=2, max_seq_len=64, shuffle=False,
+                           packing=PackingConfig(mbs=1, max_seq_len=64), max_steps=1)
+    (batch,) = list(cfg.build(tiny))
+    (mb,) = batch.micro_batches
+    docs = dict(zip(mb.sample_ids.tolist(), zip(mb.cu_seqlens[:-1].tolist(), np.diff(mb.cu_seqlens.numpy()).tolist())))
+    s, n = docs[1]
+    assert mb.tokens[s : s + n].tolist() == [10, 11] + [IMAGE_TOKEN_ID] * 16 + [12, 13]
+    assert torch.allclose(mb.pixel_values, torch.ones_like(mb.pixel_values))
+    s, n = docs[2]
+    assert mb.tokens[s : s + n].tolist() == [20, 21]
+
+
+def test_token_ids_outside_the_vocabulary_are_named(tmp_path, tiny):
+    (tmp_path / "d.jsonl").write_text(json.dumps({"id": 5, "input_ids": [1, 99999]}))
+    cfg = DataLoaderConfig(data=tmp_path / "d.jsonl", gbs=1, max_seq_len=64, packing=PackingConfig(mbs=1, max_seq_len=64))
+    with pytest.raises(ValueError, match="sample id=5 has token id 99999 outside the vocabulary of 512"):
+        next(iter(cfg.build(tiny)))

@@ -1,0 +1,99 @@
+import json
+
+import numpy as np
+import pytest
+
+from pipetune.data import BatchStream, make_mix, open_dataset, write_dataset
+from pipetune.data.text import BYTE_OFFSET
+
+
+def test_generated_dataset_round_trips(tmp_path):
+    t = make_mix("datamix3", 500, seed=2)
+    write_dataset(t, tmp_path / "d", {"seed": 2})
+    store = open_dataset(tmp_path / "d")
+    assert store.content_seed == 2 and not store.has_token_ids
+    for col in ("ids", "text_tokens", "num_images", "image_offsets", "image_ptr"):
+        assert np.array_equal(getattr(store.table, col), getattr(t, col))
+    assert [store.table.source_names[c] for c in store.table.source] == [t.source_names[c] for c in t.source]
+
+
+def _write_jsonl(path, rows):
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def test_user_jsonl_with_token_ids_and_image_files(tmp_path):
+    f = _write_jsonl(tmp_path / "d.jsonl", [
+        {"id": 7, "source": "mine", "input_ids": [5, 6, 7, 8], "images": ["a.png"], "image_offsets": [2]},
+        {"id": 9, "source": "mine", "input_ids": [1, 2], "images": [], "image_offsets": []},
+    ])
+    store = open_dataset(f)
+    assert store.table.ids.tolist() == [7, 9]
+    assert store.table.text_tokens.tolist() == [4, 2] and store.table.num_images.tolist() == [1, 0]
+    assert store.table.offsets_of(0).tolist() == [2]
+    assert store.has_token_ids and store.has_image_files
+    assert store.rows([1])[0]["input_ids"] == [1, 2]
+
+
+def test_user_text_with_image_placeholders(tmp_path):
+    f = _write_jsonl(tmp_path / "t.jsonl", [{"text": "ab<image>cde<image>"}, {"text": "héllo"}])
+    t = open_dataset(f).table
+    assert t.text_tokens.tolist() == [5, 6]  # 'é' is two UTF-8 bytes
+    assert t.num_images.tolist() == [2, 0] and t.offsets_of(0).tolist() == [2, 5]
+    assert t.ids.tolist() == [0, 1] and t.source_names == ("user",)
+
+
+def test_parquet_directory_loads_through_the_same_path(tmp_path):
+    import datasets
+
+    datasets.Dataset.from_dict({"text_tokens": [3, 4], "num_images": [1, 0]}).to_parquet(str(tmp_path / "part0.parquet"))
+    t = open_dataset(tmp_path).table
+    assert t.text_tokens.tolist() == [3, 4] and t.offsets_of(0).tolist() == [0]
+
+
+@pytest.mark.parametrize(
+    "rows,message",
+    [
+        ([{"caption": "x"}], "rows need one of the columns"),
+        ([{"id": 1, "text_tokens": 3}, {"id": 1, "text_tokens": 4}], "sample id 1 appears more than once"),
+        ([{"text": "a<image>b", "num_images": 2}], "sample id=0 has 1 <image> placeholders but 2 images"),
+        ([{"id": 4, "input_ids": []}], "sample id=4 has no text tokens"),
+        ([{"text_tokens": 3, "num_images": 2, "image_offsets": [0]}], "sample id=0 has 1 image_offsets but 2 images"),
+    ],
+)
+def test_bad_user_rows_are_named(tmp_path, rows, message):
+    with pytest.raises(ValueError, match=message):
+        open_dataset(_write_jsonl(tmp_path / "bad.jsonl", rows))
+
+
+def test_missing_and_empty_inputs(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        open_dataset(tmp_path / "nothing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no HF data set, .jsonl, .json or .parquet files"):
+        open_dataset(tmp_path / "empty")
+
+
+def test_byte_tokenizer_offsets():
+    from pipetune.data.text import split_on_images
+
+    p = split_on_images("A<image>")
+    assert p.token_ids == [ord("A") + BYTE_OFFSET] and p.image_offsets == [1]
+
+
+def test_stream_covers_every_row_once_per_epoch_and_straddles_epochs():
+    s = BatchStream(num_rows=10, gbs=4, seed=1)
+    flat = np.concatenate([s.rows(k) for k in range(5)])  # 20 positions = 2 epochs
+    assert sorted(flat[:10].tolist()) == list(range(10)) and sorted(flat[10:].tolist()) == list(range(10))
+    assert not np.array_equal(flat[:10], flat[10:])
+    assert np.array_equal(BatchStream(num_rows=10, gbs=4, seed=1).rows(3), s.rows(3))
+
+
+def test_stream_splits_the_global_batch_over_dp_ranks():
+    parts = [BatchStream(num_rows=50, gbs=8, seed=0, dp_rank=r, dp_size=2).rows(2) for r in range(2)]
+    whole = BatchStream(num_rows=50, gbs=8, seed=0).rows(2)
+    assert sorted(np.concatenate(parts).tolist()) == sorted(whole.tolist())
+    with pytest.raises(ValueError, match="not a multiple of dp_size=3"):
+        BatchStream(num_rows=50, gbs=8, dp_size=3)
+    with pytest.raises(ValueError, match="data set is empty"):
+        BatchStream(num_rows=0, gbs=8)

@@ -1,0 +1,235 @@
+"""``PipeTuneDataLoader``: a torchdata ``StatefulDataLoader`` yielding packed global batches.
+
+Flow per step: the batch sampler (main process) looks up the step's metadata, asks the packing
+source (a fixed packer, or the planner) which samples share a micro-batch, and hands that spec to a
+worker, which builds the tensors. The loader never re-decides a packing it was given.
+
+Checkpointing: the sampler's whole state is the next step number, because batch ``s`` is a pure
+function of (seed, s) (see ``pipetune.data.stream``). Resumed runs see the same sample ids; they see
+the same tensors as long as the packing source is deterministic (the fixed packers are; the
+planner is unless its time budget runs out, in which case it falls back to the balanced packing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Protocol
+
+import numpy as np
+import torch
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from pipetune.config.model import ModelConfig
+from pipetune.data.batch import BatchMeta, batch_meta
+from pipetune.data.samples import Overlong
+from pipetune.data.storage import SampleStore, open_dataset
+from pipetune.data.stream import BatchStream
+from pipetune.packing.batch_packer import PackingConfig
+from torchtitan_patches.data.micro_batch import ContentSpec, GlobalBatch, build_micro_batch, sample_content
+
+
+class PackingSource(Protocol):
+    """Decides a batch's micro-batches: a list of sample-id lists, one per micro-batch."""
+
+    def __call__(self, meta: BatchMeta) -> list[list[int]]: ...
+
+
+@dataclass(frozen=True)
+class FixedPacking:
+    """Packing source for a fixed packer and micro-batch size (the baselines, and the fallback)."""
+
+    config: PackingConfig
+    model: ModelConfig
+
+    def __call__(self, meta: BatchMeta) -> list[list[int]]:
+        packing = self.config.build(self.model)(meta.table.lengths, meta.step)
+        return [meta.table.ids[g].tolist() for g in packing.groups()]
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """What a worker needs to build one global batch: metadata and micro-batch row groups."""
+
+    meta: BatchMeta
+    groups: list[np.ndarray]
+
+
+def groups_from_ids(meta: BatchMeta, id_groups: list[list[int]], max_tokens: int | None = None) -> list[np.ndarray]:
+    """Map sample-id groups to row positions, checking that they cover the batch exactly once."""
+    pos = {int(sid): k for k, sid in enumerate(meta.table.ids.tolist())}
+    seen = np.zeros(len(pos), dtype=np.int64)
+    groups = []
+    for j, ids in enumerate(id_groups):
+        if len(ids) == 0:
+            raise ValueError(f"step {meta.step}: micro-batch {j} of the packing is empty")
+        try:
+            g = np.fromiter((pos[int(s)] for s in ids), np.int64, len(ids))
+        except KeyError as e:
+            raise ValueError(f"step {meta.step}: packing names sample id={e.args[0]}, which is not in this batch") from None
+        seen[g] += 1
+        groups.append(g)
+        if max_tokens is not None and meta.table.lengths[g].sum() > max_tokens:
+            raise ValueError(
+                f"step {meta.step}: micro-batch {j} holds {int(meta.table.lengths[g].sum())} tokens, over {max_tokens}"
+            )
+    if (seen != 1).any():
+        k = int(np.argmax(seen != 1))
+        what = "misses" if seen[k] == 0 else "repeats"
+        raise ValueError(f"step {meta.step}: packing {what} sample id={int(meta.table.ids[k])}")
+    return groups
+
+
+class _StepSampler:
+    """Batch sampler yielding one ``BatchSpec`` per step; stateful through the step counter."""
+
+    def __init__(self, meta_fn: Callable[[int], BatchMeta], source: PackingSource, max_steps: int | None):
+        self._meta_fn = meta_fn
+        self._source = source
+        self._max_steps = max_steps
+        self.next_step = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> BatchSpec:
+        if self._max_steps is not None and self.next_step >= self._max_steps:
+            raise StopIteration
+        meta = self._meta_fn(self.next_step)
+        spec = BatchSpec(meta, groups_from_ids(meta, self._source(meta)))
+        self.next_step += 1
+        return spec
+
+    def state_dict(self) -> dict:
+        return {"next_step": self.next_step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.next_step = int(state["next_step"])
+
+
+class _PackedBatches(torch.utils.data.Dataset):
+    """Builds the tensors of a ``BatchSpec`` (runs in the worker processes)."""
+
+    def __init__(self, store: SampleStore, content: ContentSpec):
+        self._store = store
+        self._content = content
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+    def __getitem__(self, index):
+        raise TypeError("PipeTuneDataLoader fetches whole batches; use __getitems__")
+
+    def __getitems__(self, spec: BatchSpec) -> GlobalBatch:
+        table = spec.meta.table
+        rows = self._store.rows(spec.meta.rows)
+        contents = [sample_content(table, k, rows[k], self._content) for k in range(len(table))]
+        mbs = [build_micro_batch(table, g, [contents[k] for k in g.tolist()], self._content) for g in spec.groups]
+        return GlobalBatch(step=spec.meta.step, micro_batches=mbs, num_label_tokens=sum(m.num_label_tokens for m in mbs))
+
+
+def _unwrap(batch):
+    return batch
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataLoaderConfig:
+    """Settings of ``PipeTuneDataLoader`` (``build`` makes one).
+
+    ``data`` is any accepted data set path (see ``pipetune.data.storage``). ``packing`` is the
+    fixed packing used when no planner supplies one. Limits: one global batch per step; the
+    global batch is split over data-parallel ranks by sample, not re-balanced across them.
+    """
+
+    data: str | Path
+    gbs: int
+    max_seq_len: int
+    packing: PackingConfig = field(default_factory=PackingConfig)
+    overlong: Overlong = Overlong.TRUNCATE
+    seed: int = 0
+    shuffle: bool = True
+    num_workers: int = 0
+    prefetch_factor: int | None = None
+    max_steps: int | None = None
+
+    def build(
+        self,
+        model: ModelConfig,
+        *,
+        packing_source: PackingSource | None = None,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+    ) -> "PipeTuneDataLoader":
+        return PipeTuneDataLoader(self, model, open_dataset(self.data), packing_source, dp_rank, dp_size)
+
+
+class PipeTuneDataLoader(StatefulDataLoader):
+    """Yields ``GlobalBatch`` objects; ``upcoming(k)`` gives the next ``k`` batches' metadata."""
+
+    def __init__(
+        self,
+        config: DataLoaderConfig,
+        model: ModelConfig,
+        store: SampleStore,
+        packing_source: PackingSource | None = None,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+    ):
+        if config.packing.max_seq_len != config.max_seq_len:
+            raise ValueError(
+                f"packing.max_seq_len={config.packing.max_seq_len} differs from the loader's max_seq_len={config.max_seq_len}"
+            )
+        if model.encoder is None and store.table.num_images.any():
+            raise ValueError(f"{store.path}: the data set has images but model {model.name!r} has no vision encoder")
+        self.config = config
+        self.model = model
+        self.store = store
+        self.stream = BatchStream(
+            num_rows=len(store), gbs=config.gbs, seed=config.seed, shuffle=config.shuffle, dp_rank=dp_rank, dp_size=dp_size
+        )
+        self.packing_source = packing_source or FixedPacking(config.packing, model)
+        enc = model.encoder
+        content = ContentSpec(
+            vocab_size=model.backbone.vocab_size,
+            image_size=enc.image_size if enc else 1,
+            channels=enc.channels if enc else 1,
+            content_seed=store.content_seed,
+            data_dir=store.path,
+        )
+        self._sampler = _StepSampler(self.meta, self.packing_source, config.max_steps)
+        self._next_step = 0
+        super().__init__(
+            _PackedBatches(store, content),
+            batch_sampler=self._sampler,
+            collate_fn=_unwrap,
+            num_workers=config.num_workers,
+            prefetch_factor=config.prefetch_factor if config.num_workers else None,
+            snapshot_every_n_steps=1,
+        )
+
+    def meta(self, step: int) -> BatchMeta:
+        """Metadata of batch ``step`` (pure function of the seed and the step)."""
+        return batch_meta(
+            self.store.table,
+            self.stream,
+            step,
+            tokens_per_image=self.model.tokens_per_image,
+            max_seq_len=self.config.max_seq_len,
+            overlong=self.config.overlong,
+        )
+
+    def upcoming(self, k: int) -> list[BatchMeta]:
+        """Metadata of the next ``k`` batches this loader will yield, before their tensors exist."""
+        return [self.meta(s) for s in range(self._next_step, self._next_step + k)]
+
+    def __iter__(self) -> Iterator[GlobalBatch]:
+        for batch in super().__iter__():
+            self._next_step = batch.step + 1
+            yield batch
+
+    def state_dict(self) -> dict:
+        return {"loader": super().state_dict(), "next_step": self._next_step}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state["loader"])
+        self._next_step = int(state["next_step"])

@@ -1,0 +1,1 @@
+"""The VLM built from TorchTitan blocks, with document-masked attention that also runs on CPU."""

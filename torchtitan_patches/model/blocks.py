@@ -1,0 +1,64 @@
+"""TorchTitan building-block configs for our model shapes: LLaMA decoder layers and ViT layers."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch.nn as nn
+from torchtitan.models.common import ComplexRoPE, Linear
+from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
+from torchtitan.models.common.nn_modules import GELU, LayerNorm, RMSNorm
+from torchtitan.models.common.vision_encoder import VisionAttention, VisionMLP, VisionTransformerBlock
+from torchtitan.models.llama3.model import Llama3TransformerBlock
+
+from pipetune.config.model import BackboneConfig, EncoderConfig
+from torchtitan_patches.model.attention import PackedAttention
+
+_INIT = {"weight": partial(nn.init.trunc_normal_, std=0.02), "bias": nn.init.zeros_}
+_ONES = {"weight": nn.init.ones_, "bias": nn.init.zeros_}
+
+
+def decoder_layer_config(b: BackboneConfig, *, max_seq_len: int, attention_backend: str = "auto") -> Llama3TransformerBlock.Config:
+    """One LLaMA-style layer: RMSNorm, GQA with RoPE over packed documents, SwiGLU FFN."""
+    return Llama3TransformerBlock.Config(
+        attention_norm=RMSNorm.Config(normalized_shape=b.dim, eps=b.norm_eps, param_init=_ONES),
+        ffn_norm=RMSNorm.Config(normalized_shape=b.dim, eps=b.norm_eps, param_init=_ONES),
+        attention=make_gqa_config(
+            dim=b.dim,
+            n_heads=b.n_heads,
+            n_kv_heads=b.n_kv_heads,
+            wqkv_param_init=_INIT,
+            wo_param_init=_INIT,
+            inner_attention=PackedAttention.Config(causal=True, backend=attention_backend),
+            fuse_qkv=False,
+            rope=ComplexRoPE.Config(dim=b.head_dim, max_seq_len=max_seq_len, theta=b.rope_theta),
+        ),
+        feed_forward=make_ffn_config(dim=b.dim, hidden_dim=b.ffn_dim, w1_param_init=_INIT, w2w3_param_init=_INIT),
+    )
+
+
+def _linear(i: int, o: int, bias: bool = True) -> Linear.Config:
+    return Linear.Config(in_features=i, out_features=o, bias=bias, param_init=_INIT)
+
+
+def vit_layer_config(e: EncoderConfig) -> VisionTransformerBlock.Config:
+    """One SigLIP-style layer: LayerNorm, full attention over an image's patches, GELU MLP."""
+    return VisionTransformerBlock.Config(
+        norm1=LayerNorm.Config(normalized_shape=e.dim, eps=e.norm_eps, param_init=_ONES),
+        norm2=LayerNorm.Config(normalized_shape=e.dim, eps=e.norm_eps, param_init=_ONES),
+        attn=VisionAttention.Config(
+            dim=e.dim,
+            num_heads=e.n_heads,
+            wq=_linear(e.dim, e.dim),
+            wk=_linear(e.dim, e.dim),
+            wv=_linear(e.dim, e.dim),
+            proj=_linear(e.dim, e.dim),
+            inner_attention=PackedAttention.Config(causal=False, backend="sdpa"),
+        ),
+        mlp=VisionMLP.Config(fc1=_linear(e.dim, e.ffn_dim), fc2=_linear(e.ffn_dim, e.dim), act_fn=GELU.Config(approximate="tanh")),
+    )
+
+
+def no_rope(q, k, cache):
+    """SigLIP uses learned absolute position embeddings, so the ViT blocks get an identity RoPE."""
+    return q, k
