@@ -1,6 +1,8 @@
 """Load model configs from TOML: a preset name (``13b``) or any file in the same schema.
 
-Schema: top-level ``name``; a ``[backbone]`` table with the fields of ``BackboneConfig``; and
+Hardware presets (``configs/hardware/``) hold the fields of ``HardwareSpec``.
+
+Model schema: top-level ``name``; a ``[backbone]`` table with the fields of ``BackboneConfig``; and
 ``encoder`` either as a table with the fields of ``EncoderConfig`` or as the name of a file in
 ``configs/encoders/``. Presets live in the source tree's ``configs/`` (``PIPETUNE_CONFIG_DIR``
 overrides it), so the package is meant to be installed editable from a checkout.
@@ -13,6 +15,7 @@ import tomllib
 from dataclasses import fields
 from pathlib import Path
 
+from pipetune.config.hardware import HardwareSpec
 from pipetune.config.model import BackboneConfig, EncoderConfig, ModelConfig
 
 
@@ -70,6 +73,12 @@ def load_model_config(name_or_path: str | os.PathLike) -> ModelConfig:
     return ModelConfig(name=raw.get("name", path.stem), backbone=backbone, encoder=encoder)
 
 
+def load_hardware(name_or_path: str) -> HardwareSpec:
+    """Preset name (``a100``, ``h100``, ``h200``) or path to a hardware TOML file."""
+    path = _resolve(name_or_path, "hardware")
+    return _checked(HardwareSpec, _read_toml(path), str(path))
+
+
 def _resolve(name_or_path: str, kind: str) -> Path:
     p = Path(name_or_path)
     if p.suffix == ".toml" or p.exists():
@@ -79,5 +88,5 @@ def _resolve(name_or_path: str, kind: str) -> Path:
     preset = config_dir() / kind / f"{name_or_path}.toml"
     if not preset.is_file():
         names = sorted(q.stem for q in (config_dir() / kind).glob("*.toml"))
-        raise ValueError(f"unknown {kind[:-1]} preset {name_or_path!r}; presets: {names}, or pass a .toml path")
+        raise ValueError(f"unknown {kind.rstrip('s')} preset {name_or_path!r}; presets: {names}, or pass a .toml path")
     return preset

@@ -12,6 +12,7 @@ planner is unless its time budget runs out, in which case it falls back to the b
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Protocol
@@ -198,14 +199,16 @@ class PipeTuneDataLoader(StatefulDataLoader):
         )
         self._sampler = _StepSampler(self.meta, self.packing_source, config.max_steps)
         self._next_step = 0
-        super().__init__(
-            _PackedBatches(store, content),
-            batch_sampler=self._sampler,
-            collate_fn=_unwrap,
-            num_workers=config.num_workers,
-            prefetch_factor=config.prefetch_factor if config.num_workers else None,
-            snapshot_every_n_steps=1,
-        )
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*set_vital.*")  # torchdata 0.11 calls a deprecated torch API
+            super().__init__(
+                _PackedBatches(store, content),
+                batch_sampler=self._sampler,
+                collate_fn=_unwrap,
+                num_workers=config.num_workers,
+                prefetch_factor=config.prefetch_factor if config.num_workers else None,
+                snapshot_every_n_steps=1,
+            )
 
     def meta(self, step: int) -> BatchMeta:
         """Metadata of batch ``step`` (pure function of the seed and the step)."""

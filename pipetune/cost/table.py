@@ -1,0 +1,237 @@
+"""The latency table: measured (or estimated) per-component latency curves of one model on one device.
+
+File format (JSON, ``format = "pipetune.latency_table"``, ``version = 1``)::
+
+    {"format", "version", "estimate": bool, "device", "dtype", "torch", "threads", "tp",
+     "model": ModelConfig dict, "model_fingerprint",
+     "curves": {name: {"x": what the grid counts, "grid": [...], "fwd": [...], "bwd": [...]}},
+     "memory": {"layer_bytes_per_token", "embedding_bytes_per_token", "head_bytes_per_token",
+                "image_feature_bytes", "projector_bytes_per_image"},
+     "p2p": {"latency_s", "bytes_per_s"},
+     "scales": {component: factor}        # from calibration; 1.0 when absent
+     "notes": [...]}
+
+Curves (seconds per call, per layer where it says so):
+
+| name        | x          | meaning                                                         |
+|-------------|------------|-----------------------------------------------------------------|
+| attention   | seq_len    | one layer's attention over one document of that length           |
+| rest        | packed_len | one layer minus its attention, over a packed sequence            |
+| embedding   | packed_len | token embedding (first stage)                                    |
+| head        | packed_len | final norm + output head + loss (last stage)                     |
+| projector   | images     | MLP projector over that many images' features (first stage)      |
+| encoder     | images     | the vision encoder over that many images (bwd 0 when frozen)     |
+
+Grids are strictly increasing and positive; values finite, >= 0 and non-decreasing in x. A loader
+that finds anything else refuses the file and says what and where.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from pipetune.config.model import ModelConfig
+
+FORMAT = "pipetune.latency_table"
+VERSION = 1
+CURVES = {
+    "attention": "seq_len",
+    "rest": "packed_len",
+    "embedding": "packed_len",
+    "head": "packed_len",
+    "projector": "images",
+    "encoder": "images",
+}
+TEXT_ONLY_OPTIONAL = ("projector", "encoder")
+MEMORY_KEYS = (
+    "layer_bytes_per_token",
+    "embedding_bytes_per_token",
+    "head_bytes_per_token",
+    "image_feature_bytes",
+    "projector_bytes_per_image",
+)
+
+
+class LatencyTableError(ValueError):
+    """A latency table that must not be planned on; the message says what is wrong."""
+
+
+@dataclass(frozen=True)
+class Curve:
+    """Latency of one component as a function of one size (``grid``), forward and backward."""
+
+    x: str
+    grid: np.ndarray
+    fwd: np.ndarray
+    bwd: np.ndarray
+
+    def to_dict(self) -> dict:
+        return {"x": self.x, "grid": self.grid.tolist(), "fwd": self.fwd.tolist(), "bwd": self.bwd.tolist()}
+
+
+@dataclass(frozen=True)
+class LatencyTable:
+    model: ModelConfig
+    curves: dict[str, Curve]
+    memory: dict[str, float]
+    p2p: dict[str, float]
+    device: str
+    dtype: str
+    tp: int = 1
+    estimate: bool = False
+    torch_version: str = ""
+    threads: int = 0
+    scales: dict[str, float] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "estimate": self.estimate,
+            "device": self.device,
+            "dtype": self.dtype,
+            "torch": self.torch_version,
+            "threads": self.threads,
+            "tp": self.tp,
+            "model": self.model.to_dict(),
+            "model_fingerprint": self.model.fingerprint(),
+            "curves": {k: c.to_dict() for k, c in self.curves.items()},
+            "memory": dict(self.memory),
+            "p2p": dict(self.p2p),
+            "scales": dict(self.scales),
+            "notes": list(self.notes),
+        }
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1))
+        tmp.replace(path)
+        return path
+
+    def scale(self, component: str) -> float:
+        return float(self.scales.get(component, 1.0))
+
+
+def load_latency_table(path: str | Path, *, model: ModelConfig | None = None, tp: int | None = None) -> LatencyTable:
+    """Read and validate a table; with ``model``/``tp`` also check that it belongs to this job."""
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise LatencyTableError(f"latency table {path} does not exist (write one with `pipetune profile`)") from None
+    except json.JSONDecodeError as e:
+        raise LatencyTableError(f"latency table {path}: not valid JSON ({e})") from None
+    table = table_from_dict(raw, where=str(path))
+    if model is not None and table.model.fingerprint() != model.fingerprint():
+        raise LatencyTableError(
+            f"latency table {path} was profiled for model {table.model.name!r} "
+            f"(fingerprint {table.model.fingerprint()}), but the job uses {model.name!r} ({model.fingerprint()}); "
+            "profile this model or pass the matching table"
+        )
+    if tp is not None and table.tp != tp:
+        raise LatencyTableError(f"latency table {path} was profiled with TP={table.tp}, but the job uses TP={tp}")
+    return table
+
+
+def table_from_dict(raw: dict, *, where: str = "latency table") -> LatencyTable:
+    def fail(msg: str):
+        raise LatencyTableError(f"{where}: {msg}")
+
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+        fail(f"not a pipetune latency table (format field is {raw.get('format') if isinstance(raw, dict) else None!r})")
+    if raw.get("version") != VERSION:
+        fail(f"version {raw.get('version')!r} is not supported (this pipetune reads version {VERSION})")
+    for key in ("model", "curves", "memory", "p2p", "device", "dtype"):
+        if key not in raw:
+            fail(f"missing field {key!r}")
+    try:
+        model = ModelConfig.from_dict(raw["model"])
+    except (KeyError, TypeError, ValueError) as e:
+        fail(f"model config is malformed ({e})")
+    if raw.get("model_fingerprint") not in (None, model.fingerprint()):
+        fail("model_fingerprint does not match its model config (the file was edited or is corrupt)")
+    curves = {}
+    for name, x in CURVES.items():
+        if name not in raw["curves"]:
+            if model.encoder is None and name in TEXT_ONLY_OPTIONAL:
+                continue
+            fail(f"missing curve {name!r} (needed: {sorted(CURVES)})")
+        curves[name] = _curve(raw["curves"][name], name, x, fail)
+    memory = {}
+    for key in MEMORY_KEYS:
+        v = raw["memory"].get(key)
+        if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            fail(f"memory.{key} must be a finite number >= 0, got {v!r}")
+        memory[key] = float(v)
+    p2p = {}
+    for key in ("latency_s", "bytes_per_s"):
+        v = raw["p2p"].get(key)
+        if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (key == "bytes_per_s" and v == 0):
+            fail(f"p2p.{key} must be a finite positive number, got {v!r}")
+        p2p[key] = float(v)
+    scales = {k: float(v) for k, v in raw.get("scales", {}).items()}
+    bad = [k for k, v in scales.items() if not (math.isfinite(v) and v > 0) or k not in CURVES]
+    if bad:
+        fail(f"scales {bad} are not known components with a positive factor")
+    tp = raw.get("tp", 1)
+    if not isinstance(tp, int) or tp < 1:
+        fail(f"tp must be a positive integer, got {tp!r}")
+    return LatencyTable(
+        model=model,
+        curves=curves,
+        memory=memory,
+        p2p=p2p,
+        device=str(raw["device"]),
+        dtype=str(raw["dtype"]),
+        tp=tp,
+        estimate=bool(raw.get("estimate", False)),
+        torch_version=str(raw.get("torch", "")),
+        threads=int(raw.get("threads", 0)),
+        scales=scales,
+        notes=tuple(raw.get("notes", ())),
+    )
+
+
+def _curve(raw, name: str, x: str, fail) -> Curve:
+    if not isinstance(raw, dict):
+        fail(f"curve {name!r} is not an object")
+    if raw.get("x") != x:
+        fail(f"curve {name!r} must be over {x!r}, got {raw.get('x')!r}")
+    arrays = {}
+    for key in ("grid", "fwd", "bwd"):
+        v = raw.get(key)
+        if not isinstance(v, list) or not v:
+            fail(f"curve {name!r} has no {key} values (missing grid)")
+        try:
+            arrays[key] = np.asarray(v, dtype=np.float64)
+        except (TypeError, ValueError):
+            fail(f"curve {name!r}.{key} holds non-numbers")
+        if arrays[key].ndim != 1:
+            fail(f"curve {name!r}.{key} must be a flat list")
+    g = arrays["grid"]
+    if not (len(arrays["fwd"]) == len(arrays["bwd"]) == len(g)):
+        fail(f"curve {name!r}: grid has {len(g)} points but fwd/bwd have {len(arrays['fwd'])}/{len(arrays['bwd'])}")
+    if not np.isfinite(g).all() or (g <= 0).any() or (np.diff(g) <= 0).any():
+        fail(f"curve {name!r}: grid must be positive and strictly increasing, got {g.tolist()}")
+    for key in ("fwd", "bwd"):
+        v = arrays[key]
+        if not np.isfinite(v).all():
+            fail(f"curve {name!r}.{key} has non-finite values")
+        if (v < 0).any():
+            i = int(np.argmax(v < 0))
+            fail(f"curve {name!r}.{key} is negative at {x}={g[i]:g} ({v[i]:g} s)")
+        if (np.diff(v) < 0).any():
+            i = int(np.argmax(np.diff(v) < 0))
+            fail(
+                f"curve {name!r}.{key} is not monotonic: {v[i]:g} s at {x}={g[i]:g} but {v[i + 1]:g} s at "
+                f"{x}={g[i + 1]:g}"
+            )
+    return Curve(x=x, grid=g, fwd=arrays["fwd"], bwd=arrays["bwd"])

@@ -1,0 +1,1 @@
+"""Offline profiling of a model's per-component latencies into a latency table (needs torch)."""

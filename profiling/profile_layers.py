@@ -1,0 +1,296 @@
+"""Offline profiling (PipeTune App. A.4): per-component latency curves of a model into a latency table.
+
+Measured on the current device, with the runtime's own modules:
+
+* attention of one decoder layer over documents of each length (flash-attn varlen on CUDA when
+  installed, per-document PyTorch SDPA otherwise), forward and backward. A packed micro-batch pays
+  the attention call's fixed cost once and a per-document cost per document, so each length is
+  timed as one document and as ``k`` documents packed together: the per-document cost is the
+  difference over ``k - 1`` and is what the ``attention`` curve holds;
+* one whole decoder layer over one sequence of each packed length; non-attention cost
+  (``rest``) = layer minus attention at the same length, as the paper does (so ``rest`` carries the
+  attention call's fixed cost);
+* token embedding and the final norm + output head + loss over packed lengths;
+* the projector over image counts, and the vision encoder's forward (backward too when trainable);
+* saved-for-backward bytes per token of a layer, the embedding and the head, and per image of the
+  projector: the activation memory the micro-batch-size bound uses;
+* with ``p2p``: two local processes ping-pong hidden-state-sized messages (``profiling.p2p``).
+
+Timing goes in passes over all grid points (``warmup`` untimed passes, then ``repeats`` timed
+ones), and each point takes the median of its samples: a burst of machine noise then hits one
+sample of many points instead of every sample of one point. CUDA events time GPU work. Curves are then made non-decreasing with isotonic regression (timing noise on small sizes
+would otherwise be refused by the table loader); the largest adjustment is recorded in the table's
+notes. With ``tp > 1`` the modules are one rank's shard: TP collectives are not measured.
+
+Partial results go to ``OUT.partial.json`` after every pass; re-running with the same settings
+resumes from there.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from sklearn.isotonic import IsotonicRegression
+from tqdm import tqdm
+
+from pipetune.config.model import ModelConfig
+from pipetune.cost.table import Curve, LatencyTable
+from profiling.timing import Clock, fwd_bwd_sample, saved_activation_bytes
+from torchtitan_patches.cpu_allocator import retain_freed_memory
+from torchtitan_patches.model.attention import PackedAttention, flash_attn_available, varlen_metadata
+from torchtitan_patches.model.blocks import decoder_layer_config
+from torchtitan_patches.model.vlm import Projector, VisionEncoder
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileConfig:
+    """What to profile and how hard. ``max_seq_len`` bounds document lengths, ``max_tokens`` packed
+    micro-batch lengths, ``max_images`` images per micro-batch; larger inputs are extrapolated by
+    the cost model (and flagged)."""
+
+    dtype: str = "float32"
+    tp: int = 1
+    device: str = "cpu"
+    max_seq_len: int = 512
+    max_tokens: int = 2048
+    max_images: int = 64
+    points: int = 10
+    warmup: int = 2
+    repeats: int = 7
+    threads: int = 1
+    p2p: bool = True
+    attention_backend: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if min(self.max_seq_len, self.max_tokens, self.points, self.repeats, self.tp) < 1 or self.max_images < 0:
+            raise ValueError("max_seq_len, max_tokens, points, repeats and tp must be >= 1")
+        if self.max_tokens < self.max_seq_len:
+            raise ValueError(f"max_tokens ({self.max_tokens}) must be >= max_seq_len ({self.max_seq_len})")
+
+
+def _geom(lo: int, hi: int, n: int) -> list[int]:
+    return sorted({int(round(x)) for x in np.geomspace(lo, hi, n)} | {hi})
+
+
+def packed_docs(length: int, max_tokens: int) -> int:
+    """How many documents of ``length`` to pack together when timing the per-document cost."""
+    return int(min(16, max(2, max_tokens // length)))
+
+
+def grids(cfg: ProfileConfig) -> dict[str, list[int]]:
+    packed = _geom(16, cfg.max_tokens, cfg.points + 2)
+    return {
+        "attention": sorted(set(_geom(1, cfg.max_seq_len, cfg.points)) | set(packed)),
+        "packed": packed,
+        "images": _geom(1, cfg.max_images, max(2, cfg.points - 2)) if cfg.max_images else [],
+    }
+
+
+def measurement_tasks(model: ModelConfig, cfg: ProfileConfig) -> list[tuple[str, int]]:
+    """Every (curve, size) point one profiling pass measures."""
+    g = grids(cfg)
+    tasks = [(c, x) for c in ("attention", "attention_packed") for x in g["attention"]]
+    tasks += [(c, x) for c in ("layer", "embedding", "head") for x in g["packed"]]
+    if model.encoder is not None:
+        tasks += [(c, x) for c in ("projector", "encoder") for x in g["images"]]
+    return tasks
+
+
+class _Profiler:
+    def __init__(self, model: ModelConfig, cfg: ProfileConfig):
+        self.model, self.cfg = model, cfg
+        self.device = torch.device(cfg.device)
+        self.dtype = DTYPES[cfg.dtype]
+        self.clock = Clock(self.device)
+        b, tp = model.backbone, cfg.tp
+        torch.manual_seed(cfg.seed)
+        self.attention = PackedAttention.Config(causal=True, backend=cfg.attention_backend).build()
+        self.layer = self._prep(decoder_layer_config(b, max_seq_len=cfg.max_tokens, attention_backend=cfg.attention_backend, tp=tp).build())
+        self.layer.init_states()
+        self.embedding = self._prep(torch.nn.Embedding(b.vocab_size // tp, b.dim))
+        self.norm = self._prep(torch.nn.RMSNorm(b.dim, eps=b.norm_eps))
+        self.head = self._prep(torch.nn.Linear(b.dim, b.vocab_size // tp, bias=False))
+        enc = model.encoder
+        self.projector = self._prep(Projector(enc.dim, b.dim, tp)) if enc else None
+        self.encoder = self._prep(VisionEncoder(enc, tp)) if enc else None
+
+    def _prep(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Move to the device and cast real floating tensors only (RoPE's complex cache stays complex)."""
+        module.to(self.device)
+        for t in [*module.parameters(), *module.buffers()]:
+            if t.is_floating_point():
+                t.data = t.data.to(self.dtype)
+        return module
+
+    def _rand(self, *shape, grad=True):
+        return torch.randn(*shape, device=self.device, dtype=self.dtype, requires_grad=grad)
+
+    def _time(self, make, fwd, backward=True):
+        return fwd_bwd_sample(self.clock, make, fwd, backward=backward)
+
+    def measure(self, curve: str, x: int) -> tuple[float, float]:
+        """One (forward, backward) sample of ``curve`` at size ``x``."""
+        b, tp = self.model.backbone, self.cfg.tp
+        if curve in ("attention", "attention_packed"):
+            docs = packed_docs(x, self.cfg.max_tokens) if curve == "attention_packed" else 1
+            heads, kv, n = b.n_heads // tp, b.n_kv_heads // tp, x * docs
+            meta = varlen_metadata(torch.arange(docs + 1, device=self.device) * x)
+            return self._time(
+                lambda: (self._rand(1, n, heads, b.head_dim), self._rand(1, n, kv, b.head_dim), self._rand(1, n, kv, b.head_dim)),
+                lambda q, k, v: self.attention(q, k, v, attention_masks=meta, enable_gqa=heads != kv),
+            )
+        if curve == "layer":
+            meta = varlen_metadata(torch.tensor([0, x], device=self.device))
+            pos = torch.arange(x, device=self.device)[None]
+            return self._time(lambda: (self._rand(1, x, b.dim),), lambda h: self.layer(h, meta, pos))
+        if curve == "embedding":
+            return self._time(
+                lambda: (torch.randint(0, b.vocab_size // tp, (1, x), device=self.device),), lambda t: self.embedding(t)
+            )
+        if curve == "head":
+            labels = torch.randint(0, b.vocab_size // tp, (x,), device=self.device)
+            return self._time(
+                lambda: (self._rand(1, x, b.dim),),
+                lambda h: F.cross_entropy(self.head(self.norm(h))[0].float(), labels, reduction="sum"),
+            )
+        enc = self.model.encoder
+        if curve == "projector":
+            return self._time(lambda: (self._rand(x, enc.tokens_per_image, enc.dim),), lambda f: self.projector(f))
+        if curve == "encoder":
+            return self._time(
+                lambda: (self._rand(x, enc.channels, enc.image_size, enc.image_size, grad=not enc.frozen),),
+                lambda p: self.encoder(p),
+                backward=not enc.frozen,
+            )
+        raise KeyError(curve)
+
+    def memory(self) -> dict[str, float]:
+        b = self.model.backbone
+        n = min(self.cfg.max_tokens, 1024)
+        meta = varlen_metadata(torch.tensor([0, n], device=self.device))
+        pos = torch.arange(n, device=self.device)[None]
+        layer = saved_activation_bytes(lambda: self.layer(self._rand(1, n, b.dim), meta, pos), self.layer) / n
+        emb = saved_activation_bytes(
+            lambda: self.embedding(torch.randint(0, b.vocab_size // self.cfg.tp, (1, n), device=self.device)), self.embedding
+        ) / n
+        head_mod = torch.nn.Sequential(self.norm, self.head)
+        head = saved_activation_bytes(lambda: head_mod(self._rand(1, n, b.dim)), head_mod) / n
+        out = {"layer_bytes_per_token": layer, "embedding_bytes_per_token": emb, "head_bytes_per_token": head,
+               "image_feature_bytes": 0.0, "projector_bytes_per_image": 0.0}
+        enc = self.model.encoder
+        if enc is not None:
+            k = max(1, min(self.cfg.max_images, 8))
+            out["projector_bytes_per_image"] = saved_activation_bytes(
+                lambda: self.projector(self._rand(k, enc.tokens_per_image, enc.dim)), self.projector
+            ) / k
+            out["image_feature_bytes"] = float(enc.tokens_per_image * enc.dim * self._rand(1, grad=False).element_size())
+        return out
+
+
+def _monotone(grid: list[int], values: list[float]) -> tuple[np.ndarray, float]:
+    v = np.maximum(np.asarray(values, dtype=np.float64), 0.0)
+    fitted = IsotonicRegression(increasing=True).fit_transform(np.asarray(grid, float), v)
+    rel = np.abs(fitted - v) / np.maximum(v, 1e-12)
+    return fitted, float(rel.max()) if len(rel) else 0.0
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu: {platform.processor() or platform.machine()}"
+
+
+def run_profile(model: ModelConfig, cfg: ProfileConfig, out: str | Path, *, progress: bool = True) -> LatencyTable:
+    """Profile ``model`` per ``cfg`` and write the latency table to ``out`` (resumable)."""
+    out = Path(out)
+    torch.set_num_threads(cfg.threads)
+    retain_freed_memory()
+    device = torch.device(cfg.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda asked for, but CUDA is not available here")
+    g = grids(cfg)
+    header = {"model": model.fingerprint(), "config": asdict(cfg), "grids": g, "device": _device_name(device)}
+    partial = out.with_name(out.name + ".partial.json")
+    samples: dict[str, list[list[float]]] = {}
+    if partial.is_file():
+        saved = json.loads(partial.read_text())
+        if saved.get("header") == header:
+            samples = saved["samples"]
+    tasks = measurement_tasks(model, cfg)
+    prof = _Profiler(model, cfg)
+    done = min((len(samples.get(f"{c}:{x}", [])) for c, x in tasks), default=0)
+    for _ in range(cfg.warmup if done == 0 else 1):
+        for curve, x in tasks:
+            prof.measure(curve, x)
+    for _ in tqdm(range(done, cfg.repeats), desc=f"profiling {model.name} ({len(tasks)} points)", disable=not progress, unit="pass"):
+        for curve, x in tasks:
+            samples.setdefault(f"{curve}:{x}", []).append(list(prof.measure(curve, x)))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps({"header": header, "samples": samples}))
+    points = {k: np.median(np.asarray(v[: cfg.repeats]), axis=0).tolist() for k, v in samples.items()}
+
+    def series(curve: str, grid: list[int], k: int) -> list[float]:
+        return [points[f"{curve}:{x}"][k] for x in grid]
+
+    notes = []
+    curves = {}
+
+    def add(name: str, kind: str, grid: list[int], fwd: list[float], bwd: list[float]) -> None:
+        f, df = _monotone(grid, fwd)
+        b, db = _monotone(grid, bwd)
+        notes.append(f"{name}: isotonic adjustment up to {100 * max(df, db):.1f}%")
+        curves[name] = Curve(kind, np.asarray(grid, float), f, b)
+
+    per_doc = {
+        x: [(p - o) / (packed_docs(x, cfg.max_tokens) - 1) for p, o in zip(points[f"attention_packed:{x}"], points[f"attention:{x}"])]
+        for x in g["attention"]
+    }
+    add("attention", "seq_len", g["attention"], [per_doc[x][0] for x in g["attention"]], [per_doc[x][1] for x in g["attention"]])
+    rest_f = [points[f"layer:{x}"][0] - per_doc[x][0] for x in g["packed"]]
+    rest_b = [points[f"layer:{x}"][1] - per_doc[x][1] for x in g["packed"]]
+    add("rest", "packed_len", g["packed"], rest_f, rest_b)
+    for name in ("embedding", "head"):
+        add(name, "packed_len", g["packed"], series(name, g["packed"], 0), series(name, g["packed"], 1))
+    if model.encoder is not None:
+        for name in ("projector", "encoder"):
+            add(name, "images", g["images"], series(name, g["images"], 0), series(name, g["images"], 1))
+
+    if cfg.p2p:
+        from profiling.p2p import measure_p2p
+
+        msg = measure_p2p(cfg.max_tokens * model.backbone.dim * prof._rand(1, grad=False).element_size())
+        notes.append(f"p2p measured with {msg.pop('backend')} between two local processes")
+    else:
+        msg = {"latency_s": 2e-5, "bytes_per_s": 25e9}
+        notes.append("p2p not measured: assumed 20 us + bytes / 25 GB/s")
+    if cfg.tp > 1:
+        notes.append(f"TP={cfg.tp}: one rank's shard was timed; TP collectives are not included")
+    backend = "flash-attn varlen" if cfg.attention_backend != "sdpa" and flash_attn_available(device) else "per-document SDPA"
+    notes.append(f"attention backend: {backend}; threads: {cfg.threads}")
+    table = LatencyTable(
+        model=model,
+        curves=curves,
+        memory=prof.memory(),
+        p2p=msg,
+        device=_device_name(device),
+        dtype=cfg.dtype,
+        tp=cfg.tp,
+        estimate=False,
+        torch_version=torch.__version__,
+        threads=cfg.threads,
+        notes=tuple(notes),
+    )
+    table.save(out)
+    partial.unlink(missing_ok=True)
+    return table

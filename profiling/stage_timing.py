@@ -1,0 +1,101 @@
+"""Measure real stage latencies of packed micro-batches (for checking and calibrating a table).
+
+A stage here is what the pipeline runtime executes: on stage 0 the embedding, the projector and
+the scatter of image features plus its layers; on the last stage its layers plus norm, head and
+loss; the vision encoder is timed on its own (it is a separate action on stage 0).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pipetune.config.model import ModelConfig
+from pipetune.cost.calibration import Observation
+from pipetune.cost.cost_model import MicroBatchShapes
+from pipetune.cost.layout import StageLayout
+from pipetune.packing.batch_packer import PackingConfig
+from profiling.timing import Clock, fwd_bwd_medians
+from torchtitan_patches.cpu_allocator import retain_freed_memory
+from torchtitan_patches.data.loader import DataLoaderConfig
+from torchtitan_patches.data.micro_batch import PackedMicroBatch
+from torchtitan_patches.model.vlm import build_vlm, split_backbone, token_loss_sum
+
+
+class StageTimer:
+    def __init__(self, model: ModelConfig, layout: StageLayout, *, max_seq_len: int, warmup: int = 1, repeats: int = 5, seed: int = 0):
+        retain_freed_memory()
+        self.encoder, whole = build_vlm(model, max_seq_len=max_seq_len, seed=seed, attention_backend="sdpa")
+        self.stages = split_backbone(whole, list(layout.layer_ranges))
+        self.dim = model.backbone.dim
+        self.clock = Clock(torch.device("cpu"))
+        self.warmup, self.repeats = warmup, repeats
+
+    def _time(self, make, fwd, backward=True) -> tuple[float, float]:
+        return fwd_bwd_medians(self.clock, make, fwd, backward=backward, warmup=self.warmup, repeats=self.repeats)
+
+    def encoder_seconds(self, mb: PackedMicroBatch) -> float:
+        if self.encoder is None or mb.num_images == 0:
+            return 0.0
+        return self._time(lambda: (mb.pixel_values,), self.encoder, backward=False)[0]
+
+    def stage_seconds(self, mb: PackedMicroBatch, stage: int) -> tuple[float, float]:
+        """Median (forward, backward) seconds of ``mb`` on ``stage``."""
+        mod = self.stages[stage]
+        kwargs = {"positions": mb.positions[None], "cu_seqlens": mb.cu_seqlens}
+        if mod.is_first:
+            with torch.no_grad():
+                feats = self.encoder(mb.pixel_values) if self.encoder is not None and mb.num_images else None
+            kwargs.update(image_features=feats, image_token_index=mb.image_token_index)
+
+            def make():
+                return (mb.tokens[None],)
+        else:
+
+            def make():
+                return (torch.randn(1, mb.num_tokens, self.dim, requires_grad=True),)
+
+        if mod.is_last:
+
+            def run(x):
+                return token_loss_sum(mod(x, **kwargs), mb.labels[None])
+        else:
+
+            def run(x):
+                return mod(x, **kwargs)
+
+        return self._time(make, run)
+
+
+def sample_micro_batches(
+    model: ModelConfig, data: str | Path, n: int, *, max_seq_len: int, max_mbs: int = 4, seed: int = 0
+) -> list[tuple[MicroBatchShapes, PackedMicroBatch]]:
+    """``n`` random micro-batches of ``data``: balanced packings of random batches at a random
+    mbs in ``1..max_mbs``, each as (metadata shapes, tensors)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    while len(out) < n:
+        packing = PackingConfig(mbs=int(rng.integers(1, max_mbs + 1)), max_seq_len=max_seq_len)
+        cfg = DataLoaderConfig(data=data, gbs=int(rng.integers(4, 24)), max_seq_len=max_seq_len,
+                               seed=int(rng.integers(2**31)), packing=packing, max_steps=1)
+        loader = cfg.build(model)
+        meta = loader.meta(0)
+        (batch,) = list(loader)
+        shapes = MicroBatchShapes.from_packing(meta.table, packing.build(model)(meta.table.lengths, 0))
+        k = int(rng.integers(len(batch.micro_batches)))
+        out.append((shapes.take(np.array([k])), batch.micro_batches[k]))
+    return out
+
+
+def observe(timer: StageTimer, samples) -> list[Observation]:
+    """Measured stage (forward + backward) and encoder times of each sample, as calibration input."""
+    obs = []
+    for shapes, mb in samples:
+        for s in range(len(timer.stages)):
+            f, b = timer.stage_seconds(mb, s)
+            obs.append(Observation(shapes, f + b, stage=s))
+        if mb.num_images and timer.encoder is not None:
+            obs.append(Observation(shapes, timer.encoder_seconds(mb), kind="encoder"))
+    return obs

@@ -1,0 +1,138 @@
+import copy
+import json
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from pipetune.config import load_model_config
+from pipetune.cost import LatencyTableError, load_latency_table
+from pipetune.cost.table import table_from_dict
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory):
+    """The real CLI on the tiny model with default settings (the issue's 2-minute budget)."""
+    out = tmp_path_factory.mktemp("prof") / "tiny_cpu.json"
+    t0 = time.perf_counter()
+    res = subprocess.run(
+        [sys.executable, "-m", "pipetune", "profile", "--model", "tiny", "--out", str(out), "--quiet"],
+        capture_output=True, text=True, timeout=300,
+    )
+    elapsed = time.perf_counter() - t0
+    assert res.returncode == 0, res.stderr
+    return out, elapsed
+
+
+def test_profiling_the_tiny_model_is_fast_and_loadable(profiled, tiny):
+    out, elapsed = profiled
+    assert elapsed < 120
+    table = load_latency_table(out, model=tiny, tp=1)
+    assert not table.estimate and table.dtype == "float32" and table.threads == 1
+    assert set(table.curves) == {"attention", "rest", "embedding", "head", "projector", "encoder"}
+    assert table.curves["attention"].grid[-1] >= 512 and table.curves["rest"].grid[-1] == 2048
+    assert table.memory["layer_bytes_per_token"] > 4 * tiny.backbone.dim  # at least the layer input is saved
+    assert table.p2p["bytes_per_s"] > 0 and any("gloo" in n for n in table.notes)
+    assert (table.curves["encoder"].bwd == 0).all()  # frozen encoder: forward only
+
+
+def test_profiling_resumes_from_a_partial_run(tmp_path, tiny, monkeypatch):
+    from profiling import profile_layers as pl
+
+    cfg = pl.ProfileConfig(max_seq_len=64, max_tokens=128, max_images=4, points=3, repeats=3, warmup=1, p2p=False)
+    out = tmp_path / "t.json"
+    real = pl._Profiler.measure
+    calls = {"n": 0}
+
+    def flaky(self, curve, x):
+        calls["n"] += 1
+        if calls["n"] > limit:
+            raise KeyboardInterrupt
+        return real(self, curve, x)
+
+    monkeypatch.setattr(pl._Profiler, "measure", flaky)
+    n_points = len(pl.measurement_tasks(tiny, cfg))
+    limit = 2 * n_points + 5  # warm-up pass + one timed pass + a few points of the next
+    with pytest.raises(KeyboardInterrupt):
+        pl.run_profile(tiny, cfg, out, progress=False)
+    assert (tmp_path / "t.json.partial.json").is_file() and not out.exists()
+    calls["n"], limit = 0, 10**9
+    pl.run_profile(tiny, cfg, out, progress=False)
+    assert calls["n"] == 3 * n_points  # one warm-up pass and the two missing timed passes
+    load_latency_table(out, model=tiny)
+    assert not (tmp_path / "t.json.partial.json").exists()
+
+
+@pytest.fixture(scope="module")
+def good(profiled):
+    return json.loads(profiled[0].read_text())
+
+
+def broken(good, edit):
+    raw = copy.deepcopy(good)
+    edit(raw)
+    return raw
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (lambda r: r.update(format="other"), "not a pipetune latency table"),
+        (lambda r: r.update(version=99), "version 99 is not supported"),
+        (lambda r: r["curves"].pop("rest"), "missing curve 'rest'"),
+        (lambda r: r["curves"]["head"].update(grid=[]), "curve 'head' has no grid values"),
+        (lambda r: r["curves"]["head"].pop("fwd"), "curve 'head' has no fwd values"),
+        (lambda r: r["curves"]["rest"].update(fwd=r["curves"]["rest"]["fwd"][::-1]), "curve 'rest'.fwd is not monotonic"),
+        (lambda r: r["curves"]["attention"]["bwd"].__setitem__(0, -1.0), "curve 'attention'.bwd is negative at seq_len=1"),
+        (lambda r: r["curves"]["encoder"]["fwd"].__setitem__(-1, float("nan")), "curve 'encoder'.fwd has non-finite values"),
+        (lambda r: r["curves"]["embedding"].update(grid=r["curves"]["embedding"]["grid"][::-1]), "grid must be positive and strictly increasing"),
+        (lambda r: r["curves"]["embedding"].update(fwd=r["curves"]["embedding"]["fwd"][:-1]), "fwd/bwd have"),
+        (lambda r: r["curves"]["head"].update(x="images"), "curve 'head' must be over 'packed_len'"),
+        (lambda r: r["memory"].pop("layer_bytes_per_token"), "memory.layer_bytes_per_token must be"),
+        (lambda r: r["p2p"].update(bytes_per_s=0), "p2p.bytes_per_s must be a finite positive number"),
+        (lambda r: r["model"]["backbone"].update(dim=256), "model_fingerprint does not match"),
+        (lambda r: r.update(scales={"attention": -2}), "scales \\['attention'\\] are not known components"),
+        (lambda r: r.pop("model"), "missing field 'model'"),
+    ],
+)
+def test_corrupt_tables_are_refused_with_the_reason(good, edit, message):
+    with pytest.raises(LatencyTableError, match=message):
+        table_from_dict(broken(good, edit))
+
+
+def test_table_for_another_model_or_tp_is_refused(profiled):
+    with pytest.raises(LatencyTableError, match="profiled for model 'tiny'.*job uses '13b'"):
+        load_latency_table(profiled[0], model=load_model_config("13b"))
+    with pytest.raises(LatencyTableError, match="profiled with TP=1, but the job uses TP=4"):
+        load_latency_table(profiled[0], tp=4)
+
+
+def test_unreadable_files(tmp_path):
+    with pytest.raises(LatencyTableError, match="does not exist"):
+        load_latency_table(tmp_path / "none.json")
+    (tmp_path / "x.json").write_text("{not json")
+    with pytest.raises(LatencyTableError, match="not valid JSON"):
+        load_latency_table(tmp_path / "x.json")
+
+
+def test_round_trip(profiled, tmp_path):
+    t = load_latency_table(profiled[0])
+    t.save(tmp_path / "copy.json")
+    u = load_latency_table(tmp_path / "copy.json")
+    assert u.to_dict() == t.to_dict()
+    assert np.array_equal(u.curves["rest"].fwd, t.curves["rest"].fwd)
+
+
+def test_calibrate_cli_writes_a_table_with_scales(profiled, datamix2_dir, tmp_path):
+    out = tmp_path / "cal.json"
+    res = subprocess.run(
+        [sys.executable, "-m", "pipetune", "calibrate", "--table", str(profiled[0]), "--data", str(datamix2_dir),
+         "--out", str(out), "--samples", "3"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert res.returncode == 0, res.stderr
+    assert "before ->" in res.stdout
+    table = load_latency_table(out)
+    assert table.scales and all(v > 0 for v in table.scales.values())
