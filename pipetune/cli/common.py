@@ -46,3 +46,22 @@ def add_batch_args(p: argparse.ArgumentParser, *, mbs: int | None = 2) -> None:
 def emit_json(obj) -> None:
     json.dump(obj, sys.stdout, indent=2)
     sys.stdout.write("\n")
+
+
+def add_cost_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--hardware", default="a100", help="analytical preset (a100, h100, h200) or hardware TOML; used without --latency-table")
+    p.add_argument("--latency-table", help="measured latency table (pipetune profile); overrides --hardware")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree per stage")
+    p.add_argument("--pp", type=int, default=4, help="pipeline stages (one per rank)")
+
+
+def cost_model_from_args(args, model: ModelConfig):
+    """The stage cost model the job asked for: a measured table, or an analytical estimate."""
+    from pipetune.config import load_hardware
+    from pipetune.cost import CostModel, StageLayout, analytical_table, load_latency_table
+
+    if args.latency_table:
+        table = load_latency_table(args.latency_table, model=model, tp=args.tp)
+    else:
+        table = analytical_table(model, load_hardware(args.hardware), tp=args.tp)
+    return CostModel(table, StageLayout.even(model.backbone.n_layers, args.pp))
