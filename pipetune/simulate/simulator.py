@@ -107,6 +107,12 @@ def _peak_memory(dag: CompiledSchedule, act, feat, slots) -> np.ndarray:
     return peaks
 
 
+def timelines(dag: CompiledSchedule, lat: Latencies, orders: np.ndarray, encoder_slots: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Start, end and encoder work before every node, ``[N, C]`` each, for ``C`` candidates."""
+    o = np.atleast_2d(np.asarray(orders, dtype=np.int64))
+    return _run(dag, lat.fwd[o], lat.bwd[o], lat.p2p[o], lat.encoder[o], np.atleast_2d(encoder_slots))
+
+
 @dataclass(frozen=True)
 class BatchResult:
     makespan: np.ndarray

@@ -165,7 +165,11 @@ class DataLoaderConfig:
 
 
 class PipeTuneDataLoader(StatefulDataLoader):
-    """Yields ``GlobalBatch`` objects; ``upcoming(k)`` gives the next ``k`` batches' metadata."""
+    """Yields ``GlobalBatch`` objects; ``upcoming(k)`` gives the next ``k`` batches' metadata.
+
+    ``packing_source`` may be replaced before iterating (a planner built on ``meta`` needs the
+    loader first).
+    """
 
     def __init__(
         self,
@@ -197,7 +201,7 @@ class PipeTuneDataLoader(StatefulDataLoader):
             content_seed=store.content_seed,
             data_dir=store.path,
         )
-        self._sampler = _StepSampler(self.meta, self.packing_source, config.max_steps)
+        self._sampler = _StepSampler(self.meta, lambda meta: self.packing_source(meta), config.max_steps)
         self._next_step = 0
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*set_vital.*")  # torchdata 0.11 calls a deprecated torch API

@@ -1,0 +1,62 @@
+"""GPU memory per pipeline stage: model states plus in-flight activations, and the largest mbs that fits.
+
+Model states per stage (no ZeRO; tensor parallelism splits everything ``tp`` ways): every trained
+parameter costs ``TRAINED_BYTES_PER_PARAM`` = 16 bytes (BF16 weight and gradient, FP32 master weight
+and two Adam moments); the frozen ViT costs its weights only. Activations come from the latency
+table's bytes per token and image. A micro-batch of size ``mbs`` holds at most ``mbs * max_seq_len``
+tokens, all of which may be image tokens; under 1F1B stage ``s`` keeps ``num_stages - s``
+micro-batches in flight. ``reserve`` keeps a fraction of memory free for workspace and fragmentation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pipetune.cost.cost_model import CostModel, MicroBatchShapes
+
+TRAINED_BYTES_PER_PARAM = 16
+
+
+def model_state_bytes(cost: CostModel, *, frozen_weight_bytes: int = 2) -> np.ndarray:
+    """Bytes of weights, gradients and optimizer state on each stage's GPU."""
+    model, tp = cost.table.model, cost.table.tp
+    b = model.backbone
+    trained = cost.layers * b.layer_params
+    trained[0] += b.vocab_size * b.dim
+    trained[-1] += b.vocab_size * b.dim + b.dim
+    frozen = np.zeros_like(trained)
+    enc = model.encoder
+    if enc is not None:
+        trained[0] += enc.dim * b.dim + b.dim * b.dim
+        vit = enc.n_layers * enc.layer_params + enc.channels * enc.patch_size**2 * enc.dim + enc.tokens_per_image * enc.dim
+        if enc.frozen:
+            frozen[0] += vit
+        else:
+            trained[0] += vit
+    return (trained * TRAINED_BYTES_PER_PARAM + frozen * frozen_weight_bytes) / tp
+
+
+def worst_case_activation_bytes(cost: CostModel, tokens: int) -> np.ndarray:
+    """Activation bytes per stage of one micro-batch of ``tokens`` tokens, all of them image tokens."""
+    tpi = cost.table.model.tokens_per_image
+    images = tokens // tpi if tpi else 0
+    shapes = MicroBatchShapes(np.array([tokens]), np.array([0]), np.array([tokens]), np.array([images]))
+    return cost.stage_costs(shapes).activation_bytes[0]
+
+
+def stage_peak_bytes(cost: CostModel, mbs: int, max_seq_len: int) -> np.ndarray:
+    """Worst-case peak bytes per stage under 1F1B at micro-batch size ``mbs``."""
+    S = cost.num_stages
+    in_flight = S - np.arange(S)
+    return model_state_bytes(cost) + in_flight * worst_case_activation_bytes(cost, mbs * max_seq_len)
+
+
+def max_micro_batch_size(cost: CostModel, max_seq_len: int, memory_bytes: float, *, reserve: float = 0.1, limit: int = 64) -> int:
+    """Largest mbs whose worst case fits ``memory_bytes * (1 - reserve)`` on every stage (0: none)."""
+    budget = memory_bytes * (1 - reserve)
+    best = 0
+    for mbs in range(1, limit + 1):
+        if (stage_peak_bytes(cost, mbs, max_seq_len) > budget).any():
+            break
+        best = mbs
+    return best

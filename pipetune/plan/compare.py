@@ -1,0 +1,76 @@
+"""Plan many iterations in every mode and summarise them the way PipeTune Table 2 does."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipetune.config.model import ModelConfig
+from pipetune.cost.cost_model import CostModel
+from pipetune.data.batch import batch_meta
+from pipetune.data.samples import Overlong, SampleTable
+from pipetune.data.stream import BatchStream
+from pipetune.plan.search import Mode, PlannerConfig
+
+
+@dataclass(frozen=True)
+class ModeSummary:
+    mode: str
+    iter_s: np.ndarray
+    lower_bound_s: np.ndarray
+    search_s: np.ndarray
+    mbs: Counter
+    fallbacks: int
+
+    def to_dict(self, original_mean: float) -> dict:
+        mean = float(self.iter_s.mean())
+        return {
+            "mean_iter_s": mean,
+            "cut_vs_original": 1 - mean / original_mean,
+            "lower_bound_s": float(self.lower_bound_s.mean()),
+            "gap_to_lower_bound": float((self.iter_s / self.lower_bound_s - 1).mean()),
+            "search_ms_p50": float(np.percentile(self.search_s, 50) * 1e3),
+            "search_ms_p99": float(np.percentile(self.search_s, 99) * 1e3),
+            "mbs_counts": {str(k): v for k, v in sorted(self.mbs.items())},
+            "fallbacks": self.fallbacks,
+        }
+
+
+def compare_modes(
+    model: ModelConfig,
+    cost: CostModel,
+    data: SampleTable,
+    *,
+    gbs: int,
+    max_seq_len: int,
+    memory_bytes: float,
+    iters: int,
+    mbs: int | None = None,
+    overlong: Overlong | str = Overlong.TRUNCATE,
+    seed: int = 0,
+    modes=tuple(Mode),
+) -> dict[str, ModeSummary]:
+    """Plan ``iters`` batches of ``data`` in each mode; simulated iteration times and search times."""
+    stream = BatchStream(num_rows=len(data), gbs=gbs, seed=seed)
+    planners = {
+        Mode(m): PlannerConfig(mode=m, max_seq_len=max_seq_len, memory_bytes=memory_bytes, mbs=mbs, seed=seed).build(model, cost)
+        for m in modes
+    }
+    rows = {m: [] for m in planners}
+    for step in range(iters):
+        meta = batch_meta(data, stream, step, tokens_per_image=model.tokens_per_image, max_seq_len=max_seq_len, overlong=overlong)
+        for m, planner in planners.items():
+            rows[m].append(planner.plan(meta))
+    return {
+        m.value: ModeSummary(
+            mode=m.value,
+            iter_s=np.array([p.predicted_s for p in plans]),
+            lower_bound_s=np.array([p.lower_bound_s for p in plans]),
+            search_s=np.array([p.search_s for p in plans]),
+            mbs=Counter(p.mbs for p in plans),
+            fallbacks=sum(p.fallback for p in plans),
+        )
+        for m, plans in rows.items()
+    }

@@ -1,0 +1,229 @@
+"""The per-iteration planner (PipeTune Sec. 4, App. A.5) and its ablation modes.
+
+For one batch's metadata, ``pipetune`` mode:
+
+1. candidate micro-batch sizes: ``1 .. max_mbs`` (the largest that fits memory, see
+   ``pipetune.cost.memory``), unless fixed;
+2. for each: balance-pack (Alg. 1), estimate stage latencies, time the packing order (the
+   ``balanced`` plan at that size);
+3. visit sizes from the best so far; skip a size whose lower bound cannot beat the best plan;
+   otherwise evaluate the cluster-permutation orders in one vectorised simulator call, take the
+   ``top_orders`` best, give each encoder pre-computation placements (strict and overflowing gap
+   filling), evaluate them with memory, and keep the fastest plan that fits in memory;
+4. return the best as an ``IterationPlan``, with the lower bound of every size searched (so the
+   gap to it says how far the plan is from anything the search space allows).
+
+Modes (the paper's ablation): ``original`` = random first-fit packing at the fixed maximum mbs in
+packing order; ``balanced`` = Alg. 1 at that mbs; ``reorder`` = ``balanced`` + ordering and
+pre-computation; ``pipetune`` = ``reorder`` + adaptive mbs. Every searched mode includes its
+``balanced`` plan among the candidates, so it is never slower in simulation.
+
+Time budget: with a ``deadline`` the search stops when it passes one and returns the balanced plan
+at the last good mbs (the previous plan's), flagged ``fallback``. The search is deterministic:
+same seed, same metadata, same plans (as long as no deadline hits).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+
+from pipetune.config.model import ModelConfig
+from pipetune.cost.cost_model import CostModel, MicroBatchShapes
+from pipetune.cost.memory import max_micro_batch_size, model_state_bytes
+from pipetune.data.batch import BatchMeta
+from pipetune.packing.batch_packer import PackerKind, PackingConfig
+from pipetune.packing.packing import Packing
+from pipetune.plan.ordering import candidate_orders
+from pipetune.plan.plan import IterationPlan
+from pipetune.plan.precompute import fill_gaps
+from pipetune.schedule.schedules import SCHEDULES, place_encoders
+from pipetune.simulate.dag import CompiledSchedule, compile_schedule
+from pipetune.simulate.lower_bound import makespan_lower_bound
+from pipetune.simulate.simulator import Latencies, evaluate
+
+log = logging.getLogger(__name__)
+PRECOMPUTE_OVERFLOWS = np.array([0.0, 0.5])
+
+
+class Mode(str, Enum):
+    ORIGINAL = "original"
+    BALANCED = "balanced"
+    REORDER = "reorder"
+    PIPETUNE = "pipetune"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannerConfig:
+    """Search settings. ``memory_bytes`` is one GPU's memory (``reserve`` of it is kept free);
+    ``mbs`` fixes the micro-batch size of the fixed-size modes (default: the largest that fits).
+    ``max_clusters`` bounds the clusters whose permutations are tried (the paper stays below six);
+    ``top_sizes`` micro-batch sizes (best packing-order makespan first) get the order search, and
+    their ``top_orders`` best orders get encoder placements.
+    """
+
+    mode: Mode = Mode.PIPETUNE
+    max_seq_len: int
+    memory_bytes: float
+    reserve: float = 0.1
+    mbs: int | None = None
+    max_mbs: int = 64
+    schedule: str = "1f1b"
+    max_clusters: int = 5
+    top_sizes: int = 3
+    top_orders: int = 3
+    precompute: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", Mode(self.mode))
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {self.schedule!r}; known: {sorted(SCHEDULES)}")
+        if not 1 <= self.max_clusters <= 6:
+            raise ValueError(f"max_clusters must be in 1..6 (6! = 720 orders), got {self.max_clusters}")
+
+    def build(self, model: ModelConfig, cost: CostModel) -> "Planner":
+        return Planner(self, model, cost)
+
+
+@dataclass
+class _Candidate:
+    mbs: int
+    packing: Packing
+    lat: Latencies
+    dag: CompiledSchedule
+    base_s: float
+    lower_bound_s: float
+    best_s: float = np.inf
+    order: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+
+
+class Planner:
+    """Plans iterations for one model, cost model and configuration (not thread-safe; one per thread)."""
+
+    def __init__(self, config: PlannerConfig, model: ModelConfig, cost: CostModel):
+        self.config = config
+        self.model = model
+        self.cost = cost
+        self.states = model_state_bytes(cost)
+        self.budget = config.memory_bytes * (1 - config.reserve)
+        fit = max_micro_batch_size(cost, config.max_seq_len, config.memory_bytes, reserve=config.reserve, limit=config.max_mbs)
+        if fit == 0:
+            raise ValueError(
+                f"no micro-batch size fits: model states need up to {self.states.max() / 2**30:.1f} GiB per GPU and "
+                f"one micro-batch of {config.max_seq_len} tokens does not fit in {self.budget / 2**30:.1f} GiB"
+            )
+        if config.mbs is not None and config.mbs > fit:
+            log.warning("mbs=%d exceeds the memory estimate's maximum of %d; using it as asked", config.mbs, fit)
+        self.max_mbs = fit
+        self.fixed_mbs = config.mbs or fit
+        self.last_mbs = self.fixed_mbs
+        self._dags: dict[tuple[int, bool], CompiledSchedule] = {}
+        self.encoder = model.encoder is not None
+
+    def _dag(self, m: int) -> CompiledSchedule:
+        key = (m, self.encoder)
+        if key not in self._dags:
+            self._dags[key] = compile_schedule(SCHEDULES[self.config.schedule](self.cost.num_stages, range(m), encoder=self.encoder))
+        return self._dags[key]
+
+    def _candidate(self, meta: BatchMeta, mbs: int, packer: PackerKind) -> _Candidate:
+        lengths = meta.table.lengths
+        packing = PackingConfig(packer=packer, mbs=mbs, max_seq_len=self.config.max_seq_len, seed=self.config.seed).build(self.model)(
+            lengths, meta.step
+        )
+        lat = Latencies.from_costs(self.cost.stage_costs(MicroBatchShapes.from_packing(meta.table, packing)))
+        dag = self._dag(packing.num_micro_batches)
+        identity = np.arange(packing.num_micro_batches)
+        base = float(evaluate(dag, lat, identity[None]).makespan[0])
+        c = _Candidate(mbs, packing, lat, dag, base, makespan_lower_bound(lat))
+        c.best_s, c.order, c.slots = base, identity, dag.encoder_slot.copy()
+        return c
+
+    def _fits(self, peaks: np.ndarray) -> np.ndarray:
+        return ((peaks + self.states[None, :]) <= self.budget).all(axis=1)
+
+    def _improve(self, c: _Candidate) -> None:
+        """Search orders and encoder placements for one packing (in place)."""
+        orders = candidate_orders(c.lat, self.config.max_clusters)
+        res = evaluate(c.dag, c.lat, orders, memory=True)
+        span = np.where(self._fits(res.peak_bytes), res.makespan, np.inf)
+        keep = np.argsort(span, kind="stable")[: self.config.top_orders]
+        cands, slots, spans = orders[keep], np.tile(c.dag.encoder_slot, (len(keep), 1)), span[keep]
+        if self.encoder and self.config.precompute:
+            moved_orders = np.repeat(cands, len(PRECOMPUTE_OVERFLOWS), axis=0)
+            overflows = np.tile(PRECOMPUTE_OVERFLOWS, len(keep))
+            moved = fill_gaps(c.dag, c.lat, moved_orders, overflows)
+            res = evaluate(c.dag, c.lat, moved_orders, moved, memory=True)
+            cands = np.vstack([cands, moved_orders])
+            slots = np.vstack([slots, moved])
+            spans = np.concatenate([spans, np.where(self._fits(res.peak_bytes), res.makespan, np.inf)])
+        k = int(np.argmin(spans))
+        if spans[k] < c.best_s:
+            c.best_s, c.order, c.slots = float(spans[k]), cands[k], slots[k]
+
+    def plan(self, meta: BatchMeta, *, deadline: float | None = None) -> IterationPlan:
+        """The plan for one batch; past ``deadline`` (``time.perf_counter()`` seconds) the fallback."""
+        t0 = time.perf_counter()
+        mode = self.config.mode
+        if mode is Mode.ORIGINAL:
+            cands = [self._candidate(meta, self.fixed_mbs, PackerKind.ORIGINAL)]
+            best = cands[0]
+        else:
+            sizes = range(1, self.max_mbs + 1) if mode is Mode.PIPETUNE else [self.fixed_mbs]
+            cands = []
+            for mbs in sizes:
+                if deadline is not None and time.perf_counter() > deadline:
+                    return self._fallback(meta, t0)
+                cands.append(self._candidate(meta, mbs, PackerKind.BALANCED))
+            best = min(cands, key=lambda c: c.best_s)
+            if mode in (Mode.REORDER, Mode.PIPETUNE):
+                for c in sorted(cands, key=lambda c: c.base_s)[: self.config.top_sizes]:
+                    if c.lower_bound_s >= best.best_s:
+                        continue
+                    if deadline is not None and time.perf_counter() > deadline:
+                        return self._fallback(meta, t0)
+                    self._improve(c)
+                    if c.best_s < best.best_s:
+                        best = c
+        self.last_mbs = best.mbs
+        bound = min(c.lower_bound_s for c in cands) if mode is Mode.PIPETUNE else best.lower_bound_s
+        return self._to_plan(meta, best, time.perf_counter() - t0, lower_bound_s=bound)
+
+    def _fallback(self, meta: BatchMeta, t0: float) -> IterationPlan:
+        c = self._candidate(meta, self.last_mbs, PackerKind.BALANCED)
+        log.warning("step %d: planning exceeded its time budget; using the balanced plan at mbs=%d", meta.step, c.mbs)
+        return self._to_plan(meta, c, time.perf_counter() - t0, lower_bound_s=c.lower_bound_s, fallback=True)
+
+    def _to_plan(self, meta: BatchMeta, c: _Candidate, search_s: float, *, lower_bound_s: float, fallback: bool = False) -> IterationPlan:
+        order = [int(x) for x in c.order]
+        table = SCHEDULES[self.config.schedule](self.cost.num_stages, order, encoder=self.encoder)
+        if self.encoder:
+            pos = c.dag.rank_position()
+            moved = {order[k]: int(pos[s]) for k, s in enumerate(c.slots) if s != c.dag.encoder_slot[k]}
+            table = place_encoders(table, moved)
+        peak = evaluate(c.dag, c.lat, c.order[None], c.slots[None], memory=True).peak_bytes[0]
+        ids = meta.table.ids
+        return IterationPlan(
+            step=meta.step,
+            mode=self.config.mode.value if not fallback else f"{self.config.mode.value}-fallback",
+            mbs=c.mbs,
+            max_seq_len=self.config.max_seq_len,
+            num_stages=self.cost.num_stages,
+            micro_batches=tuple(tuple(int(x) for x in ids[g]) for g in c.packing.groups()),
+            order=tuple(order),
+            ranks=tuple(tuple(str(a) for a in r) for r in table.ranks),
+            stage_rank=table.stage_rank,
+            encoder=self.encoder,
+            predicted_s=c.best_s,
+            lower_bound_s=lower_bound_s,
+            peak_bytes=tuple(float(x) for x in peak + self.states),
+            estimate=self.cost.table.estimate,
+            search_s=search_s,
+            fallback=fallback,
+        )
