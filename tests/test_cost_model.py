@@ -149,3 +149,33 @@ def test_calibration_recovers_known_scales(tiny):
         assert cal.scale(k) == pytest.approx(v, rel=0.03)
     assert 1.0 < cal.scale("head") <= 1.1
     assert table_from_dict(cal.to_dict()).scales == cal.scales
+
+
+def test_calibration_recovers_per_call_overheads(tiny):
+    layout = StageLayout.even(4, 2)
+    truth_table = simple_table(tiny)
+    from dataclasses import replace
+
+    truth = CostModel(replace(truth_table, overhead={"fwd_s": 2e-3, "bwd_s": 5e-3}), layout)
+    base = simple_table(tiny)
+    rng = np.random.default_rng(1)
+    obs = []
+    for _ in range(30):
+        sh = shapes_of([rng.integers(1, 100, size=int(rng.integers(1, 5))).tolist()], [0])
+        c = truth.stage_costs(sh)
+        for s in range(2):
+            obs.append(Observation(sh, float(c.fwd[0, s]), stage=s, part="fwd"))
+            obs.append(Observation(sh, float(c.bwd[0, s]), stage=s, part="bwd"))
+    cal, report = calibrate(base, CostModel(base, layout), obs)
+    assert cal.fixed("fwd") == pytest.approx(2e-3, rel=0.05) and cal.fixed("bwd") == pytest.approx(5e-3, rel=0.05)
+    assert report.mean_abs_pct_error_after < 1.0 < report.mean_abs_pct_error_before
+    assert table_from_dict(cal.to_dict()).overhead == cal.overhead
+
+
+def test_negative_overhead_is_refused(tiny):
+    raw = simple_table(tiny).to_dict()
+    raw["overhead"] = {"fwd_s": -1.0}
+    from pipetune.cost import LatencyTableError
+
+    with pytest.raises(LatencyTableError, match="overhead must hold"):
+        table_from_dict(raw)

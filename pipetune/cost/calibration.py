@@ -1,13 +1,20 @@
-"""Fit per-component scale factors of a latency table to a few measured times (DIP-style).
+"""Fit a latency table to measured times (DIP-style calibration).
 
-Each observation is a measured latency of one micro-batch on one stage (``kind="stage"``,
-forward + backward) or of the vision encoder (``kind="encoder"``, forward). Its prediction is a
-sum of table components (attention, rest, embedding, head, projector, encoder); we solve
-non-negative least squares for one factor per component, weighting each row by 1 / measured so the
-fit minimises relative error. A ridge term pulls every factor towards its current value
-(``RIDGE`` per component, in units of squared relative error): components that are a tiny part
-of every observation (the embedding, say) are not identifiable from timings and would otherwise
-take absurd factors. Components no observation exercises keep their factor.
+Each observation is a measured latency of one micro-batch: a stage's forward, backward or both
+(``part``), or the vision encoder's forward. Its prediction is linear in the unknowns: one scale
+factor per table component (attention, rest, embedding, head, projector, encoder) and the fixed
+seconds of a stage forward and of a stage backward call (runtime overhead the isolated profile
+cannot see). We solve non-negative least squares, weighting each row by 1 / measured so the fit
+minimises relative error, and re-weight it Huber-style (``HUBER_DELTA`` relative error) so a few
+timings hit by machine noise do not drag the fit. A ridge term pulls every unknown towards its current value (``RIDGE`` per
+unknown, in units of squared relative error; an overhead counts relative to the median measured
+time): an unknown that timings cannot identify (the embedding is a tiny part of every
+observation; a per-call overhead and the ``rest`` scale look alike when all micro-batches are
+the same size) would otherwise take an absurd value. Unknowns no observation exercises keep
+their value.
+
+Observations come from ``pipetune calibrate`` (isolated stage timings) or from the runtime's own
+action timelines (``torchtitan_patches.pipeline.calibrate``).
 """
 
 from __future__ import annotations
@@ -21,57 +28,71 @@ from pipetune.cost.cost_model import CostModel, MicroBatchShapes
 from pipetune.cost.table import CURVES, LatencyTable
 
 RIDGE = 0.05
+HUBER_DELTA = 0.1
+HUBER_ROUNDS = 4
+PARTS = {"fwd": ("fwd",), "bwd": ("bwd",), "fwd+bwd": ("fwd", "bwd")}
 
 
 @dataclass(frozen=True)
 class Observation:
-    """A measured latency (seconds) of micro-batch ``shapes`` (a single one) on ``stage``."""
+    """A measured latency (seconds) of micro-batch ``shapes`` (a single one): ``part`` of its
+    work on ``stage`` (``kind="stage"``) or its encoder forward (``kind="encoder"``)."""
 
     shapes: MicroBatchShapes
     seconds: float
     stage: int = 0
     kind: str = "stage"
+    part: str = "fwd+bwd"
 
 
 @dataclass(frozen=True)
 class CalibrationReport:
     scales: dict[str, float]
+    overhead: dict[str, float]
     mean_abs_pct_error_before: float
     mean_abs_pct_error_after: float
     observations: int
 
 
 def _design(cost: CostModel, observations: list[Observation]) -> tuple[np.ndarray, np.ndarray, list[str]]:
-    names = list(CURVES)
+    names = list(CURVES) + ["fwd_s", "bwd_s"]
     rows = []
     for obs in observations:
         parts, _ = cost.components(obs.shapes)
         if obs.kind == "encoder":
-            rows.append([parts[n]["fwd"][0, 0] if n == "encoder" else 0.0 for n in names])
-        else:
-            rows.append([0.0 if n == "encoder" else parts[n]["fwd"][0, obs.stage] + parts[n]["bwd"][0, obs.stage] for n in names])
+            rows.append([parts["encoder"]["fwd"][0, 0] if n == "encoder" else 0.0 for n in names])
+            continue
+        which = PARTS[obs.part]
+        row = [0.0 if n == "encoder" else sum(parts[n][w][0, obs.stage] for w in which) for n in CURVES]
+        rows.append(row + [float("fwd" in which), float("bwd" in which)])
     return np.asarray(rows), np.asarray([o.seconds for o in observations]), names
 
 
 def calibrate(table: LatencyTable, cost: CostModel, observations: list[Observation]) -> tuple[LatencyTable, CalibrationReport]:
-    """Return ``table`` with fitted ``scales`` and the error of its predictions before and after."""
+    """Return ``table`` with fitted scales and overheads, and the error before and after."""
     if not observations:
         raise ValueError("calibration needs at least one measured observation")
     X, y, names = _design(cost, observations)
     if (y <= 0).any():
         raise ValueError("calibration observations must have positive measured times")
-    before = np.array([table.scale(n) for n in names])
+    before = np.array([table.scale(n) for n in CURVES] + [table.fixed("fwd"), table.fixed("bwd")])
     used = np.flatnonzero(np.abs(X).sum(axis=0) > 0)
+    is_scale = used < len(CURVES)
+    prior = np.sqrt(RIDGE) * np.diag(np.where(is_scale, 1.0, 1.0 / np.median(y)))
     w = 1.0 / y
-    prior = np.sqrt(RIDGE) * np.eye(len(used))
-    A = np.vstack([X[:, used] * w[:, None], prior])
-    b = np.concatenate([y * w, prior @ before[used]])
-    fit, _ = nnls(A, b)
+    for _ in range(HUBER_ROUNDS):
+        A = np.vstack([X[:, used] * w[:, None], prior])
+        b = np.concatenate([y * w, prior @ before[used]])
+        fit, _ = nnls(A, b)
+        rel = np.abs(X[:, used] @ fit - y) / y
+        w = np.minimum(1.0, HUBER_DELTA / np.maximum(rel, 1e-12)) / y
     after = before.copy()
-    after[used] = np.where(fit > 0, fit, before[used])
+    after[used] = np.where((fit > 0) | ~is_scale, fit, before[used])
+
     def err(s: np.ndarray) -> float:
         return float(np.mean(np.abs(X @ s - y) / y) * 100)
 
-    scales = {n: float(v) for n, v in zip(names, after) if v != 1.0 or n in table.scales}
-    report = CalibrationReport(scales, err(before), err(after), len(observations))
-    return replace(table, scales=scales), report
+    scales = {n: float(v) for n, v in zip(CURVES, after) if v != 1.0 or n in table.scales}
+    overhead = {n: float(v) for n, v in zip(names[len(CURVES):], after[len(CURVES):]) if v > 0}
+    report = CalibrationReport(scales, overhead, err(before), err(after), len(observations))
+    return replace(table, scales=scales, overhead=overhead), report

@@ -11,7 +11,8 @@ Lookups interpolate linearly between grid points. Below the grid they take the f
 call never costs less than the smallest measured one; zero images cost nothing). Above it they
 scale the last point by the component's FLOPs growth (quadratic pair count for attention,
 linear otherwise) and are counted in ``StageCosts.extrapolated``. Every component is multiplied by
-its calibration scale (``LatencyTable.scales``).
+its calibration scale (``LatencyTable.scales``), and each stage call pays the table's fixed
+overhead (``LatencyTable.overhead``, zero unless calibrated).
 """
 
 from __future__ import annotations
@@ -151,6 +152,8 @@ class CostModel:
         parts, extrapolated = self.components(shapes)
         fwd = np.zeros((m, S))
         bwd = np.zeros((m, S))
+        fwd += self.table.fixed("fwd")
+        bwd += self.table.fixed("bwd")
         for name, p in parts.items():
             if name != "encoder":
                 fwd += self.table.scale(name) * p["fwd"]

@@ -8,7 +8,9 @@ File format (JSON, ``format = "pipetune.latency_table"``, ``version = 1``)::
      "memory": {"layer_bytes_per_token", "embedding_bytes_per_token", "head_bytes_per_token",
                 "image_feature_bytes", "projector_bytes_per_image"},
      "p2p": {"latency_s", "bytes_per_s"},
-     "scales": {component: factor}        # from calibration; 1.0 when absent
+     "scales": {component: factor},       # from calibration; 1.0 when absent
+     "overhead": {"fwd_s", "bwd_s"},      # fixed cost of one stage forward / backward call
+                                          # (from calibration; 0 when absent)
      "notes": [...]}
 
 Curves (seconds per call, per layer where it says so):
@@ -48,6 +50,7 @@ CURVES = {
     "encoder": "images",
 }
 TEXT_ONLY_OPTIONAL = ("projector", "encoder")
+OVERHEAD_KEYS = ("fwd_s", "bwd_s")
 MEMORY_KEYS = (
     "layer_bytes_per_token",
     "embedding_bytes_per_token",
@@ -87,6 +90,7 @@ class LatencyTable:
     torch_version: str = ""
     threads: int = 0
     scales: dict[str, float] = field(default_factory=dict)
+    overhead: dict[str, float] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
@@ -105,6 +109,7 @@ class LatencyTable:
             "memory": dict(self.memory),
             "p2p": dict(self.p2p),
             "scales": dict(self.scales),
+            "overhead": dict(self.overhead),
             "notes": list(self.notes),
         }
 
@@ -118,6 +123,10 @@ class LatencyTable:
 
     def scale(self, component: str) -> float:
         return float(self.scales.get(component, 1.0))
+
+    def fixed(self, which: str) -> float:
+        """Fixed seconds of one stage ``fwd`` or ``bwd`` call (runtime overhead found by calibration)."""
+        return float(self.overhead.get(f"{which}_s", 0.0))
 
 
 def load_latency_table(path: str | Path, *, model: ModelConfig | None = None, tp: int | None = None) -> LatencyTable:
@@ -181,6 +190,9 @@ def table_from_dict(raw: dict, *, where: str = "latency table") -> LatencyTable:
     bad = [k for k, v in scales.items() if not (math.isfinite(v) and v > 0) or k not in CURVES]
     if bad:
         fail(f"scales {bad} are not known components with a positive factor")
+    overhead = {k: float(v) for k, v in raw.get("overhead", {}).items()}
+    if any(k not in OVERHEAD_KEYS or not (math.isfinite(v) and v >= 0) for k, v in overhead.items()):
+        fail(f"overhead must hold {OVERHEAD_KEYS} as finite numbers >= 0, got {overhead}")
     tp = raw.get("tp", 1)
     if not isinstance(tp, int) or tp < 1:
         fail(f"tp must be a positive integer, got {tp!r}")
@@ -196,6 +208,7 @@ def table_from_dict(raw: dict, *, where: str = "latency table") -> LatencyTable:
         torch_version=str(raw.get("torch", "")),
         threads=int(raw.get("threads", 0)),
         scales=scales,
+        overhead=overhead,
         notes=tuple(raw.get("notes", ())),
     )
 

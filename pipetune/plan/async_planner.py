@@ -60,6 +60,11 @@ class AsyncPlanner:
             self._plans[meta.step] = plan
         return [list(mb) for mb in plan.micro_batches]
 
+    def plan(self, meta: BatchMeta) -> IterationPlan:
+        """``meta``'s plan, taken at once (for a caller that is both loader and training loop)."""
+        self(meta)
+        return self.pop(meta.step)
+
     def pop(self, step: int) -> IterationPlan:
         """The plan the loader used for ``step`` (each plan is handed out once)."""
         with self._lock:

@@ -5,6 +5,10 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
+from pipetune.cost.cost_model import MicroBatchShapes
+from pipetune.data.batch import BatchMeta
+from pipetune.packing.packing import Packing
+from pipetune.schedule.schedules import SCHEDULES, place_encoders
 from pipetune.schedule.table import Action, ScheduleTable
 
 PLAN_FORMAT = "pipetune.iteration_plan"
@@ -48,6 +52,12 @@ class IterationPlan:
 
     def sample_ids(self) -> list[int]:
         return [s for mb in self.micro_batches for s in mb]
+
+    def shapes(self, meta: BatchMeta) -> MicroBatchShapes:
+        """The cost model's view of this plan's micro-batches (``meta`` = the batch it packs)."""
+        row = {int(s): k for k, s in enumerate(meta.table.ids)}
+        packing = Packing.from_groups([[row[s] for s in mb] for mb in self.micro_batches], self.mbs * self.max_seq_len)
+        return MicroBatchShapes.from_packing(meta.table, packing)
 
     def table(self) -> ScheduleTable:
         return ScheduleTable(
@@ -103,3 +113,48 @@ class IterationPlan:
         except (KeyError, TypeError) as e:
             raise PlanError(f"iteration plan is malformed: {e}") from e
         return plan.validate()
+
+
+def build_plan(
+    *,
+    step: int,
+    micro_batches,
+    order,
+    num_stages: int,
+    encoder: bool,
+    mbs: int,
+    max_seq_len: int,
+    mode: str = "manual",
+    schedule: str = "1f1b",
+    encoder_before: dict[int, int] | None = None,
+    predicted_s: float = 0.0,
+    lower_bound_s: float = 0.0,
+    peak_bytes: tuple[float, ...] = (),
+    estimate: bool = False,
+    search_s: float = 0.0,
+    fallback: bool = False,
+) -> IterationPlan:
+    """A plan from its decisions: sample-id micro-batches, their order, encoder placements
+    (``encoder_before[mb]`` = position in stage 0's rank list, see ``place_encoders``)."""
+    order = [int(x) for x in order]
+    table = SCHEDULES[schedule](num_stages, order, encoder=encoder)
+    if encoder and encoder_before:
+        table = place_encoders(table, encoder_before)
+    return IterationPlan(
+        step=step,
+        mode=mode,
+        mbs=mbs,
+        max_seq_len=max_seq_len,
+        num_stages=num_stages,
+        micro_batches=tuple(tuple(int(x) for x in mb) for mb in micro_batches),
+        order=tuple(order),
+        ranks=tuple(tuple(str(a) for a in r) for r in table.ranks),
+        stage_rank=table.stage_rank,
+        encoder=encoder,
+        predicted_s=predicted_s,
+        lower_bound_s=lower_bound_s,
+        peak_bytes=tuple(peak_bytes),
+        estimate=estimate,
+        search_s=search_s,
+        fallback=fallback,
+    )

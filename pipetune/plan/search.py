@@ -26,6 +26,7 @@ same seed, same metadata, same plans (as long as no deadline hits).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -39,9 +40,9 @@ from pipetune.data.batch import BatchMeta
 from pipetune.packing.batch_packer import PackerKind, PackingConfig
 from pipetune.packing.packing import Packing
 from pipetune.plan.ordering import candidate_orders
-from pipetune.plan.plan import IterationPlan
+from pipetune.plan.plan import IterationPlan, build_plan
 from pipetune.plan.precompute import fill_gaps
-from pipetune.schedule.schedules import SCHEDULES, place_encoders
+from pipetune.schedule.schedules import SCHEDULES
 from pipetune.simulate.dag import CompiledSchedule, compile_schedule
 from pipetune.simulate.lower_bound import makespan_lower_bound
 from pipetune.simulate.simulator import Latencies, evaluate
@@ -104,7 +105,11 @@ class _Candidate:
 
 
 class Planner:
-    """Plans iterations for one model, cost model and configuration (not thread-safe; one per thread)."""
+    """Plans iterations for one model, cost model and configuration.
+
+    ``set_cost`` swaps in a recalibrated cost model between plans (thread-safe: a plan is made
+    with one cost model throughout).
+    """
 
     def __init__(self, config: PlannerConfig, model: ModelConfig, cost: CostModel):
         self.config = config
@@ -125,6 +130,14 @@ class Planner:
         self.last_mbs = self.fixed_mbs
         self._dags: dict[tuple[int, bool], CompiledSchedule] = {}
         self.encoder = model.encoder is not None
+        self._lock = threading.Lock()
+
+    def set_cost(self, cost: CostModel) -> None:
+        """Use ``cost`` from the next plan on (same model and stage layout; memory is not re-derived)."""
+        if cost.layout != self.cost.layout or cost.table.model != self.cost.table.model:
+            raise ValueError("set_cost needs a cost model of the same model and stage layout")
+        with self._lock:
+            self.cost = cost
 
     def _dag(self, m: int) -> CompiledSchedule:
         key = (m, self.encoder)
@@ -169,6 +182,10 @@ class Planner:
 
     def plan(self, meta: BatchMeta, *, deadline: float | None = None) -> IterationPlan:
         """The plan for one batch; past ``deadline`` (``time.perf_counter()`` seconds) the fallback."""
+        with self._lock:
+            return self._plan(meta, deadline)
+
+    def _plan(self, meta: BatchMeta, deadline: float | None) -> IterationPlan:
         t0 = time.perf_counter()
         mode = self.config.mode
         if mode is Mode.ORIGINAL:
@@ -202,24 +219,21 @@ class Planner:
 
     def _to_plan(self, meta: BatchMeta, c: _Candidate, search_s: float, *, lower_bound_s: float, fallback: bool = False) -> IterationPlan:
         order = [int(x) for x in c.order]
-        table = SCHEDULES[self.config.schedule](self.cost.num_stages, order, encoder=self.encoder)
-        if self.encoder:
-            pos = c.dag.rank_position()
-            moved = {order[k]: int(pos[s]) for k, s in enumerate(c.slots) if s != c.dag.encoder_slot[k]}
-            table = place_encoders(table, moved)
+        pos = c.dag.rank_position()
+        moved = {order[k]: int(pos[s]) for k, s in enumerate(c.slots) if s != c.dag.encoder_slot[k]}
         peak = evaluate(c.dag, c.lat, c.order[None], c.slots[None], memory=True).peak_bytes[0]
         ids = meta.table.ids
-        return IterationPlan(
+        return build_plan(
             step=meta.step,
             mode=self.config.mode.value if not fallback else f"{self.config.mode.value}-fallback",
             mbs=c.mbs,
             max_seq_len=self.config.max_seq_len,
             num_stages=self.cost.num_stages,
-            micro_batches=tuple(tuple(int(x) for x in ids[g]) for g in c.packing.groups()),
-            order=tuple(order),
-            ranks=tuple(tuple(str(a) for a in r) for r in table.ranks),
-            stage_rank=table.stage_rank,
+            micro_batches=[ids[g] for g in c.packing.groups()],
+            order=order,
             encoder=self.encoder,
+            schedule=self.config.schedule,
+            encoder_before=moved,
             predicted_s=c.best_s,
             lower_bound_s=lower_bound_s,
             peak_bytes=tuple(float(x) for x in peak + self.states),

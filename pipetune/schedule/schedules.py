@@ -80,8 +80,9 @@ SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe}
 
 
 def place_encoders(table: ScheduleTable, before: dict[int, int]) -> ScheduleTable:
-    """Pre-compute encoders: ``before[mb] = k`` runs ``0E{mb}`` right before the k-th non-encoder
-    action of stage 0's rank (it must still precede ``0F{mb}``); others stay where they are."""
+    """Pre-compute encoders: ``before[mb] = k`` runs ``0E{mb}`` before the k-th non-encoder action
+    of stage 0's rank (it must still precede ``0F{mb}``); others stay right before their forward.
+    Encoders moved to the same action run in forward order, ahead of that action's own encoder."""
     if not table.encoder:
         raise ScheduleError("this schedule has no encoder actions to place")
     rank0 = table.stage_rank[0]
@@ -93,6 +94,8 @@ def place_encoders(table: ScheduleTable, before: dict[int, int]) -> ScheduleTabl
         if not 0 <= target <= k:
             raise ScheduleError(f"encoder of micro-batch {mb} must run before its forward (position {k}), not at {target}")
         slots[target].append(Action(0, Op.ENCODER, mb))
+    for k, w in enumerate(work):  # moved encoders first, the slot's own one just before its forward
+        slots[k].sort(key=lambda e: fwd_pos[e.mb] == k)
     ranks = list(table.ranks)
     ranks[rank0] = tuple(a for k, w in enumerate(work) for a in (*slots[k], w))
     return ScheduleTable(

@@ -195,7 +195,7 @@ def simulate(table: ScheduleTable, lat: Latencies) -> SimResult:
         for n in sorted(set(dag.encoder_slot.tolist()) - {-1}):
             prev = dag.rank_prev[n]
             t = float(end[prev]) if prev >= 0 else 0.0
-            for mb in sorted(np.flatnonzero(dag.encoder_slot == n), key=lambda i: fwd_node[i]):
+            for mb in sorted(np.flatnonzero(dag.encoder_slot == n), key=lambda i: (fwd_node[i] == n, fwd_node[i])):
                 e = float(lat.encoder[mb])
                 timed.append(TimedAction(int(dag.rank[n]), Action(0, Op.ENCODER, int(mb)), t, t + e, precomputed=n != fwd_node[mb]))
                 t += e

@@ -1,0 +1,1 @@
+"""Execution of iteration plans on torch.distributed: executor, plan distribution, reference."""

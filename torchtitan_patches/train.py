@@ -1,0 +1,228 @@
+"""Train the VLM with per-iteration plans on a pipeline of ranks (``torchrun``; gloo on CPU).
+
+1. Calibration (``--calibrate-steps``, DIP-style): a few steps of balanced plans at every micro-batch
+   size; the measured per-action times fit the latency table's scales and per-call overheads.
+2. For each mode in ``--modes`` the job starts from the same initial weights and data and trains
+   ``--steps`` iterations; rank 0 plans them off the critical path and broadcasts the plans.
+   With ``--online-window W`` rank 0 refits the table to the last W steps after every step and
+   hands the result to the planner (online calibration), so predictions follow the machine.
+
+Per step it records the measured pipeline time (first action start to last action end over all
+ranks; optimizer and data loading excluded, as in PipeTune), the simulator's prediction, the loss
+and every rank's action timeline. Rank 0 prints a summary, writes ``summary.json`` and draws
+measured and simulated Gantt charts of one step per mode.
+
+    torchrun --nproc-per-node 2 -m torchtitan_patches.train --data DIR --latency-table T --out OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from pipetune.config import load_model_config
+from pipetune.cost import CostModel, StageLayout, load_latency_table
+from pipetune.packing import PackingConfig
+from pipetune.plan import Mode, PlannerConfig
+from pipetune.plan.async_planner import AsyncPlanner
+from pipetune.simulate import Latencies, TimedAction, simulate
+from pipetune.simulate.trace import write_trace
+from torchtitan_patches.cpu_allocator import retain_freed_memory
+from torchtitan_patches.data import DataLoaderConfig
+from torchtitan_patches.model.vlm import build_vlm, split_backbone
+from torchtitan_patches.pipeline.calibrate import OnlineCalibrator
+from torchtitan_patches.pipeline.executor import PlanExecutor
+from torchtitan_patches.pipeline.plan_channel import PlanChannel
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", required=True)
+    p.add_argument("--latency-table", required=True, help="latency table of this model on this device (pipetune profile)")
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--gbs", type=int, default=32)
+    p.add_argument("--max-seq-len", type=int, default=512)
+    p.add_argument("--max-mbs", type=int, default=4)
+    p.add_argument("--mbs", type=int, default=None, help="mbs of the fixed-size modes (default: --max-mbs)")
+    p.add_argument("--memory-gib", type=float, default=16.0, help="memory per rank the planner may use")
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--warmup-steps", type=int, default=2, help="first steps of each mode left out of the timing means")
+    p.add_argument("--calibrate-steps", type=int, default=8, help="steps of the calibration phase (0: none)")
+    p.add_argument("--online-window", type=int, default=8, help="steps the online calibration refits on (0: off)")
+    p.add_argument("--modes", default="original,pipetune", help="comma-separated; a repeated mode runs again (noise check)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data-seed", type=int, default=0, help="batch order seed (the calibration phase uses another)")
+    p.add_argument("--budget-s", type=float, default=None, help="planning time budget per step (default: none)")
+    p.add_argument("--plan-ahead", type=int, default=2,
+                   help="steps rank 0 plans ahead in its background thread (0: plan each step just before it runs)")
+    p.add_argument("--trace-step", type=int, default=5, help="step whose timelines are drawn")
+    p.add_argument("--out", required=True)
+    return p.parse_args(argv)
+
+
+class Job:
+    """One rank's part: model, stage, executor; ``run`` trains a sequence of planned steps."""
+
+    def __init__(self, args, rank: int, world: int):
+        self.args, self.rank, self.world = args, rank, world
+        self.model = load_model_config(args.model)
+        self.layout = StageLayout.even(self.model.backbone.n_layers, world)
+        self.cost = CostModel(load_latency_table(args.latency_table, model=self.model), self.layout)
+        window = args.online_window or args.calibrate_steps
+        self.calibrator = OnlineCalibrator(self.cost.table, self.cost, window) if rank == 0 and window else None
+
+    def run(self, make_planner, *, steps: int, data_seed: int, online: bool) -> list[dict]:
+        """Train ``steps`` steps from the initial weights; rank 0 returns per-step records.
+        Rank 0 refits the cost model after each step from step 1 on; ``online`` also hands it to
+        the planner."""
+        args = self.args
+        encoder, whole = build_vlm(self.model, max_seq_len=args.max_mbs * args.max_seq_len, seed=args.seed)
+        stage = split_backbone(whole, list(self.layout.layer_ranges))[self.rank]
+        executor = PlanExecutor({self.rank: stage}, encoder if self.rank == 0 else None, dim=self.model.backbone.dim, rank=self.rank)
+        opt = torch.optim.AdamW([p for p in stage.parameters() if p.requires_grad], lr=args.lr)
+        loader = DataLoaderConfig(data=args.data, gbs=args.gbs, max_seq_len=args.max_seq_len, seed=data_seed, max_steps=steps,
+                                  packing=PackingConfig(max_seq_len=args.max_seq_len)).build(self.model)
+        planner = make_planner(loader) if self.rank == 0 else None
+        channel = PlanChannel(planner.plan if isinstance(planner, AsyncPlanner) else planner)
+        loader.packing_source = channel
+        records = []
+        for batch in loader:
+            plan = channel.pop(batch.step)
+            res = executor.run(batch, plan)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            gathered = [None] * self.world
+            dist.all_gather_object(gathered, (res.start, res.end, res.loss, res.overhead_s, res.timeline))
+            if self.rank == 0:
+                start = min(g[0] for g in gathered)
+                timeline = [TimedAction(t.rank, t.action, t.start - start, t.end - start, t.precomputed) for g in gathered for t in g[4]]
+                meta = loader.meta(batch.step)
+                if self.calibrator is not None and batch.step > 0:  # step 0 pays one-off warm-up costs
+                    self.cost, _ = self.calibrator.update(timeline, plan, meta)
+                    if online and isinstance(planner, AsyncPlanner):
+                        planner.planner.set_cost(self.cost)
+                records.append({
+                    "step": batch.step,
+                    "measured_s": max(g[1] for g in gathered) - start,
+                    "predicted_s": plan.predicted_s,
+                    "loss": next(g[2] for g in gathered if g[2] is not None),
+                    "overhead_ms": 1e3 * max(g[3] for g in gathered),
+                    "micro_batches": plan.num_micro_batches,
+                    "mbs": plan.mbs,
+                    "search_ms": 1e3 * plan.search_s,
+                    "fallback": plan.fallback,
+                    "_plan": plan,
+                    "_meta": meta,
+                    "_timeline": timeline,
+                })
+        if isinstance(planner, AsyncPlanner):
+            planner.close()
+        return records
+
+    def planner_factory(self, mode: str):
+        args = self.args
+
+        def make(loader):
+            cfg = PlannerConfig(mode=mode, max_seq_len=args.max_seq_len, memory_bytes=args.memory_gib * 2**30,
+                                max_mbs=args.max_mbs, mbs=args.mbs or args.max_mbs, seed=args.seed)
+            return AsyncPlanner(cfg.build(self.model, self.cost), loader.meta, budget_s=args.budget_s, lookahead=args.plan_ahead)
+
+        return make
+
+    def calibration_planner(self, loader):
+        """Balanced plans cycling through every micro-batch size, so per-call costs are identifiable."""
+        args = self.args
+        planners = [
+            PlannerConfig(mode=Mode.BALANCED, max_seq_len=args.max_seq_len, memory_bytes=args.memory_gib * 2**30,
+                          max_mbs=args.max_mbs, mbs=k, seed=args.seed).build(self.model, self.cost)
+            for k in range(1, args.max_mbs + 1)
+        ]
+        return lambda meta: planners[meta.step % len(planners)].plan(meta)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    retain_freed_memory()
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    job = Job(args, rank, world)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.calibrate_steps:
+        job.run(job.calibration_planner, steps=args.calibrate_steps, data_seed=args.data_seed + 1, online=False)
+        if rank == 0:
+            job.cost.table.save(out / "calibrated_table.json")
+            print(f"calibration: {len(job.calibrator.steps)} steps; scales "
+                  + ", ".join(f"{k}={v:.2f}" for k, v in job.cost.table.scales.items())
+                  + "; per-call overhead " + ", ".join(f"{k}={v * 1e3:.2f} ms" for k, v in job.cost.table.overhead.items()))
+    summary = {}
+    for mode in args.modes.split(","):
+        records = job.run(job.planner_factory(mode), steps=args.steps, data_seed=args.data_seed, online=args.online_window > 0)
+        if rank == 0:
+            name = mode if mode not in summary else f"{mode}#{sum(k.split('#')[0] == mode for k in summary) + 1}"
+            summary[name] = summarise(records, args)
+            draw(records, name, job.cost, args, out, world)
+    if rank == 0:
+        report(summary, out, args)
+    dist.destroy_process_group()
+
+
+def summarise(records: list[dict], args) -> dict:
+    timed = [r for r in records if r["step"] >= args.warmup_steps]
+    measured = np.array([r["measured_s"] for r in timed])
+    predicted = np.array([r["predicted_s"] for r in timed])
+    return {
+        "measured_mean_s": float(measured.mean()),
+        "predicted_mean_s": float(predicted.mean()),
+        "mean_abs_pct_error": float(np.mean(np.abs(predicted - measured) / measured) * 100),
+        "losses": [r["loss"] for r in records],
+        "overhead_ms_mean": float(np.mean([r["overhead_ms"] for r in timed])),
+        "search_ms_p50": float(np.median([r["search_ms"] for r in records])),
+        "mbs": [r["mbs"] for r in records],
+        "steps": [{k: v for k, v in r.items() if not k.startswith("_")} for r in records],
+    }
+
+
+def draw(records: list[dict], mode: str, cost: CostModel, args, out: Path, world: int) -> None:
+    pick = next((r for r in records if r["step"] == args.trace_step), records[-1])
+    sim = simulate(pick["_plan"].table(), Latencies.from_costs(cost.stage_costs(pick["_plan"].shapes(pick["_meta"]))))
+    title = f"{mode}, step {pick['step']}"
+    for suffix in ("png", "json"):
+        write_trace(pick["_timeline"], out / f"{mode}_measured.{suffix}", title=f"{title}: measured on {world} gloo ranks")
+        write_trace(list(sim.actions), out / f"{mode}_simulated.{suffix}", title=f"{title}: simulated")
+
+
+def report(summary: dict, out: Path, args) -> None:
+    modes = list(summary)
+    if len(modes) > 1:
+        base = np.array(summary[modes[0]]["losses"])
+        summary["loss_max_abs_diff"] = {m: float(np.max(np.abs(np.array(summary[m]["losses"]) - base))) for m in modes[1:]}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(f"{args.steps} steps per mode, GBS {args.gbs}, max_seq_len {args.max_seq_len}; timing means skip "
+          f"{args.warmup_steps} warm-up steps")
+    print(f"{'mode':10} {'measured (s)':>12} {'simulated (s)':>13} {'|error|':>8} {'plan overhead':>14}  mbs chosen")
+    for m in modes:
+        s = summary[m]
+        values, counts = np.unique(s["mbs"], return_counts=True)
+        chosen = ", ".join(f"{v}: {c}" for v, c in zip(values, counts))
+        print(f"{m:10} {s['measured_mean_s']:12.3f} {s['predicted_mean_s']:13.3f} {s['mean_abs_pct_error']:7.1f}% "
+              f"{s['overhead_ms_mean']:11.1f} ms  {chosen}")
+    for m in modes[1:]:
+        cut = 1 - summary[m]["measured_mean_s"] / summary[modes[0]]["measured_mean_s"]
+        sim_cut = 1 - summary[m]["predicted_mean_s"] / summary[modes[0]]["predicted_mean_s"]
+        print(f"measured cut of {m} vs {modes[0]}: {cut:.1%} (simulated {sim_cut:.1%}); "
+              f"loss curves differ by at most {summary['loss_max_abs_diff'][m]:.2e}")
+    print(f"wrote {out}/summary.json and measured/simulated timelines per mode")
+
+
+if __name__ == "__main__":
+    main()
