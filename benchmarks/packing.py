@@ -61,7 +61,7 @@ def main() -> None:
             balanced = PackingConfig(packer="balanced", mbs=args.mbs, max_seq_len=args.max_seq_len).build(model)
             row[f"samples_per_s_gbs{gbs}"] = throughput(balanced, lengths, 3)
 
-            def with_lookup(_, step, stream=stream):
+            def with_lookup(_, step, stream=stream, table=table, balanced=balanced):
                 m = batch_meta(table, stream, step, tokens_per_image=model.tokens_per_image, max_seq_len=args.max_seq_len)
                 balanced(m.table.lengths, step)
 

@@ -60,3 +60,61 @@ def test_inconsistent_plans_fail_fast_with_a_clear_error(datamix2_dir, tmp_path)
     for r in (r0, r1):
         assert "ranks disagree about the plan or batch" in r["error"]
         assert "rank 0: " in r["error"] and "rank 1: " in r["error"]
+
+
+def test_several_stages_on_one_rank_hand_over_locally(datamix2_dir):
+    """World of one rank holding all four stages (as DIP's several chunks per rank): stage
+    boundaries on a rank pass tensors without messages, and gradients match the reference."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from pipetune.config import load_model_config
+    from pipetune.cost import StageLayout
+    from pipetune.packing import PackingConfig
+    from pipetune.plan.plan import IterationPlan
+    from pipetune.schedule import one_f_one_b
+    from torchtitan_patches.data import DataLoaderConfig
+    from torchtitan_patches.model.vlm import build_vlm, split_backbone
+    from torchtitan_patches.pipeline.executor import PlanExecutor
+    from torchtitan_patches.pipeline.reference import reference_step, whole_model_names
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        model = load_model_config("tiny")
+        encoder, whole = build_vlm(model, max_seq_len=1024, seed=0, attention_backend="sdpa")
+        stages = split_backbone(whole, list(StageLayout.even(4, 4).layer_ranges))
+        loader = DataLoaderConfig(data=datamix2_dir, gbs=8, max_seq_len=256, packing=PackingConfig(mbs=1, max_seq_len=256))
+        batch = next(iter(loader.build(model)))
+        m = len(batch.micro_batches)
+        table = one_f_one_b(4, list(range(m))[::-1], encoder=True)
+        merged = tuple(a for r in table.ranks for a in r)
+        plan = IterationPlan(step=0, mode="manual", mbs=1, max_seq_len=256, num_stages=4,
+                             micro_batches=tuple(tuple(x) for x in batch.sample_ids), order=tuple(range(m))[::-1],
+                             ranks=(tuple(str(a) for a in _serial(merged)),), stage_rank=(0, 0, 0, 0), encoder=True,
+                             predicted_s=0.0, lower_bound_s=0.0, peak_bytes=(), estimate=False).validate()
+        res = PlanExecutor(dict(enumerate(stages)), encoder, dim=model.backbone.dim, rank=0).run(batch, plan)
+        ref_encoder, ref_whole = build_vlm(model, max_seq_len=1024, seed=0, attention_backend="sdpa")
+        ref_loss = reference_step(ref_encoder, ref_whole, batch)
+        ref = dict(ref_whole.named_parameters())
+        for stage in stages:
+            for name, p in stage.named_parameters():
+                if p.grad is not None:
+                    torch.testing.assert_close(p.grad, ref[whole_model_names(stage)[name]].grad, rtol=1e-4, atol=1e-7)
+        assert res.loss == pytest.approx(ref_loss, rel=1e-5)
+    finally:
+        dist.destroy_process_group()
+
+
+def _serial(actions):
+    """One rank running four stages: every action once, each after what it depends on (GPipe-like)."""
+    from pipetune.schedule import Op
+
+    fwd = [a for a in actions if a.op is not Op.BACKWARD]
+    bwd = sorted((a for a in actions if a.op is Op.BACKWARD), key=lambda a: -a.stage)
+    return sorted(fwd, key=lambda a: (a.op is not Op.ENCODER, a.stage)) + bwd

@@ -1,7 +1,6 @@
 import json
 import time
 
-import numpy as np
 import pytest
 
 from pipetune.config import load_hardware, load_model_config

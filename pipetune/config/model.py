@@ -16,6 +16,14 @@ def _require(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
+def _check_shape(cfg, section: str, positive: tuple[str, ...], divides: tuple[str, str]) -> None:
+    """Every field in ``positive`` > 0, and ``divides[1]`` divides ``divides[0]``."""
+    for name in positive:
+        _require(getattr(cfg, name) > 0, f"{section}.{name} must be > 0, got {getattr(cfg, name)}")
+    a, b = divides
+    _require(getattr(cfg, a) % getattr(cfg, b) == 0, f"{section}.{a}={getattr(cfg, a)} is not divisible by {b}={getattr(cfg, b)}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class BackboneConfig:
     """LLaMA-style decoder: RMSNorm, GQA attention with RoPE, SwiGLU FFN, untied output head."""
@@ -30,9 +38,7 @@ class BackboneConfig:
     norm_eps: float = 1e-5
 
     def __post_init__(self) -> None:
-        for name in ("n_layers", "dim", "ffn_dim", "n_heads", "n_kv_heads", "vocab_size"):
-            _require(getattr(self, name) > 0, f"backbone.{name} must be > 0, got {getattr(self, name)}")
-        _require(self.dim % self.n_heads == 0, f"backbone.dim={self.dim} is not divisible by n_heads={self.n_heads}")
+        _check_shape(self, "backbone", ("n_layers", "dim", "ffn_dim", "n_heads", "n_kv_heads", "vocab_size"), ("dim", "n_heads"))
         _require(
             self.n_heads % self.n_kv_heads == 0,
             f"backbone.n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}",
@@ -73,9 +79,7 @@ class EncoderConfig:
     norm_eps: float = 1e-6
 
     def __post_init__(self) -> None:
-        for name in ("n_layers", "dim", "ffn_dim", "n_heads", "image_size", "patch_size", "channels"):
-            _require(getattr(self, name) > 0, f"encoder.{name} must be > 0, got {getattr(self, name)}")
-        _require(self.dim % self.n_heads == 0, f"encoder.dim={self.dim} is not divisible by n_heads={self.n_heads}")
+        _check_shape(self, "encoder", ("n_layers", "dim", "ffn_dim", "n_heads", "image_size", "patch_size", "channels"), ("dim", "n_heads"))
         _require(
             self.image_size % self.patch_size == 0,
             f"encoder.image_size={self.image_size} is not a multiple of patch_size={self.patch_size}",

@@ -94,7 +94,7 @@ def place_encoders(table: ScheduleTable, before: dict[int, int]) -> ScheduleTabl
         if not 0 <= target <= k:
             raise ScheduleError(f"encoder of micro-batch {mb} must run before its forward (position {k}), not at {target}")
         slots[target].append(Action(0, Op.ENCODER, mb))
-    for k, w in enumerate(work):  # moved encoders first, the slot's own one just before its forward
+    for k in range(len(work)):  # moved encoders first, the slot's own one just before its forward
         slots[k].sort(key=lambda e: fwd_pos[e.mb] == k)
     ranks = list(table.ranks)
     ranks[rank0] = tuple(a for k, w in enumerate(work) for a in (*slots[k], w))

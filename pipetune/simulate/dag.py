@@ -94,7 +94,7 @@ def compile_schedule(table: ScheduleTable) -> CompiledSchedule:
     rank = np.array([o[3] for o in order], np.int64)
     dep = np.full((n, 2), -1, np.int64)
     dep_comm = np.zeros((n, 2), bool)
-    for i, (_, s, _, r, deps) in enumerate(order):
+    for i, (_, _, _, r, deps) in enumerate(order):
         for j, d in enumerate(deps):
             dep[i, j] = done[d]
             dep_comm[i, j] = table.stage_rank[d[1]] != r

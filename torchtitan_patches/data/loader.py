@@ -56,7 +56,7 @@ class BatchSpec:
     groups: list[np.ndarray]
 
 
-def groups_from_ids(meta: BatchMeta, id_groups: list[list[int]], max_tokens: int | None = None) -> list[np.ndarray]:
+def groups_from_ids(meta: BatchMeta, id_groups: list[list[int]]) -> list[np.ndarray]:
     """Map sample-id groups to row positions, checking that they cover the batch exactly once."""
     pos = {int(sid): k for k, sid in enumerate(meta.table.ids.tolist())}
     seen = np.zeros(len(pos), dtype=np.int64)
@@ -70,10 +70,6 @@ def groups_from_ids(meta: BatchMeta, id_groups: list[list[int]], max_tokens: int
             raise ValueError(f"step {meta.step}: packing names sample id={e.args[0]}, which is not in this batch") from None
         seen[g] += 1
         groups.append(g)
-        if max_tokens is not None and meta.table.lengths[g].sum() > max_tokens:
-            raise ValueError(
-                f"step {meta.step}: micro-batch {j} holds {int(meta.table.lengths[g].sum())} tokens, over {max_tokens}"
-            )
     if (seen != 1).any():
         k = int(np.argmax(seen != 1))
         what = "misses" if seen[k] == 0 else "repeats"

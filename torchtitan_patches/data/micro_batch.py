@@ -129,7 +129,7 @@ def build_micro_batch(table: SampleTable, group: np.ndarray, contents: list[tupl
         offsets = table.offsets_of(k)
         pieces, is_text = [], []
         prev = 0
-        for j, off in enumerate(offsets.tolist()):
+        for off in offsets.tolist():
             pieces.append(ids[prev:off])
             is_text.append(np.ones(off - prev, bool))
             image_index.append(start + sum(len(p) for p in pieces) + np.arange(tpi))

@@ -38,6 +38,7 @@ from torchtitan_patches.data.micro_batch import GlobalBatch
 from torchtitan_patches.model.vlm import BackboneStage, VisionEncoder, token_loss_sum
 
 MAX_MICRO_BATCHES = 1 << 16
+OPS = {"E": Op.ENCODER, "F": Op.FORWARD, "B": Op.BACKWARD}
 
 
 class PlanMismatchError(PlanError):
@@ -104,88 +105,90 @@ class PlanExecutor:
         steps = lower(plan.table(), self.rank)
         overhead = time.perf_counter() - t0
         self.check_consistent(batch, plan, digest)
-        res = StepResult(start=time.perf_counter(), overhead_s=overhead)
+        st = _StepState(batch, plan, StepResult(start=time.perf_counter(), overhead_s=overhead))
         mbs = batch.micro_batches
-        recvs: dict[tuple[str, int, int], tuple[object, torch.Tensor]] = {}
-        sends = []
-        saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        local: dict[tuple[str, int, int], torch.Tensor] = {}
-        features: dict[int, torch.Tensor | None] = {}
-        last_stage = plan.num_stages - 1
-
-        def activation(i: int) -> torch.Tensor:
-            return torch.empty(1, mbs[i].num_tokens, self.dim, dtype=self.dtype)
-
-        ready = res.start  # when this rank could start on its next action (see the module doc)
-        for st in steps:
-            kind, s, i = st.kind, st.stage, st.mb
+        ready = st.res.start  # when this rank could start on its next action (see the module doc)
+        for step in steps:
+            kind, s, i = step.kind, step.stage, step.mb
             if kind.startswith("RECV_"):
-                buf = activation(i)
-                work = dist.irecv(buf, src=st.peer, group=self.group, tag=_tag(s, kind == "RECV_B", i))
-                recvs[(kind[-1], s, i)] = (work, buf)
+                buf = torch.empty(1, mbs[i].num_tokens, self.dim, dtype=self.dtype)
+                work = dist.irecv(buf, src=step.peer, group=self.group, tag=_tag(s, kind == "RECV_B", i))
+                st.recvs[(kind[-1], s, i)] = (work, buf)
             elif kind.startswith("WAIT_"):
-                work, _ = recvs[(kind[-1], s, i)]
                 waiting_from = time.perf_counter()
-                work.wait()
+                st.recvs[(kind[-1], s, i)][0].wait()
                 ready += time.perf_counter() - waiting_from
             elif kind.startswith("SEND_"):
                 if kind == "SEND_F":
-                    tensor = saved[(s, i)][1].detach().contiguous()
-                    tag = _tag(s + 1, False, i)
+                    tensor, tag = st.saved[(s, i)][1].detach().contiguous(), _tag(s + 1, False, i)
                 else:
-                    tensor = saved.pop((s, i))[0].grad.contiguous()
-                    tag = _tag(s - 1, True, i)
-                sends.append(dist.isend(tensor, dst=st.peer, group=self.group, tag=tag))
+                    tensor, tag = st.saved.pop((s, i))[0].grad.contiguous(), _tag(s - 1, True, i)
+                st.sends.append(dist.isend(tensor, dst=step.peer, group=self.group, tag=tag))
             else:
                 if kind == "E":
                     with torch.no_grad():
-                        features[i] = self.encoder(mbs[i].pixel_values.to(self.dtype)) if mbs[i].num_images else None
+                        st.features[i] = self.encoder(mbs[i].pixel_values.to(self.dtype)) if mbs[i].num_images else None
                 elif kind == "F":
-                    self._forward(s, i, batch, plan, recvs, local, features, saved, res, last_stage)
+                    self._forward(st, s, i)
                 else:
-                    self._backward(s, i, plan, recvs, local, saved, last_stage)
-                op = {"E": Op.ENCODER, "F": Op.FORWARD, "B": Op.BACKWARD}[kind]
+                    self._backward(st, s, i)
                 done = time.perf_counter()
-                res.timeline.append(TimedAction(self.rank, Action(s, op, i), ready, done))
+                st.res.timeline.append(TimedAction(self.rank, Action(s, OPS[kind], i), ready, done))
                 ready = done
-        for w in sends:
+        for w in st.sends:
             w.wait()
+        res = st.res
         res.end = time.perf_counter()
         precomputed = _precomputed(plan, self.rank)
         res.timeline = [TimedAction(t.rank, t.action, t.start, t.end, precomputed=t.action in precomputed) for t in res.timeline]
         return res
 
-    def _forward(self, s, i, batch, plan, recvs, local, features, saved, res, last_stage) -> None:
-        mb = batch.micro_batches[i]
+    def _forward(self, st: "_StepState", s: int, i: int) -> None:
+        mb = st.batch.micro_batches[i]
         stage = self.stages[s]
         kwargs = {"positions": mb.positions[None], "cu_seqlens": mb.cu_seqlens}
         if stage.is_first:
             x = mb.tokens[None]
-            if plan.encoder:
-                kwargs.update(image_features=features.pop(i), image_token_index=mb.image_token_index)
+            if st.plan.encoder:
+                kwargs.update(image_features=st.features.pop(i), image_token_index=mb.image_token_index)
         else:
-            x = local.pop(("F", s, i)) if ("F", s, i) in local else recvs.pop(("F", s, i))[1]
+            x = st.local.pop(("F", s, i)) if ("F", s, i) in st.local else st.recvs.pop(("F", s, i))[1]
             x.requires_grad_(True)
         y = stage(x, **kwargs)
-        if s == last_stage:
-            loss = token_loss_sum(y, mb.labels[None]) / batch.num_label_tokens
-            res.losses[i] = float(loss.detach())
+        if s == st.plan.num_stages - 1:
+            loss = token_loss_sum(y, mb.labels[None]) / st.batch.num_label_tokens
+            st.res.losses[i] = float(loss.detach())
             y = loss
-        elif plan.stage_rank[s + 1] == self.rank:
-            local[("F", s + 1, i)] = y.detach()
-        saved[(s, i)] = (x, y)
+        elif st.plan.stage_rank[s + 1] == self.rank:
+            st.local[("F", s + 1, i)] = y.detach()
+        st.saved[(s, i)] = (x, y)
 
-    def _backward(self, s, i, plan, recvs, local, saved, last_stage) -> None:
-        x, y = saved[(s, i)]
-        if s == last_stage:
+    def _backward(self, st: "_StepState", s: int, i: int) -> None:
+        x, y = st.saved[(s, i)]
+        if s == st.plan.num_stages - 1:
             y.backward()
         else:
-            grad = local.pop(("B", s, i)) if ("B", s, i) in local else recvs.pop(("B", s, i))[1]
+            grad = st.local.pop(("B", s, i)) if ("B", s, i) in st.local else st.recvs.pop(("B", s, i))[1]
             torch.autograd.backward(y, grad)
-        if s > 0 and plan.stage_rank[s - 1] == self.rank:
-            local[("B", s - 1, i)] = saved.pop((s, i))[0].grad
+        if s > 0 and st.plan.stage_rank[s - 1] == self.rank:
+            st.local[("B", s - 1, i)] = st.saved.pop((s, i))[0].grad
         elif s == 0:
-            saved.pop((s, i))
+            st.saved.pop((s, i))
+
+
+@dataclass
+class _StepState:
+    """What one step keeps between actions: posted receives, pending sends, saved activations for
+    backward, same-rank hand-overs between stages, encoder features waiting for their forward."""
+
+    batch: GlobalBatch
+    plan: IterationPlan
+    res: StepResult
+    recvs: dict = field(default_factory=dict)
+    sends: list = field(default_factory=list)
+    saved: dict = field(default_factory=dict)
+    local: dict = field(default_factory=dict)
+    features: dict = field(default_factory=dict)
 
 
 def _precomputed(plan: IterationPlan, rank: int) -> set[Action]:
