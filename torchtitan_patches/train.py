@@ -2,10 +2,11 @@
 
 1. Calibration (``--calibrate-steps``, DIP-style): a few steps of balanced plans at every micro-batch
    size; the measured per-action times fit the latency table's scales and per-call overheads.
-2. For each mode in ``--modes`` the job starts from the same initial weights and data and trains
-   ``--steps`` iterations; rank 0 plans them off the critical path and broadcasts the plans.
-   With ``--online-window W`` rank 0 refits the table to the last W steps after every step and
-   hands the result to the planner (online calibration), so predictions follow the machine.
+2. Every mode in ``--modes`` trains ``--steps`` iterations from the same initial weights and data;
+   the modes run in lockstep (step t of each, back to back) so that drifting machine speed does
+   not favour one of them. Rank 0 plans off the critical path and broadcasts the plans. With
+   ``--online-window W`` rank 0 refits the table to the last W steps of each mode after every
+   step and hands the result to the planners (online calibration).
 
 Per step it records the measured pipeline time (first action start to last action end over all
 ranks; optimizer and data loading excluded, as in PipeTune), the simulator's prediction, the loss
@@ -76,56 +77,71 @@ class Job:
         self.model = load_model_config(args.model)
         self.layout = StageLayout.even(self.model.backbone.n_layers, world)
         self.cost = CostModel(load_latency_table(args.latency_table, model=self.model), self.layout)
-        window = args.online_window or args.calibrate_steps
+        window = max(args.online_window * len(args.modes.split(",")), args.calibrate_steps)
         self.calibrator = OnlineCalibrator(self.cost.table, self.cost, window) if rank == 0 and window else None
 
-    def run(self, make_planner, *, steps: int, data_seed: int, online: bool) -> list[dict]:
-        """Train ``steps`` steps from the initial weights; rank 0 returns per-step records.
-        Rank 0 refits the cost model after each step from step 1 on; ``online`` also hands it to
-        the planner."""
+    def run(self, make_planners: dict, *, steps: int, data_seed: int, online: bool) -> dict[str, list[dict]]:
+        """Train ``steps`` steps of every run in ``make_planners`` (name -> planner factory), each
+        from the initial weights, in lockstep: step t of every run back to back, so that drift in
+        machine speed hits all runs alike. Rank 0 returns per-step records per run; it refits the
+        cost model after each step from step 1 on, and ``online`` also hands it to the planners."""
+        runs = {name: self._start(make, data_seed, steps) for name, make in make_planners.items()}
+        records: dict[str, list[dict]] = {name: [] for name in runs}
+        iters = {name: iter(r["loader"]) for name, r in runs.items()}
+        for _ in range(steps):
+            for name, r in runs.items():
+                batch = next(iters[name])
+                rec = self._step(r, batch, online)
+                if rec is not None:
+                    records[name].append(rec)
+        for r in runs.values():
+            if isinstance(r["planner"], AsyncPlanner):
+                r["planner"].close()
+        return records
+
+    def _start(self, make_planner, data_seed: int, steps: int) -> dict:
         args = self.args
         encoder, whole = build_vlm(self.model, max_seq_len=args.max_mbs * args.max_seq_len, seed=args.seed)
         stage = split_backbone(whole, list(self.layout.layer_ranges))[self.rank]
         executor = PlanExecutor({self.rank: stage}, encoder if self.rank == 0 else None, dim=self.model.backbone.dim, rank=self.rank)
-        opt = torch.optim.AdamW([p for p in stage.parameters() if p.requires_grad], lr=args.lr)
         loader = DataLoaderConfig(data=args.data, gbs=args.gbs, max_seq_len=args.max_seq_len, seed=data_seed, max_steps=steps,
                                   packing=PackingConfig(max_seq_len=args.max_seq_len)).build(self.model)
         planner = make_planner(loader) if self.rank == 0 else None
         channel = PlanChannel(planner.plan if isinstance(planner, AsyncPlanner) else planner)
         loader.packing_source = channel
-        records = []
-        for batch in loader:
-            plan = channel.pop(batch.step)
-            res = executor.run(batch, plan)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            gathered = [None] * self.world
-            dist.all_gather_object(gathered, (res.start, res.end, res.loss, res.overhead_s, res.timeline))
-            if self.rank == 0:
-                start = min(g[0] for g in gathered)
-                timeline = [TimedAction(t.rank, t.action, t.start - start, t.end - start, t.precomputed) for g in gathered for t in g[4]]
-                meta = loader.meta(batch.step)
-                if self.calibrator is not None and batch.step > 0:  # step 0 pays one-off warm-up costs
-                    self.cost, _ = self.calibrator.update(timeline, plan, meta)
-                    if online and isinstance(planner, AsyncPlanner):
-                        planner.planner.set_cost(self.cost)
-                records.append({
-                    "step": batch.step,
-                    "measured_s": max(g[1] for g in gathered) - start,
-                    "predicted_s": plan.predicted_s,
-                    "loss": next(g[2] for g in gathered if g[2] is not None),
-                    "overhead_ms": 1e3 * max(g[3] for g in gathered),
-                    "micro_batches": plan.num_micro_batches,
-                    "mbs": plan.mbs,
-                    "search_ms": 1e3 * plan.search_s,
-                    "fallback": plan.fallback,
-                    "_plan": plan,
-                    "_meta": meta,
-                    "_timeline": timeline,
-                })
-        if isinstance(planner, AsyncPlanner):
-            planner.close()
-        return records
+        opt = torch.optim.AdamW([p for p in stage.parameters() if p.requires_grad], lr=args.lr)
+        return {"executor": executor, "opt": opt, "loader": loader, "planner": planner, "channel": channel}
+
+    def _step(self, r: dict, batch, online: bool) -> dict | None:
+        plan = r["channel"].pop(batch.step)
+        res = r["executor"].run(batch, plan)
+        r["opt"].step()
+        r["opt"].zero_grad(set_to_none=True)
+        gathered = [None] * self.world
+        dist.all_gather_object(gathered, (res.start, res.end, res.loss, res.overhead_s, res.timeline))
+        if self.rank != 0:
+            return None
+        start = min(g[0] for g in gathered)
+        timeline = [TimedAction(t.rank, t.action, t.start - start, t.end - start, t.precomputed) for g in gathered for t in g[4]]
+        meta = r["loader"].meta(batch.step)
+        if self.calibrator is not None and batch.step > 0:  # step 0 pays one-off warm-up costs
+            self.cost, _ = self.calibrator.update(timeline, plan, meta)
+            if online and isinstance(r["planner"], AsyncPlanner):
+                r["planner"].planner.set_cost(self.cost)
+        return {
+            "step": batch.step,
+            "measured_s": max(g[1] for g in gathered) - start,
+            "predicted_s": plan.predicted_s,
+            "loss": next(g[2] for g in gathered if g[2] is not None),
+            "overhead_ms": 1e3 * max(g[3] for g in gathered),
+            "micro_batches": plan.num_micro_batches,
+            "mbs": plan.mbs,
+            "search_ms": 1e3 * plan.search_s,
+            "fallback": plan.fallback,
+            "_plan": plan,
+            "_meta": meta,
+            "_timeline": timeline,
+        }
 
     def planner_factory(self, mode: str):
         args = self.args
@@ -158,17 +174,20 @@ def main(argv=None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.calibrate_steps:
-        job.run(job.calibration_planner, steps=args.calibrate_steps, data_seed=args.data_seed + 1, online=False)
+        job.run({"calibration": job.calibration_planner}, steps=args.calibrate_steps, data_seed=args.data_seed + 1, online=False)
         if rank == 0:
             job.cost.table.save(out / "calibrated_table.json")
             print(f"calibration: {len(job.calibrator.steps)} steps; scales "
                   + ", ".join(f"{k}={v:.2f}" for k, v in job.cost.table.scales.items())
                   + "; per-call overhead " + ", ".join(f"{k}={v * 1e3:.2f} ms" for k, v in job.cost.table.overhead.items()))
-    summary = {}
+    names: dict[str, str] = {}
     for mode in args.modes.split(","):
-        records = job.run(job.planner_factory(mode), steps=args.steps, data_seed=args.data_seed, online=args.online_window > 0)
-        if rank == 0:
-            name = mode if mode not in summary else f"{mode}#{sum(k.split('#')[0] == mode for k in summary) + 1}"
+        names[mode if mode not in names else f"{mode}#{sum(n.split('#')[0] == mode for n in names) + 1}"] = mode
+    runs = job.run({name: job.planner_factory(mode) for name, mode in names.items()}, steps=args.steps,
+                   data_seed=args.data_seed, online=args.online_window > 0)
+    summary = {}
+    if rank == 0:
+        for name, records in runs.items():
             summary[name] = summarise(records, args)
             draw(records, name, job.cost, args, out, world)
     if rank == 0:
