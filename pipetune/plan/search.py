@@ -6,8 +6,8 @@ For one batch's metadata, ``pipetune`` mode:
    ``pipetune.cost.memory``), unless fixed;
 2. for each: balance-pack (Alg. 1), estimate stage latencies, time the packing order (the
    ``balanced`` plan at that size);
-3. visit sizes from the best so far; skip a size whose lower bound cannot beat the best plan;
-   otherwise evaluate the cluster-permutation orders in one vectorised simulator call, take the
+3. visit the ``top_sizes`` sizes whose packing order is fastest, best first; skip a size whose
+   lower bound cannot beat the best plan so far; otherwise evaluate the cluster-permutation orders in one vectorised simulator call, take the
    ``top_orders`` best, give each encoder pre-computation placements (strict and overflowing gap
    filling), evaluate them with memory, and keep the fastest plan that fits in memory;
 4. return the best as an ``IterationPlan``, with the lower bound of every size searched (so the
