@@ -92,10 +92,6 @@ class SampleTable:
         """Packed sequence length of each sample (text + image tokens)."""
         return self.text_tokens + self.num_images * self.tokens_per_image
 
-    @property
-    def image_tokens(self) -> np.ndarray:
-        return self.num_images * self.tokens_per_image
-
     def offsets_of(self, i: int) -> np.ndarray:
         return self.image_offsets[self.image_ptr[i] : self.image_ptr[i + 1]]
 

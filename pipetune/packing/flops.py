@@ -91,7 +91,3 @@ class FlopsModel:
         factor = 1.0 + (BACKWARD_FACTOR if trained else 0.0)
         return factor * self.vit_forward_per_image() * np.asarray(num_images, dtype=np.float64)
 
-
-def micro_batch_flops(weights: np.ndarray, assignment: np.ndarray, num_micro_batches: int) -> np.ndarray:
-    """Sum per-document ``weights`` into their micro-batches (``assignment[i]`` = micro-batch of doc i)."""
-    return np.bincount(assignment, weights=weights, minlength=num_micro_batches)

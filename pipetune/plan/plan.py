@@ -93,7 +93,8 @@ class IterationPlan:
         return json.dumps({"format": PLAN_FORMAT, "version": PLAN_VERSION, **asdict(self)})
 
     @classmethod
-    def from_json(cls, text: str) -> "IterationPlan":
+    def from_json(cls, text: str, batch_ids=None) -> "IterationPlan":
+        """Parse and validate (against the batch's sample ids, when given)."""
         raw = json.loads(text)
         if raw.get("format") != PLAN_FORMAT or raw.get("version") != PLAN_VERSION:
             raise PlanError(f"not a version-{PLAN_VERSION} pipetune iteration plan")
@@ -112,7 +113,7 @@ class IterationPlan:
             )
         except (KeyError, TypeError) as e:
             raise PlanError(f"iteration plan is malformed: {e}") from e
-        return plan.validate()
+        return plan.validate(batch_ids)
 
 
 def build_plan(

@@ -47,11 +47,6 @@ class Latencies:
     def uniform(cls, m: int, S: int, t_f: float, t_b: float, *, t_e: float = 0.0, p2p: float = 0.0) -> "Latencies":
         return cls(np.full((m, S), t_f), np.full((m, S), t_b), np.full(m, t_e), np.full(m, p2p), np.zeros((m, S)), np.zeros(m))
 
-    def take(self, order) -> "Latencies":
-        """Rows reordered: row k of the result is micro-batch ``order[k]``."""
-        o = np.asarray(order)
-        return Latencies(self.fwd[o], self.bwd[o], self.encoder[o], self.p2p[o], self.activation_bytes[o], self.image_feature_bytes[o])
-
 
 def _per_node(slots: np.ndarray, values: np.ndarray, N: int) -> np.ndarray:
     """``[N, C]`` sums of ``values[c, k]`` over the ``k`` with ``slots[c, k] == n`` (-1: nowhere)."""

@@ -129,10 +129,10 @@ def build_micro_batch(table: SampleTable, group: np.ndarray, contents: list[tupl
         offsets = table.offsets_of(k)
         pieces, is_text = [], []
         prev = 0
-        for off in offsets.tolist():
+        for j, off in enumerate(offsets.tolist()):
             pieces.append(ids[prev:off])
             is_text.append(np.ones(off - prev, bool))
-            image_index.append(start + sum(len(p) for p in pieces) + np.arange(tpi))
+            image_index.append(start + off + j * tpi + np.arange(tpi))  # off text tokens and j images precede it
             pieces.append(np.full(tpi, IMAGE_TOKEN_ID, np.int64))
             is_text.append(np.zeros(tpi, bool))
             prev = off

@@ -33,7 +33,7 @@ class PlanChannel:
         if self.planner is not None:
             box[0] = self.planner(meta).to_json()
         dist.broadcast_object_list(box, src=self.src, group=self.group)
-        plan = IterationPlan.from_json(box[0]).validate(meta.table.ids)
+        plan = IterationPlan.from_json(box[0], batch_ids=meta.table.ids)
         if plan.step != meta.step:
             raise PlanError(f"rank {self.rank} asked for step {meta.step} but received the plan of step {plan.step}")
         self._plans[meta.step] = plan
