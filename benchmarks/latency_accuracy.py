@@ -4,7 +4,8 @@
 2. For each data mix draw ``--per-mix`` random packed micro-batches (balanced packing of random
    batches at a random mbs in 1..4, max_seq_len 512) and build their tensors with the dataloader.
 3. Split the model into ``--stages`` pipeline stages; time forward + backward of every
-   micro-batch on every stage (median of repeats), and the encoder's forward.
+   micro-batch on every stage, and the encoder's forward: medians over ``--passes`` passes through
+   all micro-batches of a mix.
 4. Print, per mix and stage and overall: mean absolute % error of the table's prediction and the
    Spearman rank correlation. Then fit calibration scales on the first ``--calib`` micro-batches of
    each mix and report the error on the rest before and after.
@@ -51,7 +52,7 @@ def main() -> None:
     ap.add_argument("--per-mix", type=int, default=50)
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--calib", type=int, default=8, help="micro-batches per mix used to fit calibration")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--passes", type=int, default=5)
     args = ap.parse_args()
     torch.set_num_threads(1)
     model = load_model_config("tiny")
@@ -63,13 +64,15 @@ def main() -> None:
         table = run_profile(model, cfg, work / "tiny_cpu.json", progress=False)
     layout = StageLayout.even(model.backbone.n_layers, args.stages)
     cost = CostModel(table, layout)
-    timer = StageTimer(model, layout, max_seq_len=4 * MAX_SEQ_LEN, repeats=args.repeats)
+    timer = StageTimer(model, layout, max_seq_len=4 * MAX_SEQ_LEN)
 
     per_mix = {}
     for k, mix in enumerate(("datamix1", "datamix2", "datamix3")):
         write_dataset(make_mix(mix, 5000, seed=k), work / mix, {"seed": k})
         samples = sample_micro_batches(model, work / mix, args.per_mix, max_seq_len=MAX_SEQ_LEN, seed=k)
-        per_mix[mix] = (observe(timer, samples[: args.calib]), observe(timer, samples[args.calib :]))
+        obs = observe(timer, samples, passes=args.passes)
+        calib_shapes = {id(shapes) for shapes, _ in samples[: args.calib]}
+        per_mix[mix] = ([o for o in obs if id(o.shapes) in calib_shapes], [o for o in obs if id(o.shapes) not in calib_shapes])
 
     print(f"table: {table.device}, {table.dtype}, threads={table.threads}; model tiny; {args.stages} stages; "
           f"{args.per_mix} micro-batches per mix (max_seq_len {MAX_SEQ_LEN}, mbs 1..4)")

@@ -17,7 +17,7 @@ from pipetune.cost.calibration import Observation
 from pipetune.cost.cost_model import MicroBatchShapes
 from pipetune.cost.layout import StageLayout
 from pipetune.packing.batch_packer import PackingConfig
-from profiling.timing import Clock, fwd_bwd_medians
+from profiling.timing import Clock, fwd_bwd_sample
 from torchtitan_patches.cpu_allocator import retain_freed_memory
 from torchtitan_patches.data.loader import DataLoaderConfig
 from torchtitan_patches.data.micro_batch import PackedMicroBatch
@@ -25,24 +25,22 @@ from torchtitan_patches.model.vlm import build_vlm, split_backbone, token_loss_s
 
 
 class StageTimer:
-    def __init__(self, model: ModelConfig, layout: StageLayout, *, max_seq_len: int, warmup: int = 1, repeats: int = 5, seed: int = 0):
+    """Times stages and the encoder on real packed micro-batches, one sample per call."""
+
+    def __init__(self, model: ModelConfig, layout: StageLayout, *, max_seq_len: int, seed: int = 0):
         retain_freed_memory()
         self.encoder, whole = build_vlm(model, max_seq_len=max_seq_len, seed=seed, attention_backend="sdpa")
         self.stages = split_backbone(whole, list(layout.layer_ranges))
         self.dim = model.backbone.dim
         self.clock = Clock(torch.device("cpu"))
-        self.warmup, self.repeats = warmup, repeats
-
-    def _time(self, make, fwd, backward=True) -> tuple[float, float]:
-        return fwd_bwd_medians(self.clock, make, fwd, backward=backward, warmup=self.warmup, repeats=self.repeats)
 
     def encoder_seconds(self, mb: PackedMicroBatch) -> float:
         if self.encoder is None or mb.num_images == 0:
             return 0.0
-        return self._time(lambda: (mb.pixel_values,), self.encoder, backward=False)[0]
+        return fwd_bwd_sample(self.clock, lambda: (mb.pixel_values,), self.encoder, backward=False)[0]
 
     def stage_seconds(self, mb: PackedMicroBatch, stage: int) -> tuple[float, float]:
-        """Median (forward, backward) seconds of ``mb`` on ``stage``."""
+        """(forward, backward) seconds of ``mb`` on ``stage``."""
         mod = self.stages[stage]
         kwargs = {"positions": mb.positions[None], "cu_seqlens": mb.cu_seqlens}
         if mod.is_first:
@@ -66,7 +64,7 @@ class StageTimer:
             def run(x):
                 return mod(x, **kwargs)
 
-        return self._time(make, run)
+        return fwd_bwd_sample(self.clock, make, run, backward=True)
 
 
 def sample_micro_batches(
@@ -89,13 +87,26 @@ def sample_micro_batches(
     return out
 
 
-def observe(timer: StageTimer, samples) -> list[Observation]:
-    """Measured stage (forward + backward) and encoder times of each sample, as calibration input."""
+def observe(timer: StageTimer, samples, *, passes: int = 5, warmup: int = 1) -> list[Observation]:
+    """Measured stage (forward + backward) and encoder times of each sample, as calibration input:
+    medians over ``passes`` timed passes through all samples (after ``warmup`` untimed ones), so a
+    slow spell of the machine hits one sample of many micro-batches rather than all samples of a
+    few of them."""
+    if passes < 1:
+        raise ValueError(f"passes must be >= 1, got {passes}")
+    runs = []
+    for k in range(warmup + passes):
+        times = []
+        for _, mb in samples:
+            times += [sum(timer.stage_seconds(mb, s)) for s in range(len(timer.stages))]
+            times.append(timer.encoder_seconds(mb))
+        if k >= warmup:
+            runs.append(times)
+    med = iter(np.median(np.asarray(runs), axis=0))
     obs = []
     for shapes, mb in samples:
-        for s in range(len(timer.stages)):
-            f, b = timer.stage_seconds(mb, s)
-            obs.append(Observation(shapes, f + b, stage=s))
+        obs += [Observation(shapes, float(next(med)), stage=s) for s in range(len(timer.stages))]
+        enc = float(next(med))
         if mb.num_images and timer.encoder is not None:
-            obs.append(Observation(shapes, timer.encoder_seconds(mb), kind="encoder"))
+            obs.append(Observation(shapes, enc, kind="encoder"))
     return obs

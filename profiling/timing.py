@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Callable
 
@@ -45,20 +44,6 @@ def fwd_bwd_sample(clock: Clock, make_inputs: Callable[[], tuple], forward: Call
     clock.sync()
     _, tb = clock.measure(lambda: out.backward(grad))
     return tf, tb
-
-
-def fwd_bwd_medians(
-    clock: Clock,
-    make_inputs: Callable[[], tuple],
-    forward: Callable[..., torch.Tensor],
-    *,
-    backward: bool,
-    warmup: int,
-    repeats: int,
-) -> tuple[float, float]:
-    """Median forward and backward seconds over ``repeats`` samples after ``warmup`` untimed ones."""
-    samples = [fwd_bwd_sample(clock, make_inputs, forward, backward=backward) for _ in range(warmup + repeats)][warmup:]
-    return statistics.median(s[0] for s in samples), statistics.median(s[1] for s in samples)
 
 
 def saved_activation_bytes(fn: Callable[[], torch.Tensor], module: torch.nn.Module) -> int:

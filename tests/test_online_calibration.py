@@ -10,7 +10,7 @@ from pipetune.cost import CostModel, StageLayout, analytical_table
 from pipetune.data import BatchStream, batch_meta, make_mix
 from pipetune.plan import PlannerConfig
 from pipetune.simulate import Latencies, simulate
-from torchtitan_patches.pipeline.calibrate import OnlineCalibrator, timeline_observations
+from torchtitan_patches.pipeline.calibrate import MeasuredStep, OnlineCalibrator, held_out_times, timeline_observations
 
 
 @pytest.fixture(scope="module")
@@ -48,21 +48,52 @@ def test_observations_sum_forward_and_backward_per_micro_batch_and_stage(setup):
 
 def test_online_calibration_converges_to_the_machine(setup):
     base, truth, metas, planner = setup
-    cal = OnlineCalibrator(base.table, base, window=4)
+    cal = OnlineCalibrator(base.table, base.layout, window=4)
     errors = []
     for meta in metas:
         plan = planner.plan(meta)
         true_span = simulate(plan.table(), Latencies.from_costs(truth.stage_costs(plan.shapes(meta)))).makespan
         errors.append(abs(plan.predicted_s - true_span) / true_span)
-        cost, report = cal.update(measured(plan, meta, truth), plan, meta)
+        cost, report = cal.update(MeasuredStep.from_timeline(measured(plan, meta, truth), plan, meta, true_span))
         planner.set_cost(cost)
     # similar-sized micro-batches cannot tell the rest scale from a per-call overhead apart, so
     # the check is on what calibration is for: predicted iteration times
     assert errors[0] > 0.1 and max(errors[2:]) < 0.02
     assert cost.table.scale("rest") > 1.05 and len(cal.steps) == 4
+    assert report.makespan_factor == pytest.approx(1.0, abs=0.02)
+
+
+def test_iteration_time_beyond_the_action_times_is_learnt(setup):
+    """Jitter makes real iterations longer than a simulation of their typical action times; the
+    calibrated model must predict the iteration times that were measured, not the shorter ones."""
+    base, truth, metas, planner = setup
+    cal = OnlineCalibrator(base.table, base.layout, window=4)
+    for meta in metas[:4]:
+        plan = planner.plan(meta)
+        span = simulate(plan.table(), Latencies.from_costs(truth.stage_costs(plan.shapes(meta)))).makespan
+        cost, report = cal.update(MeasuredStep.from_timeline(measured(plan, meta, truth), plan, meta, 1.06 * span))
+    plan = planner.plan(metas[4])
+    span = simulate(plan.table(), Latencies.from_costs(truth.stage_costs(plan.shapes(metas[4])))).makespan
+    predicted = simulate(plan.table(), Latencies.from_costs(cost.stage_costs(plan.shapes(metas[4])))).makespan
+    assert report.makespan_factor == pytest.approx(1.06, abs=0.02)
+    assert predicted == pytest.approx(1.06 * span, rel=0.02)
 
 
 def test_set_cost_refuses_another_layout(setup):
     base, _, _, planner = setup
     with pytest.raises(ValueError, match="same model and stage layout"):
         planner.set_cost(CostModel(base.table, StageLayout.even(32, 4)))
+
+
+def test_held_out_times_predict_each_step_from_the_others(setup):
+    base, truth, metas, planner = setup
+    steps, spans = [], []
+    for meta in metas:
+        plan = planner.plan(meta)
+        spans.append(simulate(plan.table(), Latencies.from_costs(truth.stage_costs(plan.shapes(meta)))).makespan)
+        steps.append(MeasuredStep.from_timeline(measured(plan, meta, truth), plan, meta, spans[-1]))
+    held_out = held_out_times(base, steps)
+    assert all(abs(p - t) / t < 0.02 for p, t in zip(held_out, spans))
+    # a second run of a plan must not inform its own prediction, which leaves nothing to fit here
+    with pytest.raises(ValueError, match="at least two different plans"):
+        held_out_times(base, [steps[0], steps[0]])

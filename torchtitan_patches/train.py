@@ -9,8 +9,9 @@
    step and hands the result to the planners (online calibration).
 
 Per step it records the measured pipeline time (first action start to last action end over all
-ranks; optimizer and data loading excluded, as in PipeTune), the simulator's prediction, the loss
-and every rank's action timeline. Rank 0 prints a summary, writes ``summary.json`` and draws
+ranks; optimizer and data loading excluded, as in PipeTune; with ``--timing-rounds R`` the median
+of R runs of the step's plan, see ``Job.run``), the simulator's prediction, the loss and every
+rank's action timeline. Rank 0 prints a summary, writes ``summary.json`` and draws
 measured and simulated Gantt charts of one step per mode.
 
     torchrun --nproc-per-node 2 -m torchtitan_patches.train --data DIR --latency-table T --out OUT
@@ -38,7 +39,7 @@ from pipetune.simulate.trace import write_trace
 from torchtitan_patches.cpu_allocator import retain_freed_memory
 from torchtitan_patches.data import DataLoaderConfig
 from torchtitan_patches.model.vlm import build_vlm, split_backbone
-from torchtitan_patches.pipeline.calibrate import OnlineCalibrator
+from torchtitan_patches.pipeline.calibrate import MeasuredStep, OnlineCalibrator, distinct_plans, held_out_times
 from torchtitan_patches.pipeline.executor import PlanExecutor
 from torchtitan_patches.pipeline.plan_channel import PlanChannel
 
@@ -64,9 +65,15 @@ def parse_args(argv=None):
     p.add_argument("--budget-s", type=float, default=None, help="planning time budget per step (default: none)")
     p.add_argument("--plan-ahead", type=int, default=2,
                    help="steps rank 0 plans ahead in its background thread (0: plan each step just before it runs)")
+    p.add_argument("--timing-rounds", type=int, default=1,
+                   help="after training, run every step's plan again until it has this many timed runs; a step's time is "
+                        "their median (the timing benchmark's noise control)")
     p.add_argument("--trace-step", type=int, default=5, help="step whose timelines are drawn")
     p.add_argument("--out", required=True)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.timing_rounds < 1:
+        p.error(f"--timing-rounds must be >= 1, got {args.timing_rounds}")
+    return args
 
 
 class Job:
@@ -76,28 +83,60 @@ class Job:
         self.args, self.rank, self.world = args, rank, world
         self.model = load_model_config(args.model)
         self.layout = StageLayout.even(self.model.backbone.n_layers, world)
-        self.cost = CostModel(load_latency_table(args.latency_table, model=self.model), self.layout)
+        self.profiled = CostModel(load_latency_table(args.latency_table, model=self.model), self.layout)
+        self.cost = self.profiled
         window = max(args.online_window * len(args.modes.split(",")), args.calibrate_steps)
-        self.calibrator = OnlineCalibrator(self.cost.table, self.cost, window) if rank == 0 and window else None
+        self.calibrator = OnlineCalibrator(self.cost.table, self.layout, window) if rank == 0 and window else None
 
-    def run(self, make_planners: dict, *, steps: int, data_seed: int, online: bool) -> dict[str, list[dict]]:
+    def run(self, make_planners: dict, *, steps: int, data_seed: int, online: bool, rounds: int = 1) -> dict[str, list[dict]]:
         """Train ``steps`` steps of every run in ``make_planners`` (name -> planner factory), each
         from the initial weights, in lockstep: step t of every run back to back, so that drift in
         machine speed hits all runs alike. Rank 0 returns per-step records per run; it refits the
-        cost model after each step from step 1 on, and ``online`` also hands it to the planners."""
+        cost model after each step from step 1 on, and ``online`` also hands it to the planners.
+
+        With ``rounds > 1`` every step's plan is then run again, ``rounds - 1`` more times, in the
+        same lockstep order (timing only: gradients are discarded), and a step's measured time is
+        the median over the rounds. Repeats minutes apart sample the machine's slow and fast spells
+        alike, which back-to-back repeats do not."""
         runs = {name: self._start(make, data_seed, steps) for name, make in make_planners.items()}
         records: dict[str, list[dict]] = {name: [] for name in runs}
+        done: list[tuple[str, object, object]] = []
         iters = {name: iter(r["loader"]) for name, r in runs.items()}
         for _ in range(steps):
             for name, r in runs.items():
                 batch = next(iters[name])
-                rec = self._step(r, batch, online)
+                plan = r["channel"].pop(batch.step)
+                rec = self._step(r, batch, plan, online)
+                done.append((name, batch, plan))
                 if rec is not None:
                     records[name].append(rec)
         for r in runs.values():
             if isinstance(r["planner"], AsyncPlanner):
                 r["planner"].close()
+        for _ in range(rounds - 1):
+            for k, (name, batch, plan) in enumerate(done):
+                res = runs[name]["executor"].run(batch, plan)
+                runs[name]["opt"].zero_grad(set_to_none=True)
+                timed = self._gather_timing(res)
+                if timed is not None:
+                    rec = records[name][k // len(runs)]
+                    rec["measured_runs_s"].append(timed[0])
+                    rec["_timelines"].append(timed[1])
+        for rec in (rec for recs in records.values() for rec in recs):
+            rec["measured_s"] = float(np.median(rec["measured_runs_s"]))
         return records
+
+    def _gather_timing(self, res, extra=()) -> tuple | None:
+        """On rank 0: (iteration time from the first action start to the last action end over all
+        ranks, every rank's timeline relative to that start, then ``extra`` of every rank); None
+        elsewhere."""
+        gathered = [None] * self.world
+        dist.all_gather_object(gathered, (res.start, res.end, res.timeline, *extra))
+        if self.rank != 0:
+            return None
+        start = min(g[0] for g in gathered)
+        timeline = [TimedAction(t.rank, t.action, t.start - start, t.end - start, t.precomputed) for g in gathered for t in g[2]]
+        return max(g[1] for g in gathered) - start, timeline, [g[3:] for g in gathered]
 
     def _start(self, make_planner, data_seed: int, steps: int) -> dict:
         args = self.args
@@ -112,35 +151,32 @@ class Job:
         opt = torch.optim.AdamW([p for p in stage.parameters() if p.requires_grad], lr=args.lr)
         return {"executor": executor, "opt": opt, "loader": loader, "planner": planner, "channel": channel}
 
-    def _step(self, r: dict, batch, online: bool) -> dict | None:
-        plan = r["channel"].pop(batch.step)
+    def _step(self, r: dict, batch, plan, online: bool) -> dict | None:
         res = r["executor"].run(batch, plan)
         r["opt"].step()
         r["opt"].zero_grad(set_to_none=True)
-        gathered = [None] * self.world
-        dist.all_gather_object(gathered, (res.start, res.end, res.loss, res.overhead_s, res.timeline))
-        if self.rank != 0:
+        timed = self._gather_timing(res, (res.loss, res.overhead_s))
+        if timed is None:
             return None
-        start = min(g[0] for g in gathered)
-        timeline = [TimedAction(t.rank, t.action, t.start - start, t.end - start, t.precomputed) for g in gathered for t in g[4]]
+        measured, timeline, extra = timed
         meta = r["loader"].meta(batch.step)
         if self.calibrator is not None and batch.step > 0:  # step 0 pays one-off warm-up costs
-            self.cost, _ = self.calibrator.update(timeline, plan, meta)
+            self.cost, _ = self.calibrator.update(MeasuredStep.from_timeline(timeline, plan, meta, measured))
             if online and isinstance(r["planner"], AsyncPlanner):
                 r["planner"].planner.set_cost(self.cost)
         return {
             "step": batch.step,
-            "measured_s": max(g[1] for g in gathered) - start,
+            "measured_runs_s": [measured],
             "predicted_s": plan.predicted_s,
-            "loss": next(g[2] for g in gathered if g[2] is not None),
-            "overhead_ms": 1e3 * max(g[3] for g in gathered),
+            "loss": next(loss for loss, _ in extra if loss is not None),
+            "overhead_ms": 1e3 * max(overhead for _, overhead in extra),
             "micro_batches": plan.num_micro_batches,
             "mbs": plan.mbs,
             "search_ms": 1e3 * plan.search_s,
             "fallback": plan.fallback,
             "_plan": plan,
             "_meta": meta,
-            "_timeline": timeline,
+            "_timelines": [timeline],
         }
 
     def planner_factory(self, mode: str):
@@ -184,25 +220,38 @@ def main(argv=None) -> None:
     for mode in args.modes.split(","):
         names[mode if mode not in names else f"{mode}#{sum(n.split('#')[0] == mode for n in names) + 1}"] = mode
     runs = job.run({name: job.planner_factory(mode) for name, mode in names.items()}, steps=args.steps,
-                   data_seed=args.data_seed, online=args.online_window > 0)
-    summary = {}
+                   data_seed=args.data_seed, online=args.online_window > 0, rounds=args.timing_rounds)
     if rank == 0:
+        add_held_out(runs, job.profiled)
+        summary = {name: summarise(records, args) for name, records in runs.items()}
         for name, records in runs.items():
-            summary[name] = summarise(records, args)
             draw(records, name, job.cost, args, out, world)
-    if rank == 0:
         report(summary, out, args)
     dist.destroy_process_group()
+
+
+def add_held_out(runs: dict[str, list[dict]], profiled: CostModel) -> None:
+    """``held_out_s`` of every step after the first: its simulated time under the profiled table
+    calibrated on the runs of all the other plans of all modes (``held_out_times``; every timing
+    round, like the measured time)."""
+    recs = [r for records in runs.values() for r in records if r["step"] > 0]
+    steps = [MeasuredStep.from_timelines(r["_timelines"], r["_plan"], r["_meta"], r["measured_s"]) for r in recs]
+    if distinct_plans(steps) < 2:
+        return
+    for r, t in zip(recs, held_out_times(profiled, steps)):
+        r["held_out_s"] = t
 
 
 def summarise(records: list[dict], args) -> dict:
     timed = [r for r in records if r["step"] >= args.warmup_steps]
     measured = np.array([r["measured_s"] for r in timed])
     predicted = np.array([r["predicted_s"] for r in timed])
+    held = np.array([(r["held_out_s"], r["measured_s"]) for r in timed if "held_out_s" in r]).reshape(-1, 2)
     return {
         "measured_mean_s": float(measured.mean()),
         "predicted_mean_s": float(predicted.mean()),
         "mean_abs_pct_error": float(np.mean(np.abs(predicted - measured) / measured) * 100),
+        "held_out_mean_abs_pct_error": float(np.mean(np.abs(held[:, 0] - held[:, 1]) / held[:, 1]) * 100) if len(held) else None,
         "losses": [r["loss"] for r in records],
         "overhead_ms_mean": float(np.mean([r["overhead_ms"] for r in timed])),
         "search_ms_p50": float(np.median([r["search_ms"] for r in records])),
@@ -216,7 +265,7 @@ def draw(records: list[dict], mode: str, cost: CostModel, args, out: Path, world
     sim = simulate(pick["_plan"].table(), Latencies.from_costs(cost.stage_costs(pick["_plan"].shapes(pick["_meta"]))))
     title = f"{mode}, step {pick['step']}"
     for suffix in ("png", "json"):
-        write_trace(pick["_timeline"], out / f"{mode}_measured.{suffix}", title=f"{title}: measured on {world} gloo ranks")
+        write_trace(pick["_timelines"][0], out / f"{mode}_measured.{suffix}", title=f"{title}: measured on {world} gloo ranks")
         write_trace(list(sim.actions), out / f"{mode}_simulated.{suffix}", title=f"{title}: simulated")
 
 
@@ -228,13 +277,16 @@ def report(summary: dict, out: Path, args) -> None:
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"{args.steps} steps per mode, GBS {args.gbs}, max_seq_len {args.max_seq_len}; timing means skip "
           f"{args.warmup_steps} warm-up steps")
-    print(f"{'mode':10} {'measured (s)':>12} {'simulated (s)':>13} {'|error|':>8} {'plan overhead':>14}  mbs chosen")
+    print(f"{'mode':10} {'measured (s)':>12} {'simulated (s)':>13} {'|error|':>8} {'held out':>9} {'plan overhead':>14}  mbs chosen")
     for m in modes:
         s = summary[m]
         values, counts = np.unique(s["mbs"], return_counts=True)
         chosen = ", ".join(f"{v}: {c}" for v, c in zip(values, counts))
-        print(f"{m:10} {s['measured_mean_s']:12.3f} {s['predicted_mean_s']:13.3f} {s['mean_abs_pct_error']:7.1f}% "
+        held = "" if s["held_out_mean_abs_pct_error"] is None else f"{s['held_out_mean_abs_pct_error']:.1f}%"
+        print(f"{m:10} {s['measured_mean_s']:12.3f} {s['predicted_mean_s']:13.3f} {s['mean_abs_pct_error']:7.1f}% {held:>9} "
               f"{s['overhead_ms_mean']:11.1f} ms  {chosen}")
+    print("simulated = the planner's prediction before the step ran; held out = simulated under the profiled table "
+          "calibrated on the runs of every other plan")
     for m in modes[1:]:
         cut = 1 - summary[m]["measured_mean_s"] / summary[modes[0]]["measured_mean_s"]
         sim_cut = 1 - summary[m]["predicted_mean_s"] / summary[modes[0]]["predicted_mean_s"]

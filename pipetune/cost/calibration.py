@@ -52,6 +52,7 @@ class CalibrationReport:
     mean_abs_pct_error_before: float
     mean_abs_pct_error_after: float
     observations: int
+    makespan_factor: float = 1.0
 
 
 def _design(cost: CostModel, observations: list[Observation]) -> tuple[np.ndarray, np.ndarray, list[str]]:
