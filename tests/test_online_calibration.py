@@ -9,8 +9,7 @@ from pipetune.config import load_hardware, load_model_config
 from pipetune.cost import CostModel, StageLayout, analytical_table
 from pipetune.data import BatchStream, batch_meta, make_mix
 from pipetune.plan import PlannerConfig
-from pipetune.simulate import Latencies, simulate
-from torchtitan_patches.pipeline.calibrate import MeasuredStep, OnlineCalibrator, held_out_times, timeline_observations
+from torchtitan_patches.pipeline.calibrate import MeasuredStep, OnlineCalibrator, held_out_times, simulate_plan, timeline_observations
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +27,7 @@ def setup():
 
 def measured(plan, meta, truth):
     """A timeline as the runtime would record it if the machine behaved like ``truth``."""
-    return list(simulate(plan.table(), Latencies.from_costs(truth.stage_costs(plan.shapes(meta)))).actions)
+    return list(simulate_plan(truth, plan, meta).actions)
 
 
 def test_observations_sum_forward_and_backward_per_micro_batch_and_stage(setup):
@@ -52,9 +51,9 @@ def test_online_calibration_converges_to_the_machine(setup):
     errors = []
     for meta in metas:
         plan = planner.plan(meta)
-        true_span = simulate(plan.table(), Latencies.from_costs(truth.stage_costs(plan.shapes(meta)))).makespan
+        true_span = simulate_plan(truth, plan, meta).makespan
         errors.append(abs(plan.predicted_s - true_span) / true_span)
-        cost, report = cal.update(MeasuredStep.from_timeline(measured(plan, meta, truth), plan, meta, true_span))
+        cost, report = cal.update(MeasuredStep.from_timelines(base, [measured(plan, meta, truth)], plan, meta, true_span))
         planner.set_cost(cost)
     # similar-sized micro-batches cannot tell the rest scale from a per-call overhead apart, so
     # the check is on what calibration is for: predicted iteration times
@@ -70,11 +69,11 @@ def test_iteration_time_beyond_the_action_times_is_learnt(setup):
     cal = OnlineCalibrator(base.table, base.layout, window=4)
     for meta in metas[:4]:
         plan = planner.plan(meta)
-        span = simulate(plan.table(), Latencies.from_costs(truth.stage_costs(plan.shapes(meta)))).makespan
-        cost, report = cal.update(MeasuredStep.from_timeline(measured(plan, meta, truth), plan, meta, 1.06 * span))
+        span = simulate_plan(truth, plan, meta).makespan
+        cost, report = cal.update(MeasuredStep.from_timelines(base, [measured(plan, meta, truth)], plan, meta, 1.06 * span))
     plan = planner.plan(metas[4])
-    span = simulate(plan.table(), Latencies.from_costs(truth.stage_costs(plan.shapes(metas[4])))).makespan
-    predicted = simulate(plan.table(), Latencies.from_costs(cost.stage_costs(plan.shapes(metas[4])))).makespan
+    span = simulate_plan(truth, plan, metas[4]).makespan
+    predicted = simulate_plan(cost, plan, metas[4]).makespan
     assert report.makespan_factor == pytest.approx(1.06, abs=0.02)
     assert predicted == pytest.approx(1.06 * span, rel=0.02)
 
@@ -90,8 +89,8 @@ def test_held_out_times_predict_each_step_from_the_others(setup):
     steps, spans = [], []
     for meta in metas:
         plan = planner.plan(meta)
-        spans.append(simulate(plan.table(), Latencies.from_costs(truth.stage_costs(plan.shapes(meta)))).makespan)
-        steps.append(MeasuredStep.from_timeline(measured(plan, meta, truth), plan, meta, spans[-1]))
+        spans.append(simulate_plan(truth, plan, meta).makespan)
+        steps.append(MeasuredStep.from_timelines(base, [measured(plan, meta, truth)], plan, meta, spans[-1]))
     held_out = held_out_times(base, steps)
     assert all(abs(p - t) / t < 0.02 for p, t in zip(held_out, spans))
     # a second run of a plan must not inform its own prediction, which leaves nothing to fit here

@@ -34,12 +34,12 @@ from pipetune.cost import CostModel, StageLayout, load_latency_table
 from pipetune.packing import PackingConfig
 from pipetune.plan import Mode, PlannerConfig
 from pipetune.plan.async_planner import AsyncPlanner
-from pipetune.simulate import Latencies, TimedAction, simulate
+from pipetune.simulate import TimedAction
 from pipetune.simulate.trace import write_trace
 from torchtitan_patches.cpu_allocator import retain_freed_memory
 from torchtitan_patches.data import DataLoaderConfig
 from torchtitan_patches.model.vlm import build_vlm, split_backbone
-from torchtitan_patches.pipeline.calibrate import MeasuredStep, OnlineCalibrator, distinct_plans, held_out_times
+from torchtitan_patches.pipeline.calibrate import MeasuredStep, OnlineCalibrator, distinct_plans, held_out_times, simulate_plan
 from torchtitan_patches.pipeline.executor import PlanExecutor
 from torchtitan_patches.pipeline.plan_channel import PlanChannel
 
@@ -100,26 +100,25 @@ class Job:
         alike, which back-to-back repeats do not."""
         runs = {name: self._start(make, data_seed, steps) for name, make in make_planners.items()}
         records: dict[str, list[dict]] = {name: [] for name in runs}
-        done: list[tuple[str, object, object]] = []
+        done: list[tuple[str, object, object, dict | None]] = []
         iters = {name: iter(r["loader"]) for name, r in runs.items()}
         for _ in range(steps):
             for name, r in runs.items():
                 batch = next(iters[name])
                 plan = r["channel"].pop(batch.step)
                 rec = self._step(r, batch, plan, online)
-                done.append((name, batch, plan))
+                done.append((name, batch, plan, rec))
                 if rec is not None:
                     records[name].append(rec)
         for r in runs.values():
             if isinstance(r["planner"], AsyncPlanner):
                 r["planner"].close()
         for _ in range(rounds - 1):
-            for k, (name, batch, plan) in enumerate(done):
+            for name, batch, plan, rec in done:
                 res = runs[name]["executor"].run(batch, plan)
                 runs[name]["opt"].zero_grad(set_to_none=True)
                 timed = self._gather_timing(res)
                 if timed is not None:
-                    rec = records[name][k // len(runs)]
                     rec["measured_runs_s"].append(timed[0])
                     rec["_timelines"].append(timed[1])
         for rec in (rec for recs in records.values() for rec in recs):
@@ -161,7 +160,7 @@ class Job:
         measured, timeline, extra = timed
         meta = r["loader"].meta(batch.step)
         if self.calibrator is not None and batch.step > 0:  # step 0 pays one-off warm-up costs
-            self.cost, _ = self.calibrator.update(MeasuredStep.from_timeline(timeline, plan, meta, measured))
+            self.cost, _ = self.calibrator.update(MeasuredStep.from_timelines(self.profiled, [timeline], plan, meta, measured))
             if online and isinstance(r["planner"], AsyncPlanner):
                 r["planner"].planner.set_cost(self.cost)
         return {
@@ -235,7 +234,7 @@ def add_held_out(runs: dict[str, list[dict]], profiled: CostModel) -> None:
     calibrated on the runs of all the other plans of all modes (``held_out_times``; every timing
     round, like the measured time)."""
     recs = [r for records in runs.values() for r in records if r["step"] > 0]
-    steps = [MeasuredStep.from_timelines(r["_timelines"], r["_plan"], r["_meta"], r["measured_s"]) for r in recs]
+    steps = [MeasuredStep.from_timelines(profiled, r["_timelines"], r["_plan"], r["_meta"], r["measured_s"]) for r in recs]
     if distinct_plans(steps) < 2:
         return
     for r, t in zip(recs, held_out_times(profiled, steps)):
@@ -262,7 +261,7 @@ def summarise(records: list[dict], args) -> dict:
 
 def draw(records: list[dict], mode: str, cost: CostModel, args, out: Path, world: int) -> None:
     pick = next((r for r in records if r["step"] == args.trace_step), records[-1])
-    sim = simulate(pick["_plan"].table(), Latencies.from_costs(cost.stage_costs(pick["_plan"].shapes(pick["_meta"]))))
+    sim = simulate_plan(cost, pick["_plan"], pick["_meta"])
     title = f"{mode}, step {pick['step']}"
     for suffix in ("png", "json"):
         write_trace(pick["_timelines"][0], out / f"{mode}_measured.{suffix}", title=f"{title}: measured on {world} gloo ranks")

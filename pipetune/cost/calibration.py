@@ -55,25 +55,47 @@ class CalibrationReport:
     makespan_factor: float = 1.0
 
 
-def _design(cost: CostModel, observations: list[Observation]) -> tuple[np.ndarray, np.ndarray, list[str]]:
-    names = list(CURVES) + ["fwd_s", "bwd_s"]
-    rows = []
-    for obs in observations:
-        parts, _ = cost.components(obs.shapes)
-        if obs.kind == "encoder":
-            rows.append([parts["encoder"]["fwd"][0, 0] if n == "encoder" else 0.0 for n in names])
-            continue
-        which = PARTS[obs.part]
-        row = [0.0 if n == "encoder" else sum(parts[n][w][0, obs.stage] for w in which) for n in CURVES]
-        rows.append(row + [float("fwd" in which), float("bwd" in which)])
-    return np.asarray(rows), np.asarray([o.seconds for o in observations]), names
+UNKNOWNS = (*CURVES, "fwd_s", "bwd_s")
+
+
+@dataclass(frozen=True)
+class Design:
+    """Calibration's linear system for some observations: row ``i`` of ``X`` holds the unscaled
+    contribution of each of ``UNKNOWNS`` to observation ``i``, whose measured seconds are ``y[i]``.
+    Rows depend on a table's curves and the stage layout only, not on its scales or overheads, so
+    they can be built once and refitted many times (sliding windows, leave-one-out)."""
+
+    X: np.ndarray
+    y: np.ndarray
+
+    @classmethod
+    def of(cls, cost: CostModel, observations: list[Observation]) -> "Design":
+        rows = []
+        for obs in observations:
+            parts, _ = cost.components(obs.shapes)
+            if obs.kind == "encoder":
+                rows.append([parts["encoder"]["fwd"][0, 0] if n == "encoder" else 0.0 for n in UNKNOWNS])
+                continue
+            which = PARTS[obs.part]
+            row = [0.0 if n == "encoder" else sum(parts[n][w][0, obs.stage] for w in which) for n in CURVES]
+            rows.append(row + [float("fwd" in which), float("bwd" in which)])
+        return cls(np.asarray(rows).reshape(-1, len(UNKNOWNS)), np.asarray([o.seconds for o in observations], dtype=np.float64))
+
+    @classmethod
+    def stack(cls, designs: list["Design"]) -> "Design":
+        return cls(np.vstack([d.X for d in designs]), np.concatenate([d.y for d in designs]))
 
 
 def calibrate(table: LatencyTable, cost: CostModel, observations: list[Observation]) -> tuple[LatencyTable, CalibrationReport]:
     """Return ``table`` with fitted scales and overheads, and the error before and after."""
-    if not observations:
+    return calibrate_design(table, Design.of(cost, observations))
+
+
+def calibrate_design(table: LatencyTable, design: Design) -> tuple[LatencyTable, CalibrationReport]:
+    """``calibrate`` on prepared rows (built from ``table``'s curves and layout)."""
+    X, y = design.X, design.y
+    if not len(y):
         raise ValueError("calibration needs at least one measured observation")
-    X, y, names = _design(cost, observations)
     if (y <= 0).any():
         raise ValueError("calibration observations must have positive measured times")
     before = np.array([table.scale(n) for n in CURVES] + [table.fixed("fwd"), table.fixed("bwd")])
@@ -94,6 +116,6 @@ def calibrate(table: LatencyTable, cost: CostModel, observations: list[Observati
         return float(np.mean(np.abs(X @ s - y) / y) * 100)
 
     scales = {n: float(v) for n, v in zip(CURVES, after) if v != 1.0 or n in table.scales}
-    overhead = {n: float(v) for n, v in zip(names[len(CURVES):], after[len(CURVES):]) if v > 0}
-    report = CalibrationReport(scales, overhead, err(before), err(after), len(observations))
+    overhead = {n: float(v) for n, v in zip(UNKNOWNS[len(CURVES):], after[len(CURVES):]) if v > 0}
+    report = CalibrationReport(scales, overhead, err(before), err(after), len(y))
     return replace(table, scales=scales, overhead=overhead), report

@@ -1,4 +1,5 @@
-"""Calibration from the runtime's own action timelines (what DIP calibrates on), once or online."""
+"""Calibration from the runtime's own action timelines (what DIP calibrates on): once, online, or
+leaving each plan out to measure the simulator's accuracy."""
 
 from __future__ import annotations
 
@@ -8,14 +9,14 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from pipetune.cost.calibration import CalibrationReport, Observation, calibrate
+from pipetune.cost.calibration import CalibrationReport, Design, Observation, calibrate_design
 from pipetune.cost.cost_model import CostModel
 from pipetune.cost.layout import StageLayout
 from pipetune.cost.table import CURVES, LatencyTable
 from pipetune.data.batch import BatchMeta
 from pipetune.plan.plan import IterationPlan
 from pipetune.schedule.table import Op
-from pipetune.simulate.simulator import Latencies, TimedAction, simulate
+from pipetune.simulate.simulator import Latencies, SimResult, TimedAction, simulate
 
 
 def timeline_observations(timeline: list[TimedAction], plan: IterationPlan, meta: BatchMeta) -> list[Observation]:
@@ -39,25 +40,26 @@ def timeline_observations(timeline: list[TimedAction], plan: IterationPlan, meta
 
 @dataclass(frozen=True)
 class MeasuredStep:
-    """One executed plan: its per-action observations and its measured iteration time."""
+    """One executed plan: the calibration rows of its action times (against the profiled curves)
+    and its measured iteration time."""
 
-    observations: list[Observation]
+    design: Design
     plan: IterationPlan
     meta: BatchMeta
     measured_s: float
 
     @classmethod
-    def from_timeline(cls, timeline: list[TimedAction], plan: IterationPlan, meta: BatchMeta, measured_s: float) -> "MeasuredStep":
-        return cls.from_timelines([timeline], plan, meta, measured_s)
+    def from_timelines(
+        cls, profiled: CostModel, timelines: list[list[TimedAction]], plan: IterationPlan, meta: BatchMeta, measured_s: float
+    ) -> "MeasuredStep":
+        """One or more runs of ``plan`` (``measured_s`` summarises their iteration times)."""
+        obs = [o for t in timelines for o in timeline_observations(t, plan, meta)]
+        return cls(Design.of(profiled, obs), plan, meta, measured_s)
 
-    @classmethod
-    def from_timelines(cls, timelines: list[list[TimedAction]], plan: IterationPlan, meta: BatchMeta, measured_s: float) -> "MeasuredStep":
-        """Several runs of one plan (``measured_s`` summarises their iteration times)."""
-        return cls([o for t in timelines for o in timeline_observations(t, plan, meta)], plan, meta, measured_s)
 
-
-def simulated_time(cost: CostModel, plan: IterationPlan, meta: BatchMeta) -> float:
-    return simulate(plan.table(), Latencies.from_costs(cost.stage_costs(plan.shapes(meta)))).makespan
+def simulate_plan(cost: CostModel, plan: IterationPlan, meta: BatchMeta) -> SimResult:
+    """``plan`` on ``meta``'s batch, timed by ``cost``."""
+    return simulate(plan.table(), Latencies.from_costs(cost.stage_costs(plan.shapes(meta))))
 
 
 def fit_steps(base: CostModel, steps: Sequence[MeasuredStep]) -> tuple[CostModel, CalibrationReport]:
@@ -69,9 +71,9 @@ def fit_steps(base: CostModel, steps: Sequence[MeasuredStep]) -> tuple[CostModel
     through actions that jitter: a late message delays everything behind it while an early one
     gains nothing, so simulating typical times comes out short (by 2-4 % on the CPU test machine).
     A common factor leaves the ranking of plans as it was."""
-    table, report = calibrate(base.table, base, [o for step in steps for o in step.observations])
+    table, report = calibrate_design(base.table, Design.stack([step.design for step in steps]))
     cost = CostModel(table, base.layout)
-    factor = float(np.median([step.measured_s / simulated_time(cost, step.plan, step.meta) for step in steps]))
+    factor = float(np.median([step.measured_s / simulate_plan(cost, step.plan, step.meta).makespan for step in steps]))
     table = replace(table, scales={n: factor * table.scale(n) for n in CURVES},
                     overhead={k: factor * v for k, v in table.overhead.items()})
     return CostModel(table, base.layout), replace(report, makespan_factor=factor)
@@ -92,7 +94,7 @@ def held_out_times(base: CostModel, steps: Sequence[MeasuredStep]) -> list[float
     if distinct_plans(steps) < 2:
         raise ValueError(f"held-out calibration needs runs of at least two different plans, got {distinct_plans(steps)}")
     keys = [_plan_key(s) for s in steps]
-    return [simulated_time(fit_steps(base, [s for s, key in zip(steps, keys) if key != keys[k]])[0], step.plan, step.meta)
+    return [simulate_plan(fit_steps(base, [s for s, key in zip(steps, keys) if key != keys[k]])[0], step.plan, step.meta).makespan
             for k, step in enumerate(steps)]
 
 
