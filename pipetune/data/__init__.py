@@ -2,7 +2,7 @@
 
 from pipetune.data.batch import BatchMeta, batch_meta
 from pipetune.data.mixes import MIXES, make_mix
-from pipetune.data.samples import Overlong, OverlongReport, SampleTable, apply_overlong_policy
+from pipetune.data.samples import Overlong, OverlongReport, OverlongTotals, SampleTable, apply_overlong_policy
 from pipetune.data.storage import SampleStore, open_dataset, write_dataset
 from pipetune.data.stream import BatchStream
 
@@ -12,6 +12,7 @@ __all__ = [
     "BatchStream",
     "Overlong",
     "OverlongReport",
+    "OverlongTotals",
     "SampleStore",
     "SampleTable",
     "apply_overlong_policy",

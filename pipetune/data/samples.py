@@ -8,6 +8,7 @@ sees only these arrays; tensors are built from them later, by the runtime.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from enum import Enum
 
@@ -92,6 +93,14 @@ class SampleTable:
         """Packed sequence length of each sample (text + image tokens)."""
         return self.text_tokens + self.num_images * self.tokens_per_image
 
+    @property
+    def label_tokens(self) -> np.ndarray:
+        """Next-token targets of each sample: every text token but one that opens the sequence."""
+        has_img = self.num_images > 0
+        opens_with_image = np.zeros(len(self), dtype=bool)
+        opens_with_image[has_img] = self.image_offsets[self.image_ptr[:-1][has_img]] == 0
+        return self.text_tokens - (~opens_with_image).astype(np.int64)
+
     def offsets_of(self, i: int) -> np.ndarray:
         return self.image_offsets[self.image_ptr[i] : self.image_ptr[i + 1]]
 
@@ -125,6 +134,15 @@ class SampleTable:
                 i = int(owner[1:][np.argmax(step_back & same_owner)])
                 raise ValueError(f"sample id={self.ids[i]} has image offsets not in ascending order: {self.offsets_of(i).tolist()}")
 
+    def digest(self) -> str:
+        """SHA-256 of everything the batch stream and packing read from the rows (ids, sources, lengths, images)."""
+        h = hashlib.sha256()
+        h.update("\0".join(self.source_names).encode())
+        for a in (self.ids, self.source, self.text_tokens, self.num_images, self.image_offsets):
+            h.update(np.ascontiguousarray(a, dtype=np.int64).tobytes())
+            h.update(b"|")
+        return h.hexdigest()
+
     def take(self, idx: np.ndarray) -> "SampleTable":
         idx = np.asarray(idx, dtype=np.int64)
         counts = self.num_images[idx]
@@ -156,12 +174,17 @@ class SampleTable:
 
 @dataclass(frozen=True)
 class OverlongReport:
-    """How many samples of a batch exceeded ``max_seq_len`` and what was done with them."""
+    """How many samples of a batch exceeded ``max_seq_len`` and what was done with them.
+
+    ``samples`` and ``tokens`` are the batch's totals before the policy, the base of the shares.
+    """
 
     policy: Overlong
     truncated_ids: tuple[int, ...] = ()
     rejected_ids: tuple[int, ...] = ()
     tokens_cut: int = 0
+    samples: int = 0
+    tokens: int = 0
 
     def to_dict(self) -> dict:
         return {
@@ -172,6 +195,47 @@ class OverlongReport:
         }
 
 
+@dataclass(frozen=True)
+class OverlongTotals:
+    """``OverlongReport`` counts summed over batches (what a run prints and checkpoints)."""
+
+    policy: Overlong
+    samples: int = 0
+    tokens: int = 0
+    truncated: int = 0
+    rejected: int = 0
+    tokens_cut: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "policy", Overlong(self.policy))
+
+    def __add__(self, report: OverlongReport) -> "OverlongTotals":
+        return OverlongTotals(
+            self.policy,
+            self.samples + report.samples,
+            self.tokens + report.tokens,
+            self.truncated + len(report.truncated_ids),
+            self.rejected + len(report.rejected_ids),
+            self.tokens_cut + report.tokens_cut,
+        )
+
+    def to_dict(self) -> dict:
+        return {**self.__dict__, "policy": self.policy.value}
+
+    def describe(self) -> str:
+        """One line such as ``overlong (truncate): 13 of 100 samples truncated (13.0 %), ...``."""
+        done = "truncated" if self.policy is Overlong.TRUNCATE else "rejected"
+        n = self.truncated + self.rejected
+
+        def share(a: int, b: int) -> str:
+            return f"{100.0 * a / b:.1f} %" if b else "-"
+
+        return (
+            f"overlong ({self.policy.value}): {n} of {self.samples} samples {done} ({share(n, self.samples)}), "
+            f"{self.tokens_cut} of {self.tokens} tokens cut ({share(self.tokens_cut, self.tokens)})"
+        )
+
+
 def apply_overlong_policy(table: SampleTable, max_seq_len: int, policy: Overlong | str) -> tuple[SampleTable, OverlongReport]:
     """Make every sample fit in ``max_seq_len`` tokens according to ``policy``."""
     policy = Overlong(policy)
@@ -179,8 +243,9 @@ def apply_overlong_policy(table: SampleTable, max_seq_len: int, policy: Overlong
         raise ValueError(f"max_seq_len must be > 0, got {max_seq_len}")
     lengths = table.lengths
     over = np.flatnonzero(lengths > max_seq_len)
+    base = dict(samples=len(table), tokens=int(lengths.sum()))
     if len(over) == 0:
-        return table, OverlongReport(policy)
+        return table, OverlongReport(policy, **base)
     if policy is Overlong.ERROR:
         i = over[0]
         raise ValueError(
@@ -191,7 +256,7 @@ def apply_overlong_policy(table: SampleTable, max_seq_len: int, policy: Overlong
     if policy is Overlong.REJECT:
         keep = np.setdiff1d(np.arange(len(table)), over)
         return table.take(keep), OverlongReport(
-            policy, rejected_ids=tuple(int(x) for x in table.ids[over]), tokens_cut=int(lengths[over].sum())
+            policy, rejected_ids=tuple(int(x) for x in table.ids[over]), tokens_cut=int(lengths[over].sum()), **base
         )
     text = table.text_tokens.copy()
     nimg = table.num_images.copy()
@@ -207,7 +272,7 @@ def apply_overlong_policy(table: SampleTable, max_seq_len: int, policy: Overlong
         tokens_per_image=table.tokens_per_image,
     )
     cut = int(lengths.sum() - out.lengths.sum())
-    return out, OverlongReport(policy, truncated_ids=tuple(int(x) for x in table.ids[over]), tokens_cut=cut)
+    return out, OverlongReport(policy, truncated_ids=tuple(int(x) for x in table.ids[over]), tokens_cut=cut, **base)
 
 
 def _truncate_one(table: SampleTable, i: int, max_seq_len: int) -> tuple[int, int]:

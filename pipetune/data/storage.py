@@ -16,13 +16,16 @@ files. One row is one sample:
 | ``image_offsets`` | list[int] | text offset of each image (default: all images before the text)    |
 
 A row needs one of ``input_ids``, ``text`` or ``text_tokens``; all rows of a file have the same columns.
-Loading never drops a row: a bad row
-is an error that names it.
+Loading never drops a row: a bad row (a missing or null value, a non-integral number where an
+integer belongs, a value beyond int64) is an error that names the file, the row (counted from 0
+over the data set's rows) and the column; an unreadable file is an error naming the file.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,17 +44,24 @@ class SampleStore:
 
     ``table`` row ``i`` describes data set row ``i`` (with ``tokens_per_image`` unset: it is the
     model's). ``content_seed`` seeds the synthesized token ids and pixels of rows without content.
+    ``origin`` is the path it was opened from; ``digest`` fingerprints its metadata and content
+    seed (``SampleTable.digest``), so a checkpoint can tell whether it was made on these rows.
     """
 
     table: SampleTable
     dataset: object
     path: Path
+    origin: Path
     content_seed: int
     has_token_ids: bool
     has_image_files: bool
 
     def __len__(self) -> int:
         return len(self.table)
+
+    @property
+    def digest(self) -> str:
+        return f"{self.table.digest()}:{self.content_seed}"
 
     def rows(self, indices) -> list[dict]:
         """Content columns of the given rows (empty dicts when the data set is metadata-only)."""
@@ -63,10 +73,18 @@ class SampleStore:
 
 
 def write_dataset(table: SampleTable, out: str | Path, info: dict) -> Path:
-    """Store metadata records as an HF data set on disk, with ``pipetune.json`` beside it."""
+    """Store metadata records as an HF data set on disk, with ``pipetune.json`` beside it.
+
+    The data set is written to a temporary sibling directory and renamed into place, so ``out``
+    is either absent or complete. ``out`` must not exist (an empty directory is fine).
+    """
     import datasets
 
     out = Path(out)
+    if out.is_file() or out.is_symlink():
+        raise ValueError(f"--out {out} is an existing file; give a directory path that does not exist yet")
+    if out.is_dir() and any(out.iterdir()):
+        raise ValueError(f"--out {out} is a directory that is not empty; choose a new directory or delete this one first")
     offsets = [table.offsets_of(i).tolist() for i in range(len(table))]
     ds = datasets.Dataset.from_dict(
         {
@@ -86,69 +104,220 @@ def write_dataset(table: SampleTable, out: str | Path, info: dict) -> Path:
             }
         ),
     )
-    ds.save_to_disk(str(out))
-    (out / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        ds.save_to_disk(str(tmp))
+        (tmp / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True))
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
 def open_dataset(path: str | Path) -> SampleStore:
     """Open any accepted input (see module doc) and derive the metadata of every row."""
-    import datasets
+    import pyarrow as pa
 
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"data set {path} does not exist (make one with `pipetune data make`)")
-    info = json.loads((path / INFO_FILE).read_text()) if (path / INFO_FILE).is_file() else {}
-    if path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
-        ds = datasets.load_from_disk(str(path))
-        if isinstance(ds, datasets.DatasetDict):
-            ds = ds["train"] if "train" in ds else next(iter(ds.values()))
-    else:
-        files = [path] if path.is_file() else sorted(
-            p for p in path.iterdir() if p.suffix in (".jsonl", ".json", ".parquet") and p.name != INFO_FILE
-        )
-        if not files:
-            raise ValueError(f"{path}: no HF data set, .jsonl, .json or .parquet files found")
-        kinds = {"parquet" if f.suffix == ".parquet" else "json" for f in files}
-        if len(kinds) > 1:
-            raise ValueError(f"{path}: mixes parquet and json files; keep one format per directory")
-        ds = datasets.load_dataset(kinds.pop(), data_files=[str(f) for f in files], split="train")
+    info = _read_info(path)
+    ds, files = _load(path)
     if len(ds) == 0:
         raise ValueError(f"{path}: the data set has no rows")
+    try:
+        table = _metadata(ds, path)
+    except (pa.ArrowException, OSError) as e:  # a damaged file found while reading its columns
+        raise ValueError(f"{path}: cannot read the data set's rows ({_first_line(e)}); {_REMAKE}") from None
     return SampleStore(
-        table=_metadata(ds, path),
+        table=table,
         dataset=ds,
         path=path if path.is_dir() else path.parent,
+        origin=path.resolve(),
         content_seed=int(info.get("seed", 0)),
         has_token_ids=bool({"input_ids", "text"} & set(ds.column_names)),
         has_image_files="images" in ds.column_names,
     )
 
 
+_REMAKE = "the file may be truncated or corrupt: make the data set again (`pipetune data make`) or repair the file"
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+def _read_info(path: Path) -> dict:
+    f = path / INFO_FILE
+    if not f.is_file():
+        return {}
+    try:
+        info = json.loads(f.read_text())
+    except ValueError as e:
+        raise ValueError(f"{f}: not valid JSON ({e}); {_REMAKE}") from None
+    if not isinstance(info, dict):
+        raise ValueError(f"{f}: expected a JSON object; {_REMAKE}")
+    return info
+
+
+def _load(path: Path):
+    """Open the data set with HF ``datasets``; any failure becomes a message naming the file."""
+    import datasets
+
+    if path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
+        try:
+            ds = datasets.load_from_disk(str(path))
+        except Exception as e:  # datasets/pyarrow raise many types on a damaged directory
+            raise ValueError(f"{path}: cannot open the data set ({_first_line(e)}); {_REMAKE}") from None
+        if isinstance(ds, datasets.DatasetDict):
+            ds = ds["train"] if "train" in ds else next(iter(ds.values()))
+        return ds, [path]
+    files = [path] if path.is_file() else sorted(
+        p for p in path.iterdir() if p.suffix in (".jsonl", ".json", ".parquet") and p.name != INFO_FILE
+    )
+    if not files:
+        raise ValueError(f"{path}: no HF data set, .jsonl, .json or .parquet files found")
+    kinds = {"parquet" if f.suffix == ".parquet" else "json" for f in files}
+    if len(kinds) > 1:
+        raise ValueError(f"{path}: mixes parquet and json files; keep one format per directory")
+    kind = kinds.pop()
+    for f in files:
+        if f.stat().st_size == 0:
+            raise ValueError(f"{f}: the file is empty; a data set needs at least one row")
+    try:
+        return datasets.load_dataset(kind, data_files=[str(f) for f in files], split="train"), files
+    except Exception as e:  # the JSON/parquet readers raise many types; find the line ourselves
+        if kind == "json":
+            for f in files:
+                _diagnose_json_lines(f)
+        raise ValueError(f"cannot read {', '.join(map(str, files))} ({_first_line(e)}); {_REMAKE}") from None
+
+
+def _diagnose_json_lines(f: Path) -> None:
+    """Name the first line of a JSON-lines file that the reader choked on (called on failure only)."""
+    first_keys = None
+    with f.open(encoding="utf-8", errors="replace") as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                if n == 1 and line.lstrip().startswith("["):
+                    return  # a JSON array file, not JSON lines
+                raise ValueError(f"{f}, line {n}: not valid JSON ({e}); write one JSON object per line") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{f}, line {n}: expected a JSON object with the row's columns, got {type(row).__name__}")
+            for k, v in row.items():
+                for x in v if isinstance(v, list) else [v]:
+                    if isinstance(x, int) and not isinstance(x, bool) and not -(2**63) <= x < 2**63:
+                        raise ValueError(f"{f}, line {n}, column {k!r}: {x} does not fit in int64")
+            keys = set(row)
+            if first_keys is None:
+                first_keys, first_n = keys, n
+            elif keys != first_keys:
+                missing, extra = sorted(first_keys - keys), sorted(keys - first_keys)
+                what = f"lacks column(s) {missing} that line {first_n} has" if missing else f"has column(s) {extra} that line {first_n} lacks"
+                raise ValueError(f"{f}, line {n}: {what}; every row needs the same columns")
+    if first_keys is None:
+        raise ValueError(f"{f}: the file has no rows")
+
+
+def _where(path: Path, row: int, column: str) -> str:
+    return f"{path}: row {row} (counted from 0), column {column!r}"
+
+
+def _null_check(col, path: Path, column: str) -> None:
+    if col.null_count:
+        col = col.combine_chunks() if hasattr(col, "combine_chunks") else col
+        row = int(np.flatnonzero(np.asarray(col.is_null()))[0])
+        raise ValueError(f"{_where(path, row, column)}: missing or null; every row needs a value (or drop the column)")
+
+
+def _ints(values, path: Path, column: str, owner: np.ndarray | None = None) -> np.ndarray:
+    """An arrow array of numbers as int64: integral floats pass, anything else names its row."""
+    import pyarrow as pa
+
+    def fail(k: int, what: str):
+        row = int(owner[k]) if owner is not None else k
+        raise ValueError(f"{_where(path, row, column)}: {what}; it needs whole numbers (integers)")
+
+    if values.null_count:
+        fail(int(np.flatnonzero(np.asarray(values.is_null()))[0]), "holds a null")
+    if len(values) == 0:
+        return np.zeros(0, np.int64)
+    t = values.type
+    if pa.types.is_integer(t):
+        arr = values.to_numpy(zero_copy_only=False)
+        if pa.types.is_unsigned_integer(t) and len(arr) and arr.max() >= 2**63:
+            fail(int(np.argmax(arr >= 2**63)), f"{int(arr.max())} does not fit in int64")
+        return arr.astype(np.int64)
+    if pa.types.is_floating(t):
+        arr = values.to_numpy(zero_copy_only=False).astype(np.float64)
+        bad = ~np.isfinite(arr) | (arr != np.round(arr)) | (np.abs(arr) >= 2.0**63)
+        if bad.any():
+            k = int(np.argmax(bad))
+            fail(k, f"{arr[k]!r} is not an integer")
+        return arr.astype(np.int64)
+    fail(0, f"holds {t} values")
+
+
+def _int_column(ds, path: Path, column: str) -> np.ndarray:
+    col = ds.data.column(column).combine_chunks()
+    _null_check(col, path, column)
+    return _ints(col, path, column)
+
+
+def _list_column(ds, path: Path, column: str, *, nullable: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(per-row lengths, flat int64 values) of a list-of-integers column; null rows are empty if ``nullable``."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    col = ds.data.column(column).combine_chunks()
+    if not nullable:
+        _null_check(col, path, column)
+    if not (pa.types.is_list(col.type) or pa.types.is_large_list(col.type)):
+        raise ValueError(f"{_where(path, 0, column)}: holds {col.type} values; it needs a list of integers")
+    lengths = pc.fill_null(pc.list_value_length(col), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+    flat = pc.list_flatten(col)
+    return lengths, _ints(flat, path, column, owner=np.repeat(np.arange(len(lengths)), lengths))
+
+
 def _metadata(ds, path: Path) -> SampleTable:
+    import pyarrow as pa
+
     cols = set(ds.column_names)
     n = len(ds)
     if not cols & set(TEXT_COLUMNS):
         raise ValueError(f"{path}: rows need one of the columns {TEXT_COLUMNS}; found {sorted(cols)}")
-    ids = np.asarray(ds["id"], dtype=np.int64) if "id" in cols else np.arange(n, dtype=np.int64)
+    ids = _int_column(ds, path, "id") if "id" in cols else np.arange(n, dtype=np.int64)
     if len(np.unique(ids)) != n:
         uniq, counts = np.unique(ids, return_counts=True)
         raise ValueError(f"{path}: sample id {uniq[np.argmax(counts > 1)]} appears more than once; ids must be unique")
+    if "source" in cols:
+        _null_check(ds.data.column("source"), path, "source")
     sources = ds["source"] if "source" in cols else ["user"] * n
     names, codes = np.unique(np.asarray(sources, dtype=object).astype(str), return_inverse=True)
 
     if "input_ids" in cols:
-        text_tokens = np.fromiter((len(x) for x in ds["input_ids"]), np.int64, n)
+        text_tokens, _ = _list_column(ds, path, "input_ids")
     elif "text" in cols:
+        _null_check(ds.data.column("text"), path, "text")
+        text_type = ds.data.column("text").type
+        if not (pa.types.is_string(text_type) or pa.types.is_large_string(text_type)):
+            raise ValueError(f"{_where(path, 0, 'text')}: holds {text_type} values; it needs strings")
         pieces = [split_on_images(t) for t in ds["text"]]
         text_tokens = np.fromiter((p.num_tokens for p in pieces), np.int64, n)
     else:
-        text_tokens = np.asarray(ds["text_tokens"], dtype=np.int64)
+        text_tokens = _int_column(ds, path, "text_tokens")
 
     if "images" in cols:
         num_images = np.fromiter((len(x or []) for x in ds["images"]), np.int64, n)
     elif "num_images" in cols:
-        num_images = np.asarray(ds["num_images"], dtype=np.int64)
+        num_images = _int_column(ds, path, "num_images")
     else:
         num_images = np.zeros(n, np.int64)
 
@@ -163,11 +332,12 @@ def _metadata(ds, path: Path) -> SampleTable:
         num_images = np.where(placed > 0, placed, num_images)
         offsets = [p.image_offsets if p.image_offsets else [0] * int(k) for p, k in zip(pieces, num_images)]
     elif "image_offsets" in cols:
-        offsets = [list(o or []) for o in ds["image_offsets"]]
-        bad = np.fromiter((len(o) for o in offsets), np.int64, n) != num_images
+        counts, flat = _list_column(ds, path, "image_offsets", nullable=True)
+        bad = counts != num_images
         if bad.any():
             i = int(np.argmax(bad))
-            raise ValueError(f"{path}: sample id={ids[i]} has {len(offsets[i])} image_offsets but {num_images[i]} images")
+            raise ValueError(f"{path}: sample id={ids[i]} has {counts[i]} image_offsets but {num_images[i]} images")
+        offsets = np.split(flat, np.cumsum(counts)[:-1]) if n else []
     else:
         offsets = None
     try:

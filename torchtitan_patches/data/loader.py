@@ -8,6 +8,9 @@ Checkpointing: the sampler's whole state is the next step number, because batch 
 function of (seed, s) (see ``pipetune.data.stream``). Resumed runs see the same sample ids; they see
 the same tensors as long as the packing source is deterministic (the fixed packers are; the
 planner is unless its time budget runs out, in which case it falls back to the balanced packing).
+A state also records the configuration that decides the stream (``fingerprint``) and the overlong
+totals so far; loading it into a loader of another configuration is refused, field by field,
+since the step number alone would then repeat or skip samples.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from pipetune.config.model import ModelConfig
 from pipetune.data.batch import BatchMeta, batch_meta
-from pipetune.data.samples import Overlong
+from pipetune.data.samples import Overlong, OverlongTotals
 from pipetune.data.storage import SampleStore, open_dataset
 from pipetune.data.stream import BatchStream
 from pipetune.packing.batch_packer import PackingConfig
@@ -93,6 +96,12 @@ class _StepSampler:
         if self._max_steps is not None and self.next_step >= self._max_steps:
             raise StopIteration
         meta = self._meta_fn(self.next_step)
+        if not meta.table.label_tokens.any():
+            raise ValueError(
+                f"step {meta.step}: none of the batch's {len(meta.table)} samples has a token to predict (each has at "
+                f"most one text token, e.g. sample ids {meta.table.ids[:5].tolist()}), so its loss would be 0/0; "
+                "remove samples with fewer than 2 text tokens from the data set"
+            )
         spec = BatchSpec(meta, groups_from_ids(meta, self._source(meta)))
         self.next_step += 1
         return spec
@@ -122,7 +131,12 @@ class _PackedBatches(torch.utils.data.Dataset):
         rows = self._store.rows(spec.meta.rows)
         contents = [sample_content(table, k, rows[k], self._content) for k in range(len(table))]
         mbs = [build_micro_batch(table, g, [contents[k] for k in g.tolist()], self._content) for g in spec.groups]
-        return GlobalBatch(step=spec.meta.step, micro_batches=mbs, num_label_tokens=sum(m.num_label_tokens for m in mbs))
+        return GlobalBatch(
+            step=spec.meta.step,
+            micro_batches=mbs,
+            num_label_tokens=sum(m.num_label_tokens for m in mbs),
+            overlong=spec.meta.overlong,
+        )
 
 
 def _unwrap(batch):
@@ -134,8 +148,10 @@ class DataLoaderConfig:
     """Settings of ``PipeTuneDataLoader`` (``build`` makes one).
 
     ``data`` is any accepted data set path (see ``pipetune.data.storage``). ``packing`` is the
-    fixed packing used when no planner supplies one. Limits: one global batch per step; the
-    global batch is split over data-parallel ranks by sample, not re-balanced across them.
+    fixed packing used when no planner supplies one. ``overlong`` is the policy for samples longer
+    than ``max_seq_len`` (as in ``pipetune pack``); the loader counts them in ``truncation``.
+    Limits: one global batch per step; the global batch is split over data-parallel ranks by
+    sample, not re-balanced across them.
     """
 
     data: str | Path
@@ -148,6 +164,9 @@ class DataLoaderConfig:
     num_workers: int = 0
     prefetch_factor: int | None = None
     max_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "overlong", Overlong(self.overlong))
 
     def build(
         self,
@@ -164,7 +183,8 @@ class PipeTuneDataLoader(StatefulDataLoader):
     """Yields ``GlobalBatch`` objects; ``upcoming(k)`` gives the next ``k`` batches' metadata.
 
     ``packing_source`` may be replaced before iterating (a planner built on ``meta`` needs the
-    loader first).
+    loader first). ``truncation`` sums the overlong reports of the batches yielded so far
+    (``truncation.describe()`` is the line to print).
     """
 
     def __init__(
@@ -199,6 +219,7 @@ class PipeTuneDataLoader(StatefulDataLoader):
         )
         self._sampler = _StepSampler(self.meta, lambda meta: self.packing_source(meta), config.max_steps)
         self._next_step = 0
+        self.truncation = OverlongTotals(config.overlong)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*set_vital.*")  # torchdata 0.11 calls a deprecated torch API
             super().__init__(
@@ -228,11 +249,51 @@ class PipeTuneDataLoader(StatefulDataLoader):
     def __iter__(self) -> Iterator[GlobalBatch]:
         for batch in super().__iter__():
             self._next_step = batch.step + 1
+            self.truncation = self.truncation + batch.overlong
             yield batch
 
+    def fingerprint(self) -> dict:
+        """Everything that decides which samples and tensors step ``s`` holds (saved with the state)."""
+        cfg, packing = self.config, self.config.packing
+        return {
+            "data": str(self.store.origin),
+            "rows": len(self.store),
+            "data_digest": self.store.digest,
+            "gbs": cfg.gbs,
+            "seed": cfg.seed,
+            "shuffle": cfg.shuffle,
+            "max_seq_len": cfg.max_seq_len,
+            "overlong": cfg.overlong.value,
+            "packer": packing.packer.value,
+            "mbs": packing.mbs,
+            "packing_seed": packing.seed,
+            "tokens_per_image": self.model.tokens_per_image,
+            "dp_rank": self.stream.dp_rank,
+            "dp_size": self.stream.dp_size,
+        }
+
     def state_dict(self) -> dict:
-        return {"loader": super().state_dict(), "next_step": self._next_step}
+        return {
+            "loader": super().state_dict(),
+            "next_step": self._next_step,
+            "fingerprint": self.fingerprint(),
+            "truncation": self.truncation.to_dict(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
+        saved, now = state.get("fingerprint"), self.fingerprint()
+        if saved is None:
+            raise ValueError(
+                "dataloader state has no record of the configuration it was saved for (an older pipetune wrote it); "
+                "start the data stream afresh instead of loading it"
+            )
+        diff = [f"{k}: saved {saved.get(k)!r}, now {now[k]!r}" for k in now if saved.get(k) != now[k]]
+        if diff:
+            raise ValueError(
+                "dataloader state was saved for another configuration (" + "; ".join(diff) + "); resuming it would "
+                "repeat or skip samples. Resume with the configuration it was saved for, or start this one from step 0 "
+                "without loading the state"
+            )
         super().load_state_dict(state["loader"])
         self._next_step = int(state["next_step"])
+        self.truncation = OverlongTotals(**state["truncation"])

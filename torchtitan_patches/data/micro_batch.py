@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipetune.data.samples import SampleTable
+from pipetune.data.samples import OverlongReport, SampleTable
 from pipetune.data.text import BYTE_OFFSET, split_on_images
 
 IGNORE_INDEX = -100
@@ -53,11 +53,15 @@ class PackedMicroBatch:
 
 @dataclass
 class GlobalBatch:
-    """One training step's data: micro-batches in the packing's order, plus the loss normaliser."""
+    """One training step's data: micro-batches in the packing's order, plus the loss normaliser.
+
+    ``overlong`` says which samples the overlong policy cut or left out of this batch.
+    """
 
     step: int
     micro_batches: list[PackedMicroBatch]
     num_label_tokens: int
+    overlong: OverlongReport
 
     @property
     def sample_ids(self) -> list[list[int]]:
