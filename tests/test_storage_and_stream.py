@@ -3,7 +3,7 @@ import json
 import numpy as np
 import pytest
 
-from pipetune.data import BatchStream, make_mix, open_dataset, write_dataset
+from pipetune.data import make_mix, open_dataset, write_dataset
 from pipetune.data.text import BYTE_OFFSET
 
 
@@ -79,21 +79,3 @@ def test_byte_tokenizer_offsets():
 
     p = split_on_images("A<image>")
     assert p.token_ids == [ord("A") + BYTE_OFFSET] and p.image_offsets == [1]
-
-
-def test_stream_covers_every_row_once_per_epoch_and_straddles_epochs():
-    s = BatchStream(num_rows=10, gbs=4, seed=1)
-    flat = np.concatenate([s.rows(k) for k in range(5)])  # 20 positions = 2 epochs
-    assert sorted(flat[:10].tolist()) == list(range(10)) and sorted(flat[10:].tolist()) == list(range(10))
-    assert not np.array_equal(flat[:10], flat[10:])
-    assert np.array_equal(BatchStream(num_rows=10, gbs=4, seed=1).rows(3), s.rows(3))
-
-
-def test_stream_splits_the_global_batch_over_dp_ranks():
-    parts = [BatchStream(num_rows=50, gbs=8, seed=0, dp_rank=r, dp_size=2).rows(2) for r in range(2)]
-    whole = BatchStream(num_rows=50, gbs=8, seed=0).rows(2)
-    assert sorted(np.concatenate(parts).tolist()) == sorted(whole.tolist())
-    with pytest.raises(ValueError, match="not a multiple of dp_size=3"):
-        BatchStream(num_rows=50, gbs=8, dp_size=3)
-    with pytest.raises(ValueError, match="data set is empty"):
-        BatchStream(num_rows=0, gbs=8)

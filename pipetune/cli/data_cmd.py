@@ -6,6 +6,7 @@ import numpy as np
 
 from pipetune.data import make_mix, write_dataset
 from pipetune.data.mixes import parse_mix
+from pipetune.data.storage import check_new_dir
 
 
 def register(sub) -> None:
@@ -15,12 +16,13 @@ def register(sub) -> None:
     make.add_argument("--mix", default="datamix2", help="datamix1|datamix2|datamix3 or weights mmc4:coyo:flan")
     make.add_argument("--samples", type=int, default=100_000)
     make.add_argument("--seed", type=int, default=0)
-    make.add_argument("--out", required=True, help="output directory")
+    make.add_argument("--out", required=True, help="output directory (new, or empty)")
     make.set_defaults(run=run_make)
 
 
 def run_make(args) -> int:
     weights = parse_mix(args.mix)
+    check_new_dir(args.out)  # before the generation, which takes a while
     table = make_mix(weights, args.samples, args.seed)
     write_dataset(table, args.out, {"mix": args.mix, "weights": weights, "seed": args.seed, "samples": args.samples})
     print(f"wrote {len(table)} samples ({args.mix}) to {args.out}")

@@ -72,6 +72,16 @@ class SampleStore:
         return [{c: sub[c][k] for c in cols} for k in range(len(indices))]
 
 
+def check_new_dir(out: str | Path) -> Path:
+    """``out`` may receive a new data set: it does not exist, or is an empty directory."""
+    out = Path(out)
+    if out.is_file() or out.is_symlink():
+        raise ValueError(f"--out {out} is an existing file; give a directory path that does not exist yet")
+    if out.is_dir() and any(out.iterdir()):
+        raise ValueError(f"--out {out} is a directory that is not empty; choose a new directory or delete this one first")
+    return out
+
+
 def write_dataset(table: SampleTable, out: str | Path, info: dict) -> Path:
     """Store metadata records as an HF data set on disk, with ``pipetune.json`` beside it.
 
@@ -80,11 +90,7 @@ def write_dataset(table: SampleTable, out: str | Path, info: dict) -> Path:
     """
     import datasets
 
-    out = Path(out)
-    if out.is_file() or out.is_symlink():
-        raise ValueError(f"--out {out} is an existing file; give a directory path that does not exist yet")
-    if out.is_dir() and any(out.iterdir()):
-        raise ValueError(f"--out {out} is a directory that is not empty; choose a new directory or delete this one first")
+    out = check_new_dir(out)
     offsets = [table.offsets_of(i).tolist() for i in range(len(table))]
     ds = datasets.Dataset.from_dict(
         {
