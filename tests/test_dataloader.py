@@ -1,9 +1,11 @@
 import json
+import re
 
 import numpy as np
 import pytest
 import torch
 
+from pipetune.data import make_mix, write_dataset
 from pipetune.packing import PackingConfig
 from torchtitan_patches.data import DataLoaderConfig
 from torchtitan_patches.data.micro_batch import IGNORE_INDEX, IMAGE_TOKEN_ID, synthetic_tokens
@@ -139,4 +141,133 @@ def test_token_ids_outside_the_vocabulary_are_named(tmp_path, tiny):
     (tmp_path / "d.jsonl").write_text(json.dumps({"id": 5, "input_ids": [1, 99999]}))
     cfg = DataLoaderConfig(data=tmp_path / "d.jsonl", gbs=1, max_seq_len=64, packing=PackingConfig(mbs=1, max_seq_len=64))
     with pytest.raises(ValueError, match="sample id=5 has token id 99999 outside the vocabulary of 512"):
+        next(iter(cfg.build(tiny)))
+
+
+def _state_after(cfg, model, steps=2, **build):
+    loader = cfg.build(model, **build)
+    it = iter(loader)
+    for _ in range(steps):
+        next(it)
+    return loader.state_dict()
+
+
+@pytest.mark.parametrize(
+    "change,fields",
+    [
+        (dict(gbs=16), ["gbs"]),
+        (dict(seed=1), ["seed"]),
+        (dict(shuffle=False), ["shuffle"]),
+        (dict(max_seq_len=256, packing=PackingConfig(mbs=1, max_seq_len=256)), ["max_seq_len"]),
+        (dict(overlong="reject"), ["overlong"]),
+        (dict(packing=PackingConfig(packer="original", mbs=1, max_seq_len=512)), ["packer"]),
+        (dict(packing=PackingConfig(mbs=2, max_seq_len=512)), ["mbs"]),
+        (dict(packing=PackingConfig(mbs=1, max_seq_len=512, seed=4)), ["packing_seed"]),
+        ("dp", ["dp_rank", "dp_size"]),
+        ("model", ["tokens_per_image"]),
+        ("copy", ["data"]),
+        ("more_rows", ["data", "rows", "data_digest"]),
+    ],
+)
+def test_a_state_from_another_configuration_is_refused_naming_each_field(datamix2_dir, tiny, tmp_path, change, fields):
+    import dataclasses
+    import shutil
+
+    base = loader_config(datamix2_dir, max_steps=10)
+    state = _state_after(base, tiny)
+    build, model, cfg = {}, tiny, base
+    if change == "dp":
+        build = dict(dp_rank=1, dp_size=2)
+    elif change == "model":
+        model = dataclasses.replace(tiny, encoder=dataclasses.replace(tiny.encoder, image_size=64))
+    elif change == "copy":
+        shutil.copytree(datamix2_dir, tmp_path / "copy")
+        cfg = dataclasses.replace(base, data=tmp_path / "copy")
+    elif change == "more_rows":
+        write_dataset(make_mix("datamix2", 3001, seed=1), tmp_path / "more", {"seed": 1})
+        cfg = dataclasses.replace(base, data=tmp_path / "more")
+    else:
+        cfg = dataclasses.replace(base, **change)
+    other = cfg.build(model, **build)
+    with pytest.raises(ValueError, match="saved for another configuration") as err:
+        other.load_state_dict(state)
+    named = [k for k in state["fingerprint"] if re.search(rf"[(;] ?{k}: saved", str(err.value))]
+    assert named == fields
+    assert "start this one from step 0" in str(err.value)
+
+
+def test_a_data_set_rewritten_in_place_is_refused(tmp_path, tiny):
+    import shutil
+
+    write_dataset(make_mix("datamix2", 500, seed=1), tmp_path / "d", {"seed": 1})
+    cfg = loader_config(tmp_path / "d", max_steps=4)
+    state = _state_after(cfg, tiny)
+    shutil.rmtree(tmp_path / "d")
+    write_dataset(make_mix("datamix2", 500, seed=2), tmp_path / "d", {"seed": 2})
+    with pytest.raises(ValueError, match=r"\(data_digest: saved '[0-9a-f]+:1', now '[0-9a-f]+:2'\)"):
+        cfg.build(tiny).load_state_dict(state)
+
+
+def test_a_state_without_its_configuration_is_refused(datamix2_dir, tiny):
+    cfg = loader_config(datamix2_dir, max_steps=4)
+    state = _state_after(cfg, tiny)
+    del state["fingerprint"]
+    with pytest.raises(ValueError, match="no record of the configuration"):
+        cfg.build(tiny).load_state_dict(state)
+
+
+@pytest.mark.parametrize("policy", ["truncate", "reject"])
+def test_overlong_samples_are_counted_and_the_count_matches_the_tensors(datamix2_dir, tiny, policy):
+    """Tokens yielded + tokens cut = the stream's samples' full lengths; samples yielded + rejected = gbs."""
+    cfg = loader_config(datamix2_dir, gbs=32, max_seq_len=256, packing=PackingConfig(mbs=2, max_seq_len=256),
+                        overlong=policy, max_steps=12)
+    loader = cfg.build(tiny)
+    full = loader.store.table.with_tokens_per_image(tiny.tokens_per_image)
+    yielded_tokens = yielded_samples = raw_tokens = shortened = 0
+    for batch in loader:
+        rows = loader.stream.rows(batch.step)
+        raw_tokens += int(full.lengths[rows].sum())
+        length_of = dict(zip(full.ids[rows].tolist(), full.lengths[rows].tolist()))
+        for mb in batch.micro_batches:
+            yielded_tokens += mb.num_tokens
+            yielded_samples += len(mb.sample_ids)
+            doc_lens = np.diff(mb.cu_seqlens.numpy())
+            shortened += int(sum(n < length_of[s] for s, n in zip(mb.sample_ids.tolist(), doc_lens.tolist())))
+    t = loader.truncation
+    assert t.samples == 12 * 32 and t.tokens == raw_tokens
+    assert t.tokens_cut == raw_tokens - yielded_tokens > 0
+    assert t.rejected == t.samples - yielded_samples
+    assert t.truncated == shortened
+    assert (t.truncated > 0) == (policy == "truncate") and (t.rejected > 0) == (policy == "reject")
+    assert f"overlong ({policy}): {t.truncated + t.rejected} of {t.samples} samples" in t.describe()
+
+
+def test_overlong_totals_survive_a_resume(datamix2_dir, tiny):
+    cfg = loader_config(datamix2_dir, gbs=32, max_seq_len=256, packing=PackingConfig(mbs=2, max_seq_len=256), max_steps=10)
+    whole = cfg.build(tiny)
+    list(whole)
+    state = _state_after(cfg, tiny, steps=4)
+    resumed = cfg.build(tiny)
+    resumed.load_state_dict(state)
+    list(resumed)
+    assert resumed.truncation == whole.truncation and whole.truncation.truncated > 0
+
+
+def test_overlong_error_policy_names_the_sample(datamix2_dir, tiny):
+    cfg = loader_config(datamix2_dir, gbs=32, max_seq_len=256, packing=PackingConfig(mbs=2, max_seq_len=256),
+                        overlong="error", max_steps=3)
+    with pytest.raises(ValueError, match=r"sample id=\d+ is \d+ tokens .* longer than max_seq_len=256"):
+        list(cfg.build(tiny))
+
+
+def test_metadata_label_count_matches_the_tensors(datamix2_dir, tiny):
+    loader = loader_config(datamix2_dir, max_steps=6).build(tiny)
+    for batch in loader:
+        assert batch.num_label_tokens == int(loader.meta(batch.step).table.label_tokens.sum()) > 0
+
+
+def test_a_batch_with_nothing_to_predict_is_an_error(tmp_path, tiny):
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps({"input_ids": [7]}) for _ in range(8)))
+    cfg = DataLoaderConfig(data=tmp_path / "d.jsonl", gbs=4, max_seq_len=64, packing=PackingConfig(mbs=1, max_seq_len=64))
+    with pytest.raises(ValueError, match=r"step 0: none of the batch's 4 samples has a token to predict .* loss would be 0/0"):
         next(iter(cfg.build(tiny)))
