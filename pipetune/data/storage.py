@@ -266,7 +266,7 @@ def _ints(values, path: Path, column: str, owner: np.ndarray | None = None) -> n
         bad = ~np.isfinite(arr) | (arr != np.round(arr)) | (np.abs(arr) >= 2.0**63)
         if bad.any():
             k = int(np.argmax(bad))
-            fail(k, f"{arr[k]!r} is not an integer")
+            fail(k, f"{float(arr[k])!r} is not an integer")
         return arr.astype(np.int64)
     fail(0, f"holds {t} values")
 
