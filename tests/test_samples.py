@@ -24,7 +24,9 @@ def test_lengths_count_image_tokens():
 def test_fitting_batch_is_unchanged():
     t = table([5, 7], [0, 2])
     out, rep = apply_overlong_policy(t, 27, "truncate")
-    assert out is t and rep.to_dict() == {"policy": "truncate", "truncated": 0, "rejected": 0, "tokens_cut": 0}
+    assert np.array_equal(out.lengths, t.lengths) and np.array_equal(out.image_offsets, t.image_offsets)
+    assert rep.to_dict() == {"policy": "truncate", "truncated": 0, "rejected": 0, "tokens_cut": 0}
+    assert (rep.samples, rep.tokens) == (2, 32)
 
 
 def test_truncate_keeps_a_prefix_and_drops_images_past_the_cut():
