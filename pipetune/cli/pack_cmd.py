@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from pipetune.cli.common import add_batch_args, add_data_args, add_model_args, emit_json, model_from_args, table_from_args
-from pipetune.data import BatchStream, batch_meta
+from pipetune.data import BatchStream, OverlongTotals, batch_meta
 from pipetune.packing import FlopsModel, PackingConfig
 from pipetune.packing.report import packing_stats
 
@@ -26,6 +26,7 @@ def run(args) -> int:
     packer = PackingConfig(packer=args.packer, mbs=args.mbs, max_seq_len=args.max_seq_len, seed=args.data_seed).build(model)
     flops = FlopsModel(model)
     rows = []
+    overlong = OverlongTotals(args.overlong)
     for step in range(args.iters):
         meta = batch_meta(
             table, stream, step, tokens_per_image=model.tokens_per_image, max_seq_len=args.max_seq_len, overlong=args.overlong
@@ -33,9 +34,9 @@ def run(args) -> int:
         lengths = meta.table.lengths
         stats = packing_stats(lengths, packer(lengths, step), flops)
         rows.append({"step": step, **stats, **meta.overlong.to_dict()})
-    summary = {
-        k: float(np.mean([r[k] for r in rows])) for k in ("micro_batches", "imbalance", "utilisation")
-    } | {k: int(sum(r[k] for r in rows)) for k in ("truncated", "rejected", "tokens_cut")}
+        overlong = overlong + meta.overlong
+    summary = {k: float(np.mean([r[k] for r in rows])) for k in ("micro_batches", "imbalance", "utilisation")}
+    summary |= {k: v for k, v in overlong.to_dict().items() if k != "policy"}
     config = {
         "model": model.name,
         "packer": args.packer,
@@ -49,6 +50,7 @@ def run(args) -> int:
         emit_json({"config": config, "iterations": rows, "summary": summary})
         return 0
     print(" ".join(f"{k}={v}" for k, v in config.items()))
+    print(overlong.describe())
     print(f"{'step':>5} {'micro-batches':>13} {'imbalance':>10} {'utilisation':>11} {'truncated':>9} {'rejected':>8}")
     for r in rows:
         print(
