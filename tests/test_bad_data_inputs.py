@@ -181,3 +181,18 @@ def test_cli_data_errors_are_one_line_messages(tmp_path, capsys, argv, setup, me
     assert main([a.format(tmp=tmp_path) for a in argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.startswith("pipetune: error: ")
+
+
+@pytest.mark.parametrize("ids,bad", [([1, 2, 3], None), ([4, -1], -1), ([5, 512], 512)])
+def test_token_ids_outside_the_vocabulary_are_named_before_any_worker_starts(tmp_path, tiny, ids, bad):
+    from pipetune.packing import PackingConfig
+    from torchtitan_patches.data import DataLoaderConfig
+
+    (tmp_path / "d.jsonl").write_text('{"input_ids": [7, 8]}\n{"input_ids": [9, 10, 11]}\n' + f'{{"input_ids": {ids}}}\n')
+    cfg = DataLoaderConfig(data=tmp_path / "d.jsonl", gbs=3, max_seq_len=64, packing=PackingConfig(mbs=1, max_seq_len=64),
+                           num_workers=2)
+    if bad is None:
+        cfg.build(tiny)
+        return
+    with pytest.raises(ValueError, match=rf"d\.jsonl: row 2 \(counted from 0\), column 'input_ids': sample id=2 has token id {bad} outside the vocabulary of 512"):
+        cfg.build(tiny)

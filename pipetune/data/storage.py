@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from pipetune.data.samples import SampleTable
-from pipetune.data.text import IMAGE_PLACEHOLDER, split_on_images
+from pipetune.data.text import BYTE_VOCAB, IMAGE_PLACEHOLDER, split_on_images
 
 INFO_FILE = "pipetune.json"
 TEXT_COLUMNS = ("input_ids", "text", "text_tokens")
@@ -62,6 +62,28 @@ class SampleStore:
     @property
     def digest(self) -> str:
         return f"{self.table.digest()}:{self.content_seed}"
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Every stored token id is in ``[0, vocab_size)``: checked once, before any worker reads a row."""
+        import pyarrow.compute as pc
+
+        if "input_ids" in self.dataset.column_names:
+            col = self.dataset.data.column("input_ids").combine_chunks()
+            lengths = pc.fill_null(pc.list_value_length(col), 0).to_numpy(zero_copy_only=False)
+            flat = pc.list_flatten(col).to_numpy(zero_copy_only=False)
+            bad = (flat < 0) | (flat >= vocab_size)
+            if bad.any():
+                k = int(np.argmax(bad))
+                row = int(np.searchsorted(np.cumsum(lengths), k, side="right"))
+                raise ValueError(
+                    f"{self.origin}: row {row} (counted from 0), column 'input_ids': sample id={self.table.ids[row]} has "
+                    f"token id {int(flat[k])} outside the vocabulary of {vocab_size}; tokenize with the model's tokenizer"
+                )
+        elif "text" in self.dataset.column_names and vocab_size < BYTE_VOCAB:
+            raise ValueError(
+                f"{self.origin}: raw `text` is byte-tokenized into ids up to {BYTE_VOCAB - 1}, beyond the model's "
+                f"vocabulary of {vocab_size}; store pre-tokenized `input_ids` instead"
+            )
 
     def rows(self, indices) -> list[dict]:
         """Content columns of the given rows (empty dicts when the data set is metadata-only)."""

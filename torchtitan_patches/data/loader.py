@@ -202,6 +202,7 @@ class PipeTuneDataLoader(StatefulDataLoader):
             )
         if model.encoder is None and store.table.num_images.any():
             raise ValueError(f"{store.path}: the data set has images but model {model.name!r} has no vision encoder")
+        store.check_token_ids(model.backbone.vocab_size)
         self.config = config
         self.model = model
         self.store = store
