@@ -75,6 +75,8 @@ BAD_FILES = [
         r"float_offset\.jsonl: row 0 .*column 'image_offsets': 1\.5 is not an integer",
     ),
     ("string_id.jsonl", '{"id": "a", "text_tokens": 3}\n', r"string_id\.jsonl: row 0 .*column 'id': holds string values"),
+    ("one_image.jsonl", '{"text": "a<image>", "images": "x.png"}\n',
+     r"one_image\.jsonl: row 0 .*column 'images': holds string values; it needs a list of image file names"),
     ("int_text.jsonl", '{"text": 5}\n', r"int_text\.jsonl: row 0 .*column 'text': holds int64 values; it needs strings"),
     ("null_source.jsonl", '{"text_tokens": 3, "source": "a"}\n{"text_tokens": 3, "source": null}\n',
      r"null_source\.jsonl: row 1 .*column 'source': missing or null"),

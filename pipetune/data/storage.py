@@ -343,6 +343,9 @@ def _metadata(ds, path: Path) -> SampleTable:
         text_tokens = _int_column(ds, path, "text_tokens")
 
     if "images" in cols:
+        image_type = ds.data.column("images").type
+        if not (pa.types.is_list(image_type) or pa.types.is_large_list(image_type) or pa.types.is_null(image_type)):
+            raise ValueError(f"{_where(path, 0, 'images')}: holds {image_type} values; it needs a list of image file names")
         num_images = np.fromiter((len(x or []) for x in ds["images"]), np.int64, n)
     elif "num_images" in cols:
         num_images = _int_column(ds, path, "num_images")
