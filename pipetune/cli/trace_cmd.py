@@ -12,6 +12,7 @@ from pipetune.cli.common import (
     cost_model_from_args,
     emit_json,
     model_from_args,
+    non_negative_int,
     table_from_args,
 )
 from pipetune.cost import MicroBatchShapes
@@ -31,7 +32,7 @@ def register(sub) -> None:
     add_cost_args(p)
     p.add_argument("--packer", default="balanced", choices=["balanced", "original"])
     p.add_argument("--schedule", default="1f1b", choices=sorted(SCHEDULES))
-    p.add_argument("--step", type=int, default=0, help="which global batch to simulate")
+    p.add_argument("--step", type=non_negative_int, default=0, help="which global batch to simulate")
     p.add_argument("--out", action="append", default=[], help="x.png (Gantt) or x.json (Chrome trace); repeatable")
     p.add_argument("--csv", help="also write the action table in torch's _load_csv format")
     p.set_defaults(run=run)
