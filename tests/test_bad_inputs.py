@@ -164,6 +164,11 @@ def test_plan_reports_extrapolation_beyond_the_table_grid(tmp_path):
     with contextlib.redirect_stdout(out):  # the analytical table's grid covers the job: nothing to report
         assert main([a for a in argv if a not in ("--latency-table", argv[-1])] + ["--json"]) == 0
     assert json.loads(out.getvalue())["config"]["extrapolated"] == {}
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["trace", "--model", "tiny", "--pp", "2", "--gbs", "16", "--max-seq-len", "1024", "--mix", "datamix2",
+                     "--samples", "200", "--latency-table", _table(tmp_path)]) == 0
+    assert "latency lookups beyond the table's grid" in out.getvalue()
 
 
 def test_a_genuine_bug_keeps_its_traceback(monkeypatch):

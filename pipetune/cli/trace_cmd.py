@@ -78,6 +78,9 @@ def run(args) -> int:
     print(title + (" [analytical estimate]" if cost.table.estimate else ""))
     print(f"  micro-batches {summary['micro_batches']}, makespan {result.makespan:.3f} s, lower bound "
           f"{summary['lower_bound_s']:.3f} s, bubble ratio {result.bubble_ratio:.1%}")
+    if costs.extrapolated:
+        print(f"  warning: {costs.extrapolated} latency lookups beyond the table's grid (extrapolated by FLOPs growth): "
+              + ", ".join(f"{n} up to {x:g}" for n, x in cost.beyond_grid.items()))
     print("  idle per rank (s): " + " ".join(f"{x:.3f}" for x in result.idle))
     print("  peak activations per rank (GiB): " + " ".join(f"{x:.2f}" for x in summary["peak_activation_gib"]))
     for out in args.out + ([args.csv] if args.csv else []):
