@@ -220,6 +220,11 @@ def _channel_worker(scenario: str, rank: int, port: int) -> None:
             if rank == 0:
                 PlanChannel(planner)
             first(meta(0))
+        elif scenario == "stopped":  # rank 1 dies after joining
+            ch = PlanChannel(planner if rank == 0 else None)
+            if rank == 1:
+                os._exit(0)
+            ch(meta(0))
         print("OK", flush=True)
     except PlanError as e:
         print(f"ERROR {type(e).__name__}: {e}", flush=True)
@@ -257,6 +262,7 @@ def _run_channel(scenario: str) -> list[str]:
         ("steps", ["ranks ask for the plans of different steps (rank 0: step 0, rank 1: step 1)"] * 2),
         ("no_planner", ["rank 0 must own the planner and only it, but ranks [] have one"] * 2),
         ("modes", ["no answer from the other ranks within 10 s"] * 2),
+        ("stopped", ["no answer from the other ranks within 10 s while asking for the plan of step 0", ""]),
     ],
 )
 def test_plan_channel_mismatch_fails_on_every_rank_within_the_timeout(scenario, messages):
