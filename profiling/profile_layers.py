@@ -28,14 +28,16 @@ calls). CUDA events time GPU work. Curves are then made non-decreasing with isot
 adjustment is recorded in the table's notes. With ``tp > 1`` the modules are one rank's shard:
 TP collectives are not measured.
 
-Partial results go to ``OUT.partial.json`` after every pass; re-running with the same settings
-resumes from there.
+Partial results go to ``OUT.partial.json`` after every pass (written atomically); re-running with
+the same settings resumes from there, and an unreadable partial file is reported and ignored.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import platform
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -224,6 +226,29 @@ def _device_name(device: torch.device) -> str:
     return f"cpu: {platform.processor() or platform.machine()}"
 
 
+def _write_atomic(path: Path, text: str) -> None:
+    """Write via a temporary file and ``os.replace``: an interrupted write leaves the old file whole."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _load_partial(partial: Path, header: dict) -> dict[str, list[list[float]]]:
+    """Samples of an earlier run with the same settings; an unreadable file is reported and ignored."""
+    if not partial.is_file():
+        return {}
+    try:
+        saved = json.loads(partial.read_text())
+        samples = saved["samples"] if saved.get("header") == header else {}
+        if not all(isinstance(v, list) and all(isinstance(p, list) and len(p) == 2 for p in v) for v in samples.values()):
+            raise ValueError("samples are not lists of (fwd, bwd) pairs")
+        return samples
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
+        warnings.warn(f"profile resume file {partial} is corrupt ({e}); ignoring it and profiling from scratch", stacklevel=3)
+        return {}
+
+
 def run_profile(model: ModelConfig, cfg: ProfileConfig, out: str | Path, *, progress: bool = True) -> LatencyTable:
     """Profile ``model`` per ``cfg`` and write the latency table to ``out`` (resumable)."""
     out = Path(out)
@@ -235,11 +260,7 @@ def run_profile(model: ModelConfig, cfg: ProfileConfig, out: str | Path, *, prog
     g = grids(cfg)
     header = {"model": model.fingerprint(), "config": asdict(cfg), "grids": g, "device": _device_name(device)}
     partial = out.with_name(out.name + ".partial.json")
-    samples: dict[str, list[list[float]]] = {}
-    if partial.is_file():
-        saved = json.loads(partial.read_text())
-        if saved.get("header") == header:
-            samples = saved["samples"]
+    samples = _load_partial(partial, header)
     tasks = measurement_tasks(model, cfg)
     prof = _Profiler(model, cfg)
     done = min((len(samples.get(f"{c}:{x}", [])) for c, x in tasks), default=0)
@@ -250,8 +271,7 @@ def run_profile(model: ModelConfig, cfg: ProfileConfig, out: str | Path, *, prog
         for i in np.random.default_rng((cfg.seed, k)).permutation(len(tasks)):
             curve, x = tasks[i]
             samples.setdefault(f"{curve}:{x}", []).append(list(prof.measure(curve, x)))
-        out.parent.mkdir(parents=True, exist_ok=True)
-        partial.write_text(json.dumps({"header": header, "samples": samples}))
+        _write_atomic(partial, json.dumps({"header": header, "samples": samples}))
     points = {k: np.median(np.asarray(v[: cfg.repeats]), axis=0).tolist() for k, v in samples.items()}
 
     def series(curve: str, grid: list[int], k: int) -> list[float]:

@@ -177,5 +177,5 @@ def test_negative_overhead_is_refused(tiny):
     raw["overhead"] = {"fwd_s": -1.0}
     from pipetune.cost import LatencyTableError
 
-    with pytest.raises(LatencyTableError, match="overhead must hold"):
+    with pytest.raises(LatencyTableError, match="overhead.fwd_s must be a finite number >= 0"):
         table_from_dict(raw)

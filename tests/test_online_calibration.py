@@ -7,9 +7,16 @@ import pytest
 
 from pipetune.config import load_hardware, load_model_config
 from pipetune.cost import CostModel, StageLayout, analytical_table
+from pipetune.cost.table import Curve
 from pipetune.data import BatchStream, batch_meta, make_mix
 from pipetune.plan import PlannerConfig
 from torchtitan_patches.pipeline.calibrate import MeasuredStep, OnlineCalibrator, held_out_times, simulate_plan, timeline_observations
+
+
+def bend(curve: Curve, k: float) -> Curve:
+    """``curve`` times a factor rising from 1 to ``1 + k`` over its first 1/64 of the grid."""
+    f = 1 + k * np.sqrt(np.minimum(curve.grid / curve.grid[-1] * 64, 1))
+    return Curve(curve.x, curve.grid, curve.fwd * f, curve.bwd * f)
 
 
 @pytest.fixture(scope="module")
@@ -17,12 +24,16 @@ def setup():
     model = load_model_config("7b")
     layout = StageLayout.even(32, 2)
     base = CostModel(analytical_table(model, load_hardware("a100"), tp=4), layout)
-    truth = CostModel(replace(base.table, scales={"rest": 1.4}, overhead={"bwd_s": 2e-3}), layout)
+    # The "machine" is outside the calibrated family (per-component scales + per-call overheads):
+    # its rest-of-layer cost grows faster than the table's for small micro-batches and attention
+    # slower, so no choice of scales reproduces it exactly.
+    curves = dict(base.table.curves, rest=bend(base.table.curves["rest"], 0.6), attention=bend(base.table.curves["attention"], -0.3))
+    truth = CostModel(replace(base.table, curves=curves, overhead={"bwd_s": 2e-3}), layout)
     data = make_mix("datamix2", 3000, 0)
     stream = BatchStream(num_rows=len(data), gbs=32)
-    metas = [batch_meta(data, stream, s, tokens_per_image=576, max_seq_len=4096) for s in range(6)]
-    planner = PlannerConfig(max_seq_len=4096, memory_bytes=80e9, max_mbs=4).build(model, base)
-    return base, truth, metas, planner
+    metas = [batch_meta(data, stream, s, tokens_per_image=576, max_seq_len=4096) for s in range(8)]
+    # a new planner per test: calibration tests swap its cost model
+    return base, truth, metas, lambda: PlannerConfig(max_seq_len=4096, memory_bytes=80e9, max_mbs=4).build(model, base)
 
 
 def measured(plan, meta, truth):
@@ -31,7 +42,8 @@ def measured(plan, meta, truth):
 
 
 def test_observations_sum_forward_and_backward_per_micro_batch_and_stage(setup):
-    base, truth, metas, planner = setup
+    base, truth, metas, make_planner = setup
+    planner = make_planner()
     plan = planner.plan(metas[0])
     timeline = measured(plan, metas[0], truth)
     obs = timeline_observations(timeline, plan, metas[0])
@@ -46,7 +58,8 @@ def test_observations_sum_forward_and_backward_per_micro_batch_and_stage(setup):
 
 
 def test_online_calibration_converges_to_the_machine(setup):
-    base, truth, metas, planner = setup
+    base, truth, metas, make_planner = setup
+    planner = make_planner()
     cal = OnlineCalibrator(base.table, base.layout, window=4)
     errors = []
     for meta in metas:
@@ -57,15 +70,18 @@ def test_online_calibration_converges_to_the_machine(setup):
         planner.set_cost(cost)
     # similar-sized micro-batches cannot tell the rest scale from a per-call overhead apart, so
     # the check is on what calibration is for: predicted iteration times
-    assert errors[0] > 0.1 and max(errors[2:]) < 0.02
-    assert cost.table.scale("rest") > 1.05 and len(cal.steps) == 4
+    # the fit is not exact (the machine is outside the model family), but it must take the
+    # prediction from a third off to a few per cent
+    assert errors[0] > 0.2 and np.mean(errors[2:]) < 0.03 and max(errors[2:]) < errors[0] / 3
+    assert cost.table.scale("rest") > 1.2 and len(cal.steps) == 4
     assert report.makespan_factor == pytest.approx(1.0, abs=0.02)
 
 
 def test_iteration_time_beyond_the_action_times_is_learnt(setup):
     """Jitter makes real iterations longer than a simulation of their typical action times; the
     calibrated model must predict the iteration times that were measured, not the shorter ones."""
-    base, truth, metas, planner = setup
+    base, truth, metas, make_planner = setup
+    planner = make_planner()
     cal = OnlineCalibrator(base.table, base.layout, window=4)
     for meta in metas[:4]:
         plan = planner.plan(meta)
@@ -79,20 +95,23 @@ def test_iteration_time_beyond_the_action_times_is_learnt(setup):
 
 
 def test_set_cost_refuses_another_layout(setup):
-    base, _, _, planner = setup
+    base, _, _, make_planner = setup
+    planner = make_planner()
     with pytest.raises(ValueError, match="same model and stage layout"):
         planner.set_cost(CostModel(base.table, StageLayout.even(32, 4)))
 
 
 def test_held_out_times_predict_each_step_from_the_others(setup):
-    base, truth, metas, planner = setup
-    steps, spans = [], []
+    base, truth, metas, make_planner = setup
+    planner = make_planner()
+    steps, spans, uncalibrated = [], [], []
     for meta in metas:
         plan = planner.plan(meta)
         spans.append(simulate_plan(truth, plan, meta).makespan)
+        uncalibrated.append(abs(simulate_plan(base, plan, meta).makespan - spans[-1]) / spans[-1])
         steps.append(MeasuredStep.from_timelines(base, [measured(plan, meta, truth)], plan, meta, spans[-1]))
-    held_out = held_out_times(base, steps)
-    assert all(abs(p - t) / t < 0.02 for p, t in zip(held_out, spans))
+    held_out = [abs(p - t) / t for p, t in zip(held_out_times(base, steps), spans)]
+    assert max(held_out) < 0.05 and max(held_out) < min(uncalibrated) / 5
     # a second run of a plan must not inform its own prediction, which leaves nothing to fit here
     with pytest.raises(ValueError, match="at least two different plans"):
         held_out_times(base, [steps[0], steps[0]])

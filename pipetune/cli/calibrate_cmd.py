@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pipetune.cli.common import add_model_args, model_from_args
+from pipetune.cli.common import add_model_args, model_from_args, positive_int
 
 
 def register(sub) -> None:
@@ -11,11 +11,11 @@ def register(sub) -> None:
     p.add_argument("--table", required=True, help="latency table to calibrate")
     p.add_argument("--data", required=True, help="data set to draw micro-batches from")
     p.add_argument("--out", required=True, help="calibrated table to write")
-    p.add_argument("--stages", type=int, default=2, help="pipeline stages to split the model into")
-    p.add_argument("--samples", type=int, default=12, help="micro-batches to time")
-    p.add_argument("--max-seq-len", type=int, default=512)
-    p.add_argument("--max-mbs", type=int, default=4)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--stages", type=positive_int, default=2, help="pipeline stages to split the model into")
+    p.add_argument("--samples", type=positive_int, default=12, help="micro-batches to time")
+    p.add_argument("--max-seq-len", type=positive_int, default=512)
+    p.add_argument("--max-mbs", type=positive_int, default=4)
+    p.add_argument("--threads", type=positive_int, default=1)
     p.set_defaults(run=run)
 
 
@@ -28,7 +28,7 @@ def run(args) -> int:
 
     torch.set_num_threads(args.threads)
     model = model_from_args(args)
-    table = load_latency_table(args.table, model=model)
+    table = load_latency_table(args.table, model=model, tp=1)  # StageTimer runs whole, unsharded layers
     layout = StageLayout.even(model.backbone.n_layers, args.stages)
     max_tokens = args.max_mbs * args.max_seq_len
     timer = StageTimer(model, layout, max_seq_len=max_tokens)

@@ -1,27 +1,52 @@
-"""Entry point: ``pipetune <command> ...``."""
+"""Entry point: ``pipetune <command> ...``.
+
+Bad input is reported as one line, ``pipetune: error: ...``, exit code 2: every ``ValueError`` (the
+project's error types all derive from it: ``ConfigError``, ``LatencyTableError``, ``PlanError``,
+...) and ``OSError`` (missing or unreadable files). Such an error raised outside the project's own
+code also names where it came from. Anything else is a bug and keeps its traceback;
+``PIPETUNE_DEBUG=1`` shows the traceback of every error.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import traceback
+from pathlib import Path
 
 from pipetune.cli import calibrate_cmd, data_cmd, pack_cmd, plan_cmd, profile_cmd, trace_cmd
 
+PROJECT_DIRS = tuple(Path(__file__).resolve().parents[2] / d for d in ("pipetune", "profiling", "torchtitan_patches"))
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pipetune", description=__doc__)
+    parser = argparse.ArgumentParser(prog="pipetune", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for module in (data_cmd, pack_cmd, profile_cmd, calibrate_cmd, trace_cmd, plan_cmd):
         module.register(sub)
     return parser
 
 
+def _origin(e: BaseException) -> str:
+    """`` (from FILE:LINE)`` when ``e`` was raised outside the project's code, else ``""``."""
+    frames = traceback.extract_tb(e.__traceback__)
+    if not frames:
+        return ""
+    last = Path(frames[-1].filename).resolve()
+    if any(last.is_relative_to(d) for d in PROJECT_DIRS):
+        return ""
+    return f" (from {last.name}:{frames[-1].lineno}; PIPETUNE_DEBUG=1 shows the traceback)"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"pipetune: error: {e}", file=sys.stderr)
+    except (ValueError, OSError) as e:
+        if os.environ.get("PIPETUNE_DEBUG"):
+            raise
+        print(f"pipetune: error: {e}{_origin(e)}", file=sys.stderr)
         return 2
 
 

@@ -10,6 +10,8 @@ from pipetune.cli.common import (
     cost_model_from_args,
     emit_json,
     model_from_args,
+    positive_float,
+    positive_int,
     table_from_args,
 )
 from pipetune.config import load_hardware
@@ -22,8 +24,8 @@ def register(sub) -> None:
     add_data_args(p)
     add_batch_args(p, mbs=None)
     add_cost_args(p)
-    p.add_argument("--mbs", type=int, help="micro-batch size of the fixed-size modes (default: largest that fits memory)")
-    p.add_argument("--memory-gib", type=float, help="GPU memory per rank (default: the --hardware preset's)")
+    p.add_argument("--mbs", type=positive_int, help="micro-batch size of the fixed-size modes (default: largest that fits memory)")
+    p.add_argument("--memory-gib", type=positive_float, help="GPU memory per rank (default: the --hardware preset's)")
     p.set_defaults(run=run, iters=50)
 
 
@@ -39,8 +41,10 @@ def run(args) -> int:
     base = float(summary["original"].iter_s.mean())
     out = {mode: s.to_dict(base) for mode, s in summary.items()}
     source = "analytical estimate" if cost.table.estimate else f"latency table ({cost.table.device})"
+    extrapolated = {name: {"largest": x, "grid_end": float(cost.table.curves[name].grid[-1])} for name, x in cost.beyond_grid.items()}
     config = {"model": model.name, "tp": args.tp, "pp": args.pp, "gbs": args.gbs, "max_seq_len": args.max_seq_len,
-              "iters": args.iters, "latencies": source, "hardware": args.hardware if cost.table.estimate else None}
+              "iters": args.iters, "latencies": source, "hardware": args.hardware if cost.table.estimate else None,
+              "extrapolated": extrapolated}
     if args.json:
         emit_json({"config": config, **out})
         return 0
@@ -53,6 +57,10 @@ def run(args) -> int:
               f"{d['search_ms_p50']:10.1f} / {d['search_ms_p99']:.1f}")
     counts = summary["pipetune"].mbs
     print("pipetune micro-batch sizes: " + ", ".join(f"mbs={k}: {v}" for k, v in sorted(counts.items())))
+    if extrapolated:
+        print("warning: planned beyond the latency table's grid (costs extrapolated by FLOPs growth): "
+              + ", ".join(f"{n} up to {e['largest']:g} (grid ends at {e['grid_end']:g})" for n, e in extrapolated.items())
+              + "; profile larger sizes for measured figures")
     if any(d["fallbacks"] for d in out.values()):
         print("fallbacks: " + ", ".join(f"{m}={d['fallbacks']}" for m, d in out.items()))
     return 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from pipetune.cli.common import add_model_args, model_from_args
+from pipetune.cli.common import add_model_args, model_from_args, non_negative_int, positive_int
 
 
 def register(sub) -> None:
@@ -13,14 +13,14 @@ def register(sub) -> None:
     p.add_argument("--out", required=True, help="latency table file to write (JSON)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", default=None, help="float32 (default on CPU) or bfloat16 (default on CUDA)")
-    p.add_argument("--tp", type=int, default=1, help="profile one tensor-parallel rank's shard of this degree")
-    p.add_argument("--max-seq-len", type=int, default=512, help="longest document to measure attention for")
-    p.add_argument("--max-tokens", type=int, default=2048, help="longest packed micro-batch to measure")
-    p.add_argument("--max-images", type=int, default=64, help="most images per micro-batch to measure")
-    p.add_argument("--points", type=int, default=10, help="grid points per curve")
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (use what training uses)")
+    p.add_argument("--tp", type=positive_int, default=1, help="profile one tensor-parallel rank's shard of this degree")
+    p.add_argument("--max-seq-len", type=positive_int, default=512, help="longest document to measure attention for")
+    p.add_argument("--max-tokens", type=positive_int, default=2048, help="longest packed micro-batch to measure")
+    p.add_argument("--max-images", type=non_negative_int, default=64, help="most images per micro-batch to measure")
+    p.add_argument("--points", type=positive_int, default=10, help="grid points per curve")
+    p.add_argument("--repeats", type=positive_int, default=7)
+    p.add_argument("--warmup", type=non_negative_int, default=2)
+    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (use what training uses)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "flash", "sdpa"])
     p.add_argument("--no-p2p", action="store_true", help="skip the two-process message benchmark")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -31,6 +31,7 @@ def run(args) -> int:
     from profiling.profile_layers import ProfileConfig, run_profile
 
     model = model_from_args(args)
+    model.check_tp(args.tp)
     cfg = ProfileConfig(
         dtype=args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"),
         tp=args.tp,

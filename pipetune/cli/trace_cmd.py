@@ -12,6 +12,7 @@ from pipetune.cli.common import (
     cost_model_from_args,
     emit_json,
     model_from_args,
+    non_negative_int,
     table_from_args,
 )
 from pipetune.cost import MicroBatchShapes
@@ -31,7 +32,7 @@ def register(sub) -> None:
     add_cost_args(p)
     p.add_argument("--packer", default="balanced", choices=["balanced", "original"])
     p.add_argument("--schedule", default="1f1b", choices=sorted(SCHEDULES))
-    p.add_argument("--step", type=int, default=0, help="which global batch to simulate")
+    p.add_argument("--step", type=non_negative_int, default=0, help="which global batch to simulate")
     p.add_argument("--out", action="append", default=[], help="x.png (Gantt) or x.json (Chrome trace); repeatable")
     p.add_argument("--csv", help="also write the action table in torch's _load_csv format")
     p.set_defaults(run=run)
@@ -77,6 +78,9 @@ def run(args) -> int:
     print(title + (" [analytical estimate]" if cost.table.estimate else ""))
     print(f"  micro-batches {summary['micro_batches']}, makespan {result.makespan:.3f} s, lower bound "
           f"{summary['lower_bound_s']:.3f} s, bubble ratio {result.bubble_ratio:.1%}")
+    if costs.extrapolated:
+        print(f"  warning: {costs.extrapolated} latency lookups beyond the table's grid (extrapolated by FLOPs growth): "
+              + ", ".join(f"{n} up to {x:g}" for n, x in cost.beyond_grid.items()))
     print("  idle per rank (s): " + " ".join(f"{x:.3f}" for x in result.idle))
     print("  peak activations per rank (GiB): " + " ".join(f"{x:.2f}" for x in summary["peak_activation_gib"]))
     for out in args.out + ([args.csv] if args.csv else []):

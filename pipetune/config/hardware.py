@@ -1,8 +1,10 @@
-"""Accelerator figures for the analytical latency presets (``configs/hardware/*.toml``)."""
+"""Accelerator figures for the analytical latency presets (``pipetune/presets/hardware/*.toml``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+
+from pipetune.config.model import ConfigError, check_field_types
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,10 +32,11 @@ class HardwareSpec:
     p2p_latency_s: float
 
     def __post_init__(self) -> None:
+        check_field_types(self, "hardware")
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name != "name" and not (isinstance(v, (int, float)) and v > 0):
-                raise ValueError(f"hardware {self.name!r}: {f.name} must be a positive number, got {v!r}")
+            if f.name != "name" and not v > 0:
+                raise ConfigError(f"hardware {self.name!r}: {f.name} must be a positive number, got {v!r}")
         for f in ("gemm_efficiency", "attention_fwd_efficiency", "attention_bwd_efficiency"):
             if getattr(self, f) > 1:
-                raise ValueError(f"hardware {self.name!r}: {f} is a fraction of peak and must be <= 1")
+                raise ConfigError(f"hardware {self.name!r}: {f} is a fraction of peak and must be <= 1")

@@ -8,12 +8,33 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import asdict, dataclass, fields
+
+
+class ConfigError(ValueError):
+    """A model, encoder or hardware config (or a parallel degree) that cannot be used; says what to fix."""
 
 
 def _require(cond: bool, msg: str) -> None:
     if not cond:
-        raise ValueError(msg)
+        raise ConfigError(msg)
+
+
+_KINDS = {"int": "an integer", "float": "a finite number", "bool": "true or false", "str": "a string"}
+
+
+def check_field_types(cfg, section: str) -> None:
+    """Refuse fields of the wrong type (``n_layers = 4.5``, ``frozen = "no"``) before they reach arithmetic."""
+    for f in fields(cfg):
+        v = getattr(cfg, f.name)
+        ok = {
+            "int": isinstance(v, int) and not isinstance(v, bool),
+            "float": isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+            "bool": isinstance(v, bool),
+            "str": isinstance(v, str),
+        }.get(f.type, True)
+        _require(ok, f"{section}.{f.name} must be {_KINDS.get(f.type)}, got {v!r}")
 
 
 def _check_shape(cfg, section: str, positive: tuple[str, ...], divides: tuple[str, str]) -> None:
@@ -38,6 +59,7 @@ class BackboneConfig:
     norm_eps: float = 1e-5
 
     def __post_init__(self) -> None:
+        check_field_types(self, "backbone")
         _check_shape(self, "backbone", ("n_layers", "dim", "ffn_dim", "n_heads", "n_kv_heads", "vocab_size"), ("dim", "n_heads"))
         _require(
             self.n_heads % self.n_kv_heads == 0,
@@ -79,6 +101,7 @@ class EncoderConfig:
     norm_eps: float = 1e-6
 
     def __post_init__(self) -> None:
+        check_field_types(self, "encoder")
         _check_shape(self, "encoder", ("n_layers", "dim", "ffn_dim", "n_heads", "image_size", "patch_size", "channels"), ("dim", "n_heads"))
         _require(
             self.image_size % self.patch_size == 0,
@@ -102,9 +125,27 @@ class ModelConfig:
     backbone: BackboneConfig
     encoder: EncoderConfig | None = None
 
+    def __post_init__(self) -> None:
+        _require(isinstance(self.name, str) and self.name != "", f"model name must be a non-empty string, got {self.name!r}")
+
     @property
     def tokens_per_image(self) -> int:
         return self.encoder.tokens_per_image if self.encoder is not None else 0
+
+    def check_tp(self, tp: int) -> None:
+        """Tensor parallelism splits attention by heads: refuse a degree that does not divide every
+        head count (it would give a wrong plan, not an error, further on)."""
+        _require(isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1, f"TP must be an integer >= 1, got {tp!r}")
+        heads = {"backbone.n_heads": self.backbone.n_heads, "backbone.n_kv_heads": self.backbone.n_kv_heads}
+        if self.encoder is not None:
+            heads["encoder.n_heads"] = self.encoder.n_heads
+        bad = [f"{k}={v}" for k, v in heads.items() if v % tp]
+        if bad:
+            fits = [d for d in range(1, min(heads.values()) + 1) if all(v % d == 0 for v in heads.values())]
+            raise ConfigError(
+                f"model {self.name!r}: TP={tp} does not divide {', '.join(bad)}; tensor parallelism splits attention "
+                f"by heads, so choose a TP that divides every head count: {fits}"
+            )
 
     def to_dict(self) -> dict:
         return asdict(self)

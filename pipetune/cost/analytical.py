@@ -8,7 +8,7 @@ tensor-parallel degree ``tp`` (all work split evenly over the ``tp`` GPUs of a s
   falls with ``n`` and flattens once ``n`` is several times ``n_half``, the shape of PipeTune
   Fig. 10 (a LLaMA-7B layer at TP 4: normalised latency drops until a few thousand tokens, then is
   flat). ``n_half`` grows with ``tp`` because each GPU's GEMMs get narrower. The constants are our
-  assumptions, stored in ``configs/hardware/*.toml``.
+  assumptions, stored in ``pipetune/presets/hardware/*.toml``.
 * Attention of one document of length ``l``: its FLOPs (causal pair count) at
   ``attention_*_efficiency`` with the same ``(1 + l_half / l)`` penalty (FlashAttention's tiles
   are poorly filled by short documents).
@@ -43,8 +43,7 @@ def _grid(hi: int, points: int = 48) -> np.ndarray:
 
 def analytical_table(model: ModelConfig, hw: HardwareSpec, *, tp: int = 1, max_tokens: int = 262_144, max_images: int = 1024) -> LatencyTable:
     """A latency table computed from ``model``'s FLOPs and ``hw``'s figures (see module doc)."""
-    if tp < 1:
-        raise ValueError(f"tp must be >= 1, got {tp}")
+    model.check_tp(tp)
     f = FlopsModel(model)
     b = model.backbone
     launch = hw.kernel_launch_s

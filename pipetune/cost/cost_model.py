@@ -110,6 +110,7 @@ class CostModel:
         self.dtype_bytes = DTYPE_BYTES.get(table.dtype, 2)
         enc = table.model.encoder
         self.encoder_trainable = enc is not None and not enc.frozen
+        self.beyond_grid: dict[str, float] = {}  # component -> largest size looked up past its grid
 
     @property
     def num_stages(self) -> int:
@@ -118,7 +119,10 @@ class CostModel:
     def _curve(self, name: str, x: np.ndarray, which: str) -> tuple[np.ndarray, int]:
         if name not in self.table.curves:
             return np.zeros(len(x)), 0
-        return lookup(self.table.curves[name], x, which)
+        values, n = lookup(self.table.curves[name], x, which)
+        if n:
+            self.beyond_grid[name] = max(self.beyond_grid.get(name, 0.0), float(np.max(x)))
+        return values, n
 
     def components(self, shapes: MicroBatchShapes) -> tuple[dict[str, dict[str, np.ndarray]], int]:
         """Unscaled contribution of each table component to each (micro-batch, stage) latency:
@@ -147,6 +151,14 @@ class CostModel:
                 out.setdefault(name, {})[which] = col
         return out, extrapolated
 
+    def activation_bytes(self, shapes: MicroBatchShapes) -> np.ndarray:
+        """Saved activation bytes per (micro-batch, stage); no latency lookups (memory probes use it)."""
+        mem = self.table.memory
+        act = shapes.tokens[:, None] * (self.layers[None, :] * mem["layer_bytes_per_token"])
+        act[:, 0] += shapes.tokens * mem["embedding_bytes_per_token"] + shapes.images * mem["projector_bytes_per_image"]
+        act[:, -1] += shapes.tokens * mem["head_bytes_per_token"]
+        return act
+
     def stage_costs(self, shapes: MicroBatchShapes) -> StageCosts:
         m, S = shapes.num_micro_batches, self.num_stages
         parts, extrapolated = self.components(shapes)
@@ -162,9 +174,7 @@ class CostModel:
         if self.encoder_trainable:
             bwd[:, 0] += self.table.scale("encoder") * parts["encoder"]["bwd"][:, 0]
         mem = self.table.memory
-        act = shapes.tokens[:, None] * (self.layers[None, :] * mem["layer_bytes_per_token"])
-        act[:, 0] += shapes.tokens * mem["embedding_bytes_per_token"] + shapes.images * mem["projector_bytes_per_image"]
-        act[:, S - 1] += shapes.tokens * mem["head_bytes_per_token"]
+        act = self.activation_bytes(shapes)
         msg_bytes = shapes.tokens * self.table.model.backbone.dim * self.dtype_bytes
         p2p = self.table.p2p["latency_s"] + msg_bytes / self.table.p2p["bytes_per_s"]
         return StageCosts(

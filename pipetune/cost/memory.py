@@ -41,7 +41,7 @@ def worst_case_activation_bytes(cost: CostModel, tokens: int) -> np.ndarray:
     tpi = cost.table.model.tokens_per_image
     images = tokens // tpi if tpi else 0
     shapes = MicroBatchShapes(np.array([tokens]), np.array([0]), np.array([tokens]), np.array([images]))
-    return cost.stage_costs(shapes).activation_bytes[0]
+    return cost.activation_bytes(shapes)[0]
 
 
 def stage_peak_bytes(cost: CostModel, mbs: int, max_seq_len: int) -> np.ndarray:

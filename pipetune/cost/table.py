@@ -24,8 +24,9 @@ Curves (seconds per call, per layer where it says so):
 | projector   | images     | MLP projector over that many images' features (first stage)      |
 | encoder     | images     | the vision encoder over that many images (bwd 0 when frozen)     |
 
-Grids are strictly increasing and positive; values finite, >= 0 and non-decreasing in x. A loader
-that finds anything else refuses the file and says what and where.
+Grids are strictly increasing and positive; values finite, >= 0, non-decreasing in x and not zero
+everywhere (except a frozen encoder's backward). A loader that finds anything else, or a field of
+the wrong JSON type, refuses the file and says what and where.
 """
 
 from __future__ import annotations
@@ -161,9 +162,17 @@ def table_from_dict(raw: dict, *, where: str = "latency table") -> LatencyTable:
     for key in ("model", "curves", "memory", "p2p", "device", "dtype"):
         if key not in raw:
             fail(f"missing field {key!r}")
+    for key, kind in (("curves", dict), ("memory", dict), ("p2p", dict), ("scales", dict), ("overhead", dict),
+                      ("device", str), ("dtype", str), ("torch", str), ("estimate", bool), ("notes", list)):
+        if key in raw and not isinstance(raw[key], kind):
+            fail(f"field {key!r} must be a JSON {_JSON_KIND[kind]}, got {raw[key]!r}")
+    for key in ("tp", "threads"):
+        v = raw.get(key, 1)
+        if not isinstance(v, int) or isinstance(v, bool) or v < (1 if key == "tp" else 0):
+            fail(f"{key} must be a {'positive' if key == 'tp' else 'non-negative'} integer, got {v!r}")
     try:
         model = ModelConfig.from_dict(raw["model"])
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
         fail(f"model config is malformed ({e})")
     if raw.get("model_fingerprint") not in (None, model.fingerprint()):
         fail("model_fingerprint does not match its model config (the file was edited or is corrupt)")
@@ -174,28 +183,22 @@ def table_from_dict(raw: dict, *, where: str = "latency table") -> LatencyTable:
                 continue
             fail(f"missing curve {name!r} (needed: {sorted(CURVES)})")
         curves[name] = _curve(raw["curves"][name], name, x, fail)
-    memory = {}
-    for key in MEMORY_KEYS:
-        v = raw["memory"].get(key)
-        if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-            fail(f"memory.{key} must be a finite number >= 0, got {v!r}")
-        memory[key] = float(v)
-    p2p = {}
-    for key in ("latency_s", "bytes_per_s"):
-        v = raw["p2p"].get(key)
-        if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (key == "bytes_per_s" and v == 0):
-            fail(f"p2p.{key} must be a finite positive number, got {v!r}")
-        p2p[key] = float(v)
-    scales = {k: float(v) for k, v in raw.get("scales", {}).items()}
-    bad = [k for k, v in scales.items() if not (math.isfinite(v) and v > 0) or k not in CURVES]
+        frozen = name == "encoder" and model.encoder.frozen
+        for which in ("fwd",) if frozen else ("fwd", "bwd"):
+            if getattr(curves[name], which)[-1] <= 0:
+                fail(f"curve {name!r}.{which} is zero everywhere: this component would cost nothing; re-profile the model")
+    memory = {key: _number(raw["memory"], key, "memory", fail) for key in MEMORY_KEYS}
+    p2p = {key: _number(raw["p2p"], key, "p2p", fail) for key in ("latency_s", "bytes_per_s")}
+    if p2p["bytes_per_s"] == 0:
+        fail("p2p.bytes_per_s must be a finite positive number, got 0")
+    scales = raw.get("scales", {})
+    bad = [k for k, v in scales.items() if k not in CURVES or not (_is_number(v) and v > 0)]
     if bad:
         fail(f"scales {bad} are not known components with a positive factor")
-    overhead = {k: float(v) for k, v in raw.get("overhead", {}).items()}
-    if any(k not in OVERHEAD_KEYS or not (math.isfinite(v) and v >= 0) for k, v in overhead.items()):
+    scales = {k: float(v) for k, v in scales.items()}
+    overhead = {k: _number(raw.get("overhead", {}), k, "overhead", fail) for k in raw.get("overhead", {})}
+    if any(k not in OVERHEAD_KEYS for k in overhead):
         fail(f"overhead must hold {OVERHEAD_KEYS} as finite numbers >= 0, got {overhead}")
-    tp = raw.get("tp", 1)
-    if not isinstance(tp, int) or tp < 1:
-        fail(f"tp must be a positive integer, got {tp!r}")
     return LatencyTable(
         model=model,
         curves=curves,
@@ -203,14 +206,28 @@ def table_from_dict(raw: dict, *, where: str = "latency table") -> LatencyTable:
         p2p=p2p,
         device=str(raw["device"]),
         dtype=str(raw["dtype"]),
-        tp=tp,
-        estimate=bool(raw.get("estimate", False)),
-        torch_version=str(raw.get("torch", "")),
-        threads=int(raw.get("threads", 0)),
+        tp=raw.get("tp", 1),
+        estimate=raw.get("estimate", False),
+        torch_version=raw.get("torch", ""),
+        threads=raw.get("threads", 0),
         scales=scales,
         overhead=overhead,
-        notes=tuple(raw.get("notes", ())),
+        notes=tuple(str(n) for n in raw.get("notes", ())),
     )
+
+
+_JSON_KIND = {dict: "object", str: "string", bool: "true/false", list: "list"}
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _number(section: dict, key: str, where: str, fail) -> float:
+    v = section.get(key)
+    if not _is_number(v) or v < 0:
+        fail(f"{where}.{key} must be a finite number >= 0, got {v!r}")
+    return float(v)
 
 
 def _curve(raw, name: str, x: str, fail) -> Curve:
@@ -223,12 +240,9 @@ def _curve(raw, name: str, x: str, fail) -> Curve:
         v = raw.get(key)
         if not isinstance(v, list) or not v:
             fail(f"curve {name!r} has no {key} values (missing grid)")
-        try:
-            arrays[key] = np.asarray(v, dtype=np.float64)
-        except (TypeError, ValueError):
-            fail(f"curve {name!r}.{key} holds non-numbers")
-        if arrays[key].ndim != 1:
-            fail(f"curve {name!r}.{key} must be a flat list")
+        if not all(isinstance(e, (int, float)) and not isinstance(e, bool) for e in v):  # NaN/inf: refused below
+            fail(f"curve {name!r}.{key} must be a flat list of numbers, got {v!r}")
+        arrays[key] = np.asarray(v, dtype=np.float64)
     g = arrays["grid"]
     if not (len(arrays["fwd"]) == len(arrays["bwd"]) == len(g)):
         fail(f"curve {name!r}: grid has {len(g)} points but fwd/bwd have {len(arrays['fwd'])}/{len(arrays['bwd'])}")

@@ -84,6 +84,8 @@ class PlannerConfig:
         object.__setattr__(self, "mode", Mode(self.mode))
         if self.schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {self.schedule!r}; known: {sorted(SCHEDULES)}")
+        if self.mbs is not None and self.mbs < 1:
+            raise ValueError(f"mbs must be >= 1 (or None for the largest that fits), got {self.mbs}")
         if not 1 <= self.max_clusters <= 6:
             raise ValueError(f"max_clusters must be in 1..6 (6! = 720 orders), got {self.max_clusters}")
 

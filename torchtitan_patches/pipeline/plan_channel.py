@@ -6,33 +6,74 @@ so rank 0 owns the planner (a function from batch metadata to ``IterationPlan``,
 dataloader uses a ``PlanChannel`` as its packing source; loaders ask for steps in the same order
 on every rank, so the broadcasts pair up. A dedicated gloo group keeps them apart from the
 pipeline's point-to-point traffic.
+
+Ranks that disagree (started with other ``--modes``/``--steps``, or a rank without a planner)
+must fail rather than hang: the group carries the job's timeout (torch's ``new_group`` would
+otherwise use its 30-minute default, not the world group's), every rank first learns which ranks
+own a planner and which step each one asks for, and any collective that times out is reported
+as a ``PlanMismatchError`` naming the step and the timeout.
 """
 
 from __future__ import annotations
 
-import torch.distributed as dist
-
+from datetime import timedelta
 from typing import Callable
+
+import torch
+import torch.distributed as dist
 
 from pipetune.data.batch import BatchMeta
 from pipetune.plan.plan import IterationPlan, PlanError
+from torchtitan_patches.pipeline.executor import PlanMismatchError
+
+
+def group_timeout(group=None) -> timedelta:
+    """The timeout of ``group`` (default: the world group), as given to ``init_process_group``."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    for device in ("cpu", "cuda"):
+        try:
+            return pg._get_backend(torch.device(device)).options._timeout
+        except (RuntimeError, AttributeError):
+            continue
+    return dist.distributed_c10d._get_default_timeout(dist.get_backend(pg))
 
 
 class PlanChannel:
-    def __init__(self, planner: Callable[[BatchMeta], IterationPlan] | None, *, src: int = 0, group=None):
+    def __init__(
+        self,
+        planner: Callable[[BatchMeta], IterationPlan] | None,
+        *,
+        src: int = 0,
+        group=None,
+        timeout: timedelta | None = None,
+    ):
         self.rank = dist.get_rank()
-        if (planner is None) == (self.rank == src):
-            raise ValueError(f"rank {src} must own the planner and only it (this is rank {self.rank})")
         self.planner = planner
         self.src = src
-        self.group = group if group is not None else dist.new_group(backend="gloo")
+        self.timeout = timeout if timeout is not None else group_timeout(group)
+        self.group = group if group is not None else self._collective(
+            lambda: dist.new_group(backend="gloo", timeout=self.timeout), "opening the plan channel")
         self._plans: dict[int, IterationPlan] = {}
+        owners = self._gather(int(planner is not None), "agreeing which rank plans")
+        if owners != [int(r == src) for r in range(len(owners))]:
+            raise PlanMismatchError(
+                f"plan channel: rank {src} must own the planner and only it, but ranks "
+                f"{[r for r, o in enumerate(owners) if o]} have one (this is rank {self.rank})"
+            )
 
     def __call__(self, meta: BatchMeta) -> list[list[int]]:
+        steps = self._gather(meta.step, f"asking for the plan of step {meta.step}")
+        if len(set(steps)) > 1:
+            raise PlanMismatchError(
+                "plan channel: ranks ask for the plans of different steps ("
+                + ", ".join(f"rank {r}: step {s}" for r, s in enumerate(steps))
+                + "); were they started with the same --modes, --steps and data?"
+            )
         box = [None]
         if self.planner is not None:
             box[0] = self.planner(meta).to_json()
-        dist.broadcast_object_list(box, src=self.src, group=self.group)
+        self._collective(lambda: dist.broadcast_object_list(box, src=self.src, group=self.group),
+                         f"receiving the plan of step {meta.step}")
         plan = IterationPlan.from_json(box[0], batch_ids=meta.table.ids)
         if plan.step != meta.step:
             raise PlanError(f"rank {self.rank} asked for step {meta.step} but received the plan of step {plan.step}")
@@ -43,3 +84,17 @@ class PlanChannel:
         if step not in self._plans:
             raise PlanError(f"no plan for step {step} on rank {self.rank}")
         return self._plans.pop(step)
+
+    def _gather(self, value: int, what: str) -> list[int]:
+        out = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(self.group))]
+        self._collective(lambda: dist.all_gather(out, torch.tensor([value], dtype=torch.int64), group=self.group), what)
+        return [int(t.item()) for t in out]
+
+    def _collective(self, op: Callable[[], object], what: str):
+        try:
+            return op()
+        except RuntimeError as e:  # gloo reports a timeout or a closed peer as RuntimeError (DistBackendError)
+            raise PlanMismatchError(
+                f"plan channel, rank {self.rank}: no answer from the other ranks within {self.timeout.total_seconds():g} s "
+                f"while {what}; a rank stopped, or ranks were started with different --modes/--steps ({e})"
+            ) from e

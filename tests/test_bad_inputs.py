@@ -1,0 +1,276 @@
+"""Bad inputs get a clear error naming what is wrong, never a traceback, a hang or a wrong plan.
+
+Table-driven: each case is a command line (or a call) and the message it must print. The
+multi-rank plan-channel cases run two gloo processes (this file is also their worker script)
+with a short job timeout and a hard test timeout, so a regression fails instead of hanging.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB_TIMEOUT_S = 10
+
+
+TINY_BACKBONE = "[backbone]\nn_layers = 4\ndim = 128\nffn_dim = 384\nn_heads = 4\nn_kv_heads = 2\nvocab_size = 512\n"
+TINY_ENCODER = "[encoder]\nn_layers = 2\ndim = 64\nffn_dim = 128\nn_heads = 2\nimage_size = 32\npatch_size = 8\n"
+HARDWARE = (ROOT / "pipetune" / "presets" / "hardware" / "a100.toml").read_text()
+PLAN = ["plan", "--pp", "2", "--gbs", "16", "--max-seq-len", "1024", "--mix", "datamix2", "--samples", "200", "--iters", "1"]
+
+
+def _table(tmp_path, edit=None, *, tp: int = 1, name: str = "table.json") -> str:
+    """An analytical latency table of the tiny model, saved after ``edit`` changed its JSON."""
+    from pipetune.config import load_hardware, load_model_config
+    from pipetune.cost import analytical_table
+
+    raw = analytical_table(load_model_config("tiny"), load_hardware("a100"), tp=tp, max_tokens=256, max_images=2).to_dict()
+    if edit:
+        edit(raw)
+    path = tmp_path / name
+    path.write_text(json.dumps(raw))
+    return str(path)
+
+
+def _write(tmp_path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def _zero(raw, curve, which="fwd"):
+    raw["curves"][curve][which] = [0.0] * len(raw["curves"][curve][which])
+
+
+# Each case: (files to write -> argv, substrings the error must hold). ``{t}`` is the case's tmp dir.
+CASES = {
+    # item 6: inputs that used to give a wrong plan
+    "tp beyond the heads": (lambda t: ["plan", "--model", "13b", "--tp", "64"],
+                            ["TP=64 does not divide backbone.n_heads=40", "choose a TP that divides every head count: [1, 2, 4, 8]"]),
+    "tp not dividing kv heads (trace)": (lambda t: ["trace", "--model", "tiny", "--tp", "4", "--mix", "datamix2", "--samples", "50"],
+                                         ["TP=4 does not divide backbone.n_kv_heads=2, encoder.n_heads=2"]),
+    "tp not dividing encoder heads (profile)": (lambda t: ["profile", "--model", "tiny", "--tp", "3", "--out", str(t / "x.json")],
+                                                ["TP=3 does not divide backbone.n_heads=4"]),
+    "mbs 0": (lambda t: ["plan", "--model", "13b", "--mbs", "0"], ["argument --mbs: must be >= 1, got 0"]),
+    "iters 0": (lambda t: ["plan", "--model", "13b", "--iters", "0"], ["argument --iters: must be >= 1, got 0"]),
+    "pack iters 0": (lambda t: ["pack", "--mix", "datamix2", "--iters", "0"], ["argument --iters: must be >= 1, got 0"]),
+    "table profiled at another TP": (lambda t: PLAN + ["--model", "tiny", "--latency-table", _table(t, tp=2)],
+                                     ["was profiled with TP=2, but the job uses TP=1"]),
+    "table of another model": (lambda t: PLAN + ["--model", "13b", "--latency-table", _table(t)],
+                               ["was profiled for model 'tiny'", "job uses '13b'"]),
+    "all-zero curve": (lambda t: PLAN + ["--model", "tiny", "--latency-table", _table(t, lambda r: _zero(r, "rest"))],
+                       ["table.json: curve 'rest'.fwd is zero everywhere"]),
+    "all-zero backward": (lambda t: PLAN + ["--model", "tiny", "--latency-table", _table(t, lambda r: _zero(r, "head", "bwd"))],
+                          ["curve 'head'.bwd is zero everywhere"]),
+    "negative curve": (lambda t: PLAN + ["--model", "tiny", "--latency-table",
+                                         _table(t, lambda r: r["curves"]["attention"]["fwd"].__setitem__(0, -1.0))],
+                       ["curve 'attention'.fwd is negative"]),
+    # item 7: wrong types and missing fields in TOML and table files
+    "float n_layers": (lambda t: ["plan", "--model", _write(t, "m.toml", TINY_BACKBONE.replace("n_layers = 4", "n_layers = 4.5"))],
+                       ["m.toml [backbone]: backbone.n_layers must be an integer, got 4.5"]),
+    "missing backbone field": (lambda t: ["plan", "--model", _write(t, "m.toml", TINY_BACKBONE.replace("dim = 128\n", ""))],
+                               ["m.toml [backbone]: missing keys ['dim']"]),
+    "string encoder field": (lambda t: ["plan", "--model", _write(t, "m.toml", TINY_BACKBONE + TINY_ENCODER + 'frozen = "no"\n')],
+                             ["m.toml [encoder]: encoder.frozen must be true or false, got 'no'"]),
+    "encoder not a table": (lambda t: ["plan", "--model", _write(t, "m.toml", "encoder = 3\n" + TINY_BACKBONE)],
+                            ["m.toml: encoder must be a table or a preset name, got 3"]),
+    "hardware wrong type": (lambda t: ["plan", "--model", "13b", "--hardware",
+                                       _write(t, "hw.toml", HARDWARE.replace("peak_flops = 312e12", 'peak_flops = "fast"'))],
+                            ["hw.toml: hardware.peak_flops must be a finite number, got 'fast'"]),
+    "hardware missing field": (lambda t: ["plan", "--model", "13b", "--hardware",
+                                          _write(t, "hw.toml", HARDWARE.replace("p2p_latency_s", "# p2p_latency_s"))],
+                               ["hw.toml: missing keys ['p2p_latency_s']"]),
+    "table tp as a string": (lambda t: PLAN + ["--model", "tiny", "--latency-table", _table(t, lambda r: r.update(tp="1"))],
+                             ["tp must be a positive integer, got '1'"]),
+    "table curve of strings": (lambda t: PLAN + ["--model", "tiny", "--latency-table",
+                                                 _table(t, lambda r: r["curves"]["head"].update(fwd=["1"] * len(r["curves"]["head"]["fwd"])))],
+                               ["curve 'head'.fwd must be a flat list of numbers"]),
+    "table memory not an object": (lambda t: PLAN + ["--model", "tiny", "--latency-table", _table(t, lambda r: r.update(memory=[1]))],
+                                   ["field 'memory' must be a JSON object, got [1]"]),
+    "table notes not a list": (lambda t: PLAN + ["--model", "tiny", "--latency-table", _table(t, lambda r: r.update(notes=5))],
+                               ["field 'notes' must be a JSON list, got 5"]),
+    "table model with a float": (lambda t: PLAN + ["--model", "tiny", "--latency-table",
+                                                   _table(t, lambda r: r["model"]["backbone"].update(n_layers=4.0))],
+                                 ["model config is malformed (backbone.n_layers must be an integer, got 4.0)"]),
+}
+
+
+def _run_cli(argv: list[str]) -> tuple[int, str]:
+    from pipetune.cli.main import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            code = main(argv)
+        except SystemExit as e:  # argparse
+            code = e.code
+    return code, err.getvalue()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_gets_a_message_naming_what_to_fix(case, tmp_path):
+    make_argv, messages = CASES[case]
+    code, err = _run_cli(make_argv(tmp_path))
+    assert code == 2, err
+    for msg in messages:
+        assert msg in err, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("case", ["float n_layers", "table profiled at another TP", "iters 0"])
+def test_the_installed_command_prints_no_traceback(case, tmp_path):
+    make_argv, messages = CASES[case]
+    res = subprocess.run([sys.executable, "-m", "pipetune", *make_argv(tmp_path)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert res.returncode == 2 and messages[0] in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
+def test_calibrate_and_the_train_job_refuse_a_table_profiled_at_another_tp(tmp_path, tiny):
+    """The runtime runs whole (unsharded) layers: a TP=2 table would time half of every layer."""
+    from pipetune.cost import LatencyTableError, load_latency_table
+
+    path = _table(tmp_path, tp=2)
+    with pytest.raises(LatencyTableError, match="profiled with TP=2, but the job uses TP=1"):
+        load_latency_table(path, model=tiny, tp=1)  # what calibrate (and train.py) call
+    code, err = _run_cli(["calibrate", "--table", path, "--data", str(tmp_path), "--out", str(tmp_path / "c.json")])
+    assert code == 2 and "profiled with TP=2, but the job uses TP=1" in err, err
+
+
+def test_plan_reports_extrapolation_beyond_the_table_grid(tmp_path):
+    argv = PLAN + ["--model", "tiny", "--memory-gib", "8", "--latency-table", _table(tmp_path)]
+    from pipetune.cli.main import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(argv) == 0
+    assert "warning: planned beyond the latency table's grid" in out.getvalue()
+    assert "rest up to" in out.getvalue() and "(grid ends at 256)" in out.getvalue()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(argv + ["--json"]) == 0
+    extrapolated = json.loads(out.getvalue())["config"]["extrapolated"]
+    assert extrapolated["rest"]["grid_end"] == 256 and extrapolated["rest"]["largest"] > 256
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):  # the analytical table's grid covers the job: nothing to report
+        assert main([a for a in argv if a not in ("--latency-table", argv[-1])] + ["--json"]) == 0
+    assert json.loads(out.getvalue())["config"]["extrapolated"] == {}
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["trace", "--model", "tiny", "--pp", "2", "--gbs", "16", "--max-seq-len", "1024", "--mix", "datamix2",
+                     "--samples", "200", "--latency-table", _table(tmp_path)]) == 0
+    assert "latency lookups beyond the table's grid" in out.getvalue()
+
+
+def test_a_genuine_bug_keeps_its_traceback(monkeypatch):
+    from pipetune.cli import plan_cmd
+    from pipetune.cli.main import main
+
+    def broken(args):
+        raise KeyError("bug")
+
+    monkeypatch.setattr(plan_cmd, "run", broken)
+    with pytest.raises(KeyError):
+        main(["plan"])
+
+
+# ---------------------------------------------------------------- plan channel (two gloo ranks)
+
+def _channel_worker(scenario: str, rank: int, port: int) -> None:
+    """One rank of a plan-channel scenario; prints ``ERROR <message>`` or ``OK``."""
+    import torch.distributed as dist
+
+    from pipetune.data import BatchStream, batch_meta, make_mix
+    from pipetune.plan.plan import PlanError, build_plan
+    from torchtitan_patches.pipeline.plan_channel import PlanChannel
+
+    dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}",
+                            timeout=timedelta(seconds=JOB_TIMEOUT_S))
+    data = make_mix("datamix3", 64, seed=0)
+    stream = BatchStream(num_rows=len(data), gbs=8, seed=0)
+
+    def meta(step):
+        return batch_meta(data, stream, step, tokens_per_image=16, max_seq_len=1 << 20)
+
+    def planner(m):
+        return build_plan(step=m.step, micro_batches=[m.table.ids.tolist()], order=[0], num_stages=2, encoder=False,
+                          mbs=1, max_seq_len=1 << 20)
+
+    try:
+        if scenario == "agree":
+            ch = PlanChannel(planner if rank == 0 else None)
+            groups = [ch(meta(s)) for s in range(3)]
+            assert sorted(groups[2][0]) == sorted(meta(2).table.ids.tolist())
+        elif scenario == "steps":  # rank 1 skipped a step (other --steps / --modes)
+            ch = PlanChannel(planner if rank == 0 else None)
+            ch(meta(0 if rank == 0 else 1))
+        elif scenario == "no_planner":  # rank 0 started without a planner
+            PlanChannel(None)
+        elif scenario == "modes":  # rank 0 runs two modes, rank 1 one: rank 0 opens a second channel
+            first = PlanChannel(planner if rank == 0 else None)
+            if rank == 0:
+                PlanChannel(planner)
+            first(meta(0))
+        elif scenario == "stopped":  # rank 1 dies after joining
+            ch = PlanChannel(planner if rank == 0 else None)
+            if rank == 1:
+                os._exit(0)
+            ch(meta(0))
+        print("OK", flush=True)
+    except PlanError as e:
+        print(f"ERROR {type(e).__name__}: {e}", flush=True)
+    finally:
+        os._exit(0)  # a rank whose peer failed must not wait in destroy_process_group
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_channel(scenario: str) -> list[str]:
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, __file__, scenario, str(r), str(port)], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=3 * JOB_TIMEOUT_S + 20)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"plan channel scenario {scenario!r} hung past the job timeout")
+    return outs
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "scenario, messages",
+    [
+        ("agree", ["OK", "OK"]),
+        ("steps", ["ranks ask for the plans of different steps (rank 0: step 0, rank 1: step 1)"] * 2),
+        ("no_planner", ["rank 0 must own the planner and only it, but ranks [] have one"] * 2),
+        ("modes", ["no answer from the other ranks within 10 s"] * 2),
+        ("stopped", ["no answer from the other ranks within 10 s while asking for the plan of step 0", ""]),
+    ],
+)
+def test_plan_channel_mismatch_fails_on_every_rank_within_the_timeout(scenario, messages):
+    outs = _run_channel(scenario)
+    for rank, (out, msg) in enumerate(zip(outs, messages)):
+        assert msg in out, f"rank {rank}:\n{out}"
+        assert "Traceback" not in out, f"rank {rank}:\n{out}"
+
+
+if __name__ == "__main__":
+    _channel_worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
