@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from pipetune.data import Overlong, SampleTable, apply_overlong_policy
+from pipetune.data import Overlong, OverlongTotals, SampleTable, apply_overlong_policy
 
 
 def table(text, images, offsets=None, tpi=10):
@@ -50,10 +50,14 @@ def test_truncate_drops_an_image_that_would_straddle_the_cut():
     assert (out.text_tokens[0], out.num_images[0], out.lengths[0]) == (5, 0, 5)
 
 
-def test_truncation_that_leaves_no_text_is_an_error_naming_the_sample():
-    t = table([5, 3], [0, 1], [[], [0]], tpi=10)
-    with pytest.raises(ValueError, match=r"sample id=101: after truncation to max_seq_len=8 no text token remains"):
-        apply_overlong_policy(t, 8, "truncate")
+def test_truncation_rejects_a_sample_whose_leading_frames_fill_the_budget():
+    # Sample 101 is a video: 14 frames of 10 tokens before its 3 text tokens; no text fits in 100.
+    t = table([5, 3, 7], [0, 14, 1], [[], [0] * 14, [2]], tpi=10)
+    out, rep = apply_overlong_policy(t, 100, "truncate")
+    assert out.ids.tolist() == [100, 102] and rep.rejected_ids == (101,) and rep.truncated_ids == ()
+    assert rep.tokens_cut == 143 and out.lengths.tolist() == [5, 17]
+    line = (OverlongTotals("truncate") + rep).describe()
+    assert "0 of 3 samples truncated" in line and "1 rejected (no text token fits after their leading images)" in line
 
 
 def test_reject_counts_and_removes():

@@ -224,16 +224,17 @@ class OverlongTotals:
 
     def describe(self) -> str:
         """One line such as ``overlong (truncate): 13 of 100 samples truncated (13.0 %), ...``."""
-        done = "truncated" if self.policy is Overlong.TRUNCATE else "rejected"
-        n = self.truncated + self.rejected
 
         def share(a: int, b: int) -> str:
             return f"{100.0 * a / b:.1f} %" if b else "-"
 
-        return (
-            f"overlong ({self.policy.value}): {n} of {self.samples} samples {done} ({share(n, self.samples)}), "
-            f"{self.tokens_cut} of {self.tokens} tokens cut ({share(self.tokens_cut, self.tokens)})"
-        )
+        if self.policy is Overlong.TRUNCATE:
+            done = f"{self.truncated} of {self.samples} samples truncated ({share(self.truncated, self.samples)})"
+            if self.rejected:
+                done += f", {self.rejected} rejected (no text token fits after their leading images)"
+        else:
+            done = f"{self.rejected} of {self.samples} samples rejected ({share(self.rejected, self.samples)})"
+        return f"overlong ({self.policy.value}): {done}, {self.tokens_cut} of {self.tokens} tokens cut ({share(self.tokens_cut, self.tokens)})"
 
 
 def apply_overlong_policy(table: SampleTable, max_seq_len: int, policy: Overlong | str) -> tuple[SampleTable, OverlongReport]:
@@ -262,21 +263,31 @@ def apply_overlong_policy(table: SampleTable, max_seq_len: int, policy: Overlong
     nimg = table.num_images.copy()
     for i in over:
         text[i], nimg[i] = _truncate_one(table, int(i), max_seq_len)
+    # No text token fits (frames or images first fill max_seq_len): nothing to learn from, rejected.
+    textless = over[text[over] == 0]
+    keep = np.setdiff1d(np.arange(len(table)), textless)
     out = SampleTable.build(
-        ids=table.ids,
-        source=table.source,
+        ids=table.ids[keep],
+        source=table.source[keep],
         source_names=table.source_names,
-        text_tokens=text,
-        num_images=nimg,
-        image_offsets=[table.offsets_of(i)[: nimg[i]] for i in range(len(table))],
-        tokens_per_image=table.tokens_per_image,
+        text_tokens=text[keep],
+        num_images=nimg[keep],
+        image_offsets=[table.offsets_of(i)[: nimg[i]] for i in keep],
+        tokens_per_image=table.tokens_per_image[keep],
     )
     cut = int(lengths.sum() - out.lengths.sum())
-    return out, OverlongReport(policy, truncated_ids=tuple(int(x) for x in table.ids[over]), tokens_cut=cut, **base)
+    return out, OverlongReport(
+        policy,
+        truncated_ids=tuple(int(x) for x in table.ids[np.setdiff1d(over, textless)]),
+        rejected_ids=tuple(int(x) for x in table.ids[textless]),
+        tokens_cut=cut,
+        **base,
+    )
 
 
 def _truncate_one(table: SampleTable, i: int, max_seq_len: int) -> tuple[int, int]:
-    """Longest prefix of sample ``i`` within ``max_seq_len``: (text tokens kept, images kept)."""
+    """Longest prefix of sample ``i`` within ``max_seq_len``, never splitting an image: (text tokens
+    kept, images kept); 0 text tokens when the images before its first text token fill the budget."""
     tpi = int(table.tokens_per_image[i])
     offsets = table.offsets_of(i).tolist()
     room, prev = max_seq_len, 0
@@ -292,9 +303,4 @@ def _truncate_one(table: SampleTable, i: int, max_seq_len: int) -> tuple[int, in
         prev = off
     else:
         kept = (prev + min(int(table.text_tokens[i]) - prev, room), len(offsets))
-    if kept[0] <= 0:
-        raise ValueError(
-            f"sample id={table.ids[i]}: after truncation to max_seq_len={max_seq_len} no text token remains "
-            f"(its first image alone is {tpi} tokens); raise max_seq_len or reject such samples"
-        )
     return kept
