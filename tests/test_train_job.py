@@ -21,6 +21,7 @@ def test_train_job_runs_both_modes_with_equal_losses(datamix2_dir, tmp_path):
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     assert "measured cut of pipetune vs original" in res.stdout
+    assert "parameter bytes per rank" in res.stdout and "rank 1 " in res.stdout
     summary = json.loads((out / "summary.json").read_text())
     for mode in ("original", "pipetune"):
         s = summary[mode]
