@@ -22,7 +22,7 @@ from pipetune.config import load_model_config
 from pipetune.cost import StageLayout
 from pipetune.packing import PackingConfig
 from pipetune.plan.plan import build_plan
-from pipetune.schedule import SCHEDULES, Action, Op, ScheduleTable, place_encoders
+from pipetune.schedule import Action, Op, ScheduleTable, place_encoders
 from torchtitan_patches.data import DataLoaderConfig
 from torchtitan_patches.model.vlm import build_stages, build_vlm
 from torchtitan_patches.pipeline.executor import PlanExecutor, PlanMismatchError

@@ -155,22 +155,17 @@ class PlanExecutor:
         st = _StepState(batch, plan, StepResult(start=timeline.start(), overhead_s=overhead), self._on_device(batch, plan))
         done: list[Action] = []
         for step in steps:
-            if isinstance(step, Post):
-                self._post(st, step)
-            elif isinstance(step, Wait):
-                with timeline.waiting():
-                    st.recvs[step.message][0].wait()
-            else:
-                a = step.action
-                timeline.begin()
-                if a.op is Op.ENCODER:
-                    self._encode(st, a.mb)
-                elif a.op is Op.FORWARD:
-                    self._forward(st, a.stage, a.mb)
-                else:
-                    self._backward(st, a.stage, a.mb)
-                timeline.end()
-                done.append(a)
+            match step:
+                case Post():
+                    self._post(st, step)
+                case Wait(message=m):
+                    with timeline.waiting():
+                        st.recvs[m][0].wait()
+                case Compute(action=a):
+                    timeline.begin()
+                    self._compute(st, a)
+                    timeline.end()
+                    done.append(a)
         for work, _ in st.sends:
             work.wait()
         spans, st.res.end = timeline.finish()
@@ -179,6 +174,15 @@ class PlanExecutor:
         precomputed = _precomputed(plan, self.rank)
         st.res.timeline = [TimedAction(self.rank, a, s, e, precomputed=a in precomputed) for a, (s, e) in zip(done, spans)]
         return st.res
+
+    def _compute(self, st: "_StepState", a: Action) -> None:
+        match a.op:
+            case Op.ENCODER:
+                self._encode(st, a.mb)
+            case Op.FORWARD:
+                self._forward(st, a.stage, a.mb)
+            case Op.BACKWARD:
+                self._backward(st, a.stage, a.mb)
 
     def _on_device(self, batch: GlobalBatch, plan: IterationPlan) -> list[dict]:
         """Per micro-batch, the tensors this rank's stages use, moved to the device (non-blocking),
