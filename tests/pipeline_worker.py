@@ -23,6 +23,7 @@ from pipetune.cost import StageLayout
 from pipetune.packing import PackingConfig
 from pipetune.plan.plan import build_plan
 from pipetune.schedule import Action, Op, ScheduleTable, place_encoders
+from pipetune.schedule.lowering import Direction, Post, lower
 from torchtitan_patches.data import DataLoaderConfig
 from torchtitan_patches.model.vlm import build_stages, build_vlm
 from torchtitan_patches.pipeline.executor import PlanExecutor, PlanMismatchError
@@ -199,6 +200,32 @@ def content_mismatch(rank, world, data, opts):
     except PlanMismatchError as e:
         return {"error": str(e)}
     return {"error": None}
+
+
+def swapped_order(rank, world, data, opts):
+    """Rank 1 posts its first two receives up front, in swapped order (a lowering bug). With tags gloo
+    still pairs each message with its buffer; with ``strict`` (one tag) it pairs them by order,
+    as NCCL does, and the step must fail rather than train."""
+    import torchtitan_patches.pipeline.executor as executor
+
+    def swapped(table, r):
+        steps = lower(table, r)
+        if r != 1:
+            return steps
+        recvs = [t for s in steps if isinstance(s, Post) for t in s.transfers if t.direction is Direction.RECV][:2]
+        rest = [Post(tuple(t for t in s.transfers if t not in recvs)) if isinstance(s, Post) else s for s in steps]
+        return [Post((recvs[1], recvs[0]))] + [s for s in rest if not (isinstance(s, Post) and not s.transfers)]
+
+    executor.lower = swapped
+    model, stages, ex, _ = setup(rank, world, opts)
+    meta = loader(model, data, 12, None).meta(0)
+    plan = plan_for(model, meta, packer="original", mbs=1)
+    batch = batch_for(model, data, 12, plan)
+    res = ex.run(batch, plan)
+    encoder, whole = build_vlm(model, max_seq_len=4 * MAX_SEQ_LEN, seed=0, attention_backend="sdpa")
+    reference_step(encoder, whole, batch)
+    ref = {n: p.grad for n, p in whole.named_parameters() if p.grad is not None}
+    return {"worst_rel": max(rel_err(g, ref[n]) for n, g in grads(stages).items()), "loss": res.loss}
 
 
 def main() -> None:

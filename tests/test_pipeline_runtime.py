@@ -13,8 +13,9 @@ import pytest
 WORKER = Path(__file__).with_name("pipeline_worker.py")
 
 
-def run_ranks(scenario: str, data: Path, out: Path, timeout: float = 60.0, **opts) -> list[dict]:
-    """Both ranks of ``scenario``; a rank still running after ``timeout`` seconds (a hang) fails the test."""
+def run_ranks(scenario: str, data: Path, out: Path, timeout: float = 60.0, expect_ok: bool = True, **opts) -> list:
+    """Both ranks of ``scenario``; a rank still running after ``timeout`` seconds (a hang) fails the
+    test. With ``expect_ok=False``, returns each rank's exit code (None: killed after the timeout)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -27,10 +28,17 @@ def run_ranks(scenario: str, data: Path, out: Path, timeout: float = 60.0, **opt
     logs = []
     try:
         for p in procs:
-            logs.append(p.communicate(timeout=timeout)[0])
+            try:
+                logs.append(p.communicate(timeout=timeout)[0])
+            except subprocess.TimeoutExpired:
+                if expect_ok:
+                    raise
+                logs.append("")
     finally:
         for p in procs:
             p.kill()
+    if not expect_ok:
+        return [p.poll() if p.returncode is not None else None for p in procs]
     for r, p in enumerate(procs):
         assert p.returncode == 0, f"rank {r} failed:\n{logs[r][-3000:]}"
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
@@ -59,6 +67,17 @@ def test_reordered_repacked_precomputed_plan_gives_the_baseline_gradients(datami
     last = r0 if layout == "two_per_rank" else r1
     assert last["loss_a"] == pytest.approx(last["loss_ref"], rel=1e-5)
     assert last["loss_b"] == pytest.approx(last["loss_ref"], rel=1e-5)
+
+
+def test_strict_order_catches_a_wrong_message_order(datamix2_dir, tmp_path):
+    """Negative control for the strict mode: rank 1 posts two receives in swapped order. Matched by
+    tag, gloo hides the bug (gradients still right); with one tag for every message the run fails
+    (gloo refuses the wrongly sized message) instead of training on swapped activations."""
+    tagged = run_ranks("swapped_order", datamix2_dir, tmp_path)
+    assert tagged[1]["worst_rel"] < FP32_TOL
+    (tmp_path / "rank1.json").unlink()
+    codes = run_ranks("swapped_order", datamix2_dir, tmp_path, timeout=45, expect_ok=False, strict=True)
+    assert any(c != 0 for c in codes), codes  # both ranks completing would mean gloo matched by tag after all
 
 
 def test_bf16_gradients_match_the_bf16_reference(datamix2_dir, tmp_path):
