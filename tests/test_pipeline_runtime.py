@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 WORKER = Path(__file__).with_name("pipeline_worker.py")
+pytestmark = pytest.mark.timeout(150)  # on top of each rank's own timeout (run_ranks) and its gloo timeout
 
 
 def run_ranks(scenario: str, data: Path, out: Path, timeout: float = 60.0, expect_ok: bool = True, **opts) -> list:
