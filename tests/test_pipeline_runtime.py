@@ -99,7 +99,7 @@ def test_bf16_gradients_match_the_bf16_reference(datamix2_dir, tmp_path):
 
 
 def test_consecutive_steps_with_different_counts_and_lengths(datamix2_dir, tmp_path):
-    r0, r1 = run_ranks("varying_steps", datamix2_dir, tmp_path)
+    r0, r1 = run_ranks("varying_steps", datamix2_dir, tmp_path, strict=True)
     counts = [s["m"] for s in r1["steps"]]
     assert len(counts) == 5 and len(set(counts)) >= 4
     assert len({tuple(s["tokens"]) for s in r1["steps"]}) == 5

@@ -64,6 +64,8 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
                    help="compute dtype: bf16 = autocast with fp32 master weights, gradients and loss (as TorchTitan)")
     p.add_argument("--attention", choices=["auto", "flash", "sdpa"], default="auto", help="attention backend")
+    p.add_argument("--strict-order", action="store_true",
+                   help="one tag for every message, so gloo pairs messages by posting order as NCCL does (a check)")
     p.add_argument("--timeout-s", type=float, default=120.0, help="timeout of every collective and message of the job")
     p.add_argument("--data-seed", type=int, default=0, help="batch order seed (the calibration phase uses another)")
     p.add_argument("--budget-s", type=float, default=None, help="planning time budget per step (default: none)")
@@ -153,7 +155,7 @@ class Job:
                                        max_seq_len=args.max_mbs * args.max_seq_len, attention_backend=args.attention)
         stage = stages[self.rank]
         executor = PlanExecutor(stages, encoder, dim=self.model.backbone.dim, rank=self.rank, control_group=self.control,
-                                device=self.device, compute_dtype=DTYPES[args.dtype])
+                                device=self.device, compute_dtype=DTYPES[args.dtype], strict_order=args.strict_order)
         loader = DataLoaderConfig(data=args.data, gbs=args.gbs, max_seq_len=args.max_seq_len, seed=data_seed, max_steps=steps,
                                   packing=PackingConfig(max_seq_len=args.max_seq_len)).build(self.model)
         planner = make_planner(loader) if self.rank == 0 else None
