@@ -11,7 +11,8 @@ execution order), every micro-batch here may have its own length and the order i
   matches by order as NCCL does (the tests run that way);
 * messages carry the compute dtype (``compute_dtype``, the same on every rank and part of the
   plan digest); with bf16, stages run under ``torch.autocast`` as TorchTitan does without FSDP:
-  fp32 master weights and gradients, bf16 matmuls, fp32 loss;
+  fp32 master weights and gradients, bf16 matmuls, fp32 residual stream and loss; activations
+  and their gradients are rounded to bf16 only where they cross a stage boundary;
 * losses are keyed by micro-batch index; each is ``sum of token losses / global label-token
   count``, and gradients accumulate unscaled (``scale_grads=False``), so any packing, order or
   micro-batch count yields the same gradients as the baseline; losses are read once per step;
@@ -248,7 +249,8 @@ class PlanExecutor:
         else:
             x = self._input(st, Op.FORWARD, s, i).requires_grad_(True)
         with self._autocast():
-            y = stage(x, **kwargs)
+            # the residual stream stays fp32 as in the unsplit model; only messages are rounded
+            y = stage(x if stage.is_first else x.float(), **kwargs)
         if stage.is_last:
             y = token_loss_sum(y, d["labels"]) / st.batch.num_label_tokens
             st.losses[i] = y.detach()
