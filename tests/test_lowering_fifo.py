@@ -5,6 +5,8 @@ pair of ranks, posted operations complete in posting order on both sides, a send
 together with its matching receive (rendezvous, no buffering), and a rank blocks only on ``Wait``
 (and, with ``blocking_send``, also until the sends of a ``Post`` complete). A pair whose heads are
 not the two halves of one message can never complete: that is the deadlock NCCL would hit.
+``run_one_queue_per_rank`` serialises all of a rank's transfers, to any peer, on one queue of
+groups (NCCL runs ``batch_isend_irecv`` groups on one communicator and stream).
 """
 
 from __future__ import annotations
@@ -62,6 +64,48 @@ def run_in_order(steps: list[list], *, blocking_send: bool = False) -> None:
         raise Deadlock("; ".join(stuck))
 
 
+def run_one_queue_per_rank(steps: list[list]) -> None:
+    """Stricter still: all of a rank's transfers, to any peer, run on one queue (as NCCL runs
+    batched point-to-point operations on one communicator and stream): a ``Post`` is a group
+    whose transfers progress together, and the next group starts only when the whole group has
+    completed; a transfer completes when the peer's current group holds its other half."""
+    n = len(steps)
+    pc = [0] * n
+    posted: list[deque] = [deque() for _ in range(n)]  # groups: sets of incomplete transfers
+    received = [set() for _ in range(n)]
+    while True:
+        progress = False
+        for r in range(n):
+            while pc[r] < len(steps[r]):
+                s = steps[r][pc[r]]
+                if isinstance(s, Wait) and s.message not in received[r]:
+                    break
+                if isinstance(s, Post):
+                    posted[r].append(set(s.transfers))
+                pc[r] += 1
+                progress = True
+        for r in range(n):
+            if not posted[r]:
+                continue
+            for t in list(posted[r][0]):
+                peer_group = posted[t.peer][0] if posted[t.peer] else set()
+                other = Transfer(Direction.RECV if t.direction is Direction.SEND else Direction.SEND, t.message, r)
+                if other in peer_group:
+                    posted[r][0].discard(t)
+                    peer_group.discard(other)
+                    received[r if t.direction is Direction.RECV else t.peer].add(t.message)
+                    progress = True
+        for r in range(n):
+            while posted[r] and not posted[r][0]:
+                posted[r].popleft()
+                progress = True
+        if not progress:
+            break
+    stuck = [f"rank {r} at step {pc[r]}" for r in range(n) if pc[r] < len(steps[r]) or posted[r]]
+    if stuck:
+        raise Deadlock("; ".join(stuck))
+
+
 def pair_sequences(steps: list[list]) -> dict[tuple[int, int], list[tuple[Direction, Message]]]:
     """For each ordered pair (r, peer): the transfers r posts with peer, in posting order."""
     out: dict[tuple[int, int], list] = {}
@@ -86,6 +130,7 @@ def check(table: ScheduleTable) -> list[list]:
     assert_fifo_compatible(steps)
     run_in_order(steps)
     run_in_order(steps, blocking_send=True)
+    run_one_queue_per_rank(steps)
     computes = [s.action for lst in steps for s in lst if isinstance(s, Compute)]
     assert sorted(computes, key=str) == sorted((a for r in table.ranks for a in r), key=str)
     for r, lst in enumerate(steps):  # the rank's compute actions keep the plan's order
@@ -165,6 +210,8 @@ def test_old_lowering_deadlocks_on_two_stage_1f1b():
         assert_fifo_compatible(old)
     with pytest.raises(Deadlock):
         run_in_order(old)
+    with pytest.raises(Deadlock):
+        run_one_queue_per_rank(old)
     check(table)
 
 

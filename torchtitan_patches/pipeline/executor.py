@@ -201,6 +201,10 @@ class PlanExecutor:
         return out
 
     def _post(self, st: "_StepState", post: Post) -> None:
+        """Every post, even of one message, is a ``batch_isend_irecv``: torch's NCCL backend may
+        run batched and single point-to-point calls on different communicators, and the order
+        shared by two ranks holds only within one (the lowering test simulates both one queue
+        per pair and one queue per rank)."""
         ops, recv_bufs = [], []
         for t in post.transfers:
             m = t.message
