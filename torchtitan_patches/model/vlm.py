@@ -30,10 +30,12 @@ from torchtitan_patches.model.blocks import decoder_layer_config, no_rope, vit_l
 _SMALL = {"weight": partial(nn.init.normal_, std=0.02), "bias": nn.init.zeros_}
 
 
-def _seeded_init(seed: int, name: str, init) -> None:
-    """Run ``init()`` on an RNG stream of its own, derived from ``(seed, name)`` only."""
+def _seeded_init(seed: int, name: str, init, device: torch.device) -> None:
+    """Run ``init()`` (for tensors on ``device``) on an RNG stream of its own, derived from
+    ``(seed, name)`` only; the global RNG state is left as it was (only this device's is touched)."""
     stream = int.from_bytes(hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest(), "little") >> 1
-    with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_available() else []):
+    cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
         torch.manual_seed(stream)
         init()
 
@@ -54,11 +56,12 @@ class VisionEncoder(nn.Module):
             self.init_weights(0)
 
     def init_weights(self, seed: int) -> None:
-        _seeded_init(seed, "encoder.patch_embed", self.patch_embed.reset_parameters)
-        _seeded_init(seed, "encoder.pos_embed", lambda: nn.init.normal_(self.pos_embed, std=0.02))
+        dev = self.pos_embed.device
+        _seeded_init(seed, "encoder.patch_embed", self.patch_embed.reset_parameters, dev)
+        _seeded_init(seed, "encoder.pos_embed", lambda: nn.init.normal_(self.pos_embed, std=0.02), dev)
         for k, layer in enumerate(self.layers):
-            _seeded_init(seed, f"encoder.layers.{k}", layer.init_states)
-        _seeded_init(seed, "encoder.post_norm", self.post_norm.init_states)
+            _seeded_init(seed, f"encoder.layers.{k}", layer.init_states, dev)
+        _seeded_init(seed, "encoder.post_norm", self.post_norm.init_states, dev)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         x = self.patch_embed(pixel_values).flatten(2).transpose(1, 2) + self.pos_embed
@@ -110,13 +113,14 @@ class BackboneStage(nn.Module):
 
     def init_weights(self, seed: int) -> None:
         """Every piece from its own stream (see the module doc): the same weights in any split."""
+        dev = next(self.parameters()).device
         for name, piece in (("tok_embeddings", self.tok_embeddings), ("norm", self.norm), ("lm_head", self.lm_head)):
             if piece is not None:
-                _seeded_init(seed, name, piece.init_states)
+                _seeded_init(seed, name, piece.init_states, dev)
         if self.projector is not None:
-            _seeded_init(seed, "projector", self.projector.init_weights)
+            _seeded_init(seed, "projector", self.projector.init_weights, dev)
         for k, layer in enumerate(self.layers):
-            _seeded_init(seed, f"layers.{self.first_layer + k}", layer.init_states)
+            _seeded_init(seed, f"layers.{self.first_layer + k}", layer.init_states, dev)
 
     @property
     def is_first(self) -> bool:
