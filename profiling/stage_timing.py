@@ -7,6 +7,7 @@ loss; the vision encoder is timed on its own (it is a separate action on stage 0
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -21,30 +22,47 @@ from profiling.timing import Clock, fwd_bwd_sample
 from torchtitan_patches.cpu_allocator import retain_freed_memory
 from torchtitan_patches.data.loader import DataLoaderConfig
 from torchtitan_patches.data.micro_batch import PackedMicroBatch
-from torchtitan_patches.model.vlm import build_vlm, split_backbone, token_loss_sum
+from torchtitan_patches.model.attention import varlen_metadata
+from torchtitan_patches.model.vlm import build_stages, token_loss_sum
 
 
 class StageTimer:
-    """Times stages and the encoder on real packed micro-batches, one sample per call."""
+    """Times stages and the encoder on real packed micro-batches, one sample per call, as the
+    runtime runs them: stages built by ``build_stages`` on ``device`` (default: CUDA when there is
+    one), the runtime's attention backend and compute dtype, and its clock (``profiling.timing``:
+    CUDA events on a GPU)."""
 
-    def __init__(self, model: ModelConfig, layout: StageLayout, *, max_seq_len: int, seed: int = 0):
-        retain_freed_memory()
-        self.encoder, whole = build_vlm(model, max_seq_len=max_seq_len, seed=seed, attention_backend="sdpa")
-        self.stages = split_backbone(whole, list(layout.layer_ranges))
+    def __init__(self, model: ModelConfig, layout: StageLayout, *, max_seq_len: int, seed: int = 0,
+                 device: torch.device | str | None = None, attention_backend: str = "auto",
+                 compute_dtype: torch.dtype = torch.float32):
+        self.device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.type == "cpu":
+            retain_freed_memory()
+        self.encoder, stages = build_stages(model, list(layout.layer_ranges), list(range(layout.num_stages)),
+                                            max_seq_len=max_seq_len, seed=seed, device=self.device, attention_backend=attention_backend)
+        self.stages = [stages[s] for s in range(layout.num_stages)]
         self.dim = model.backbone.dim
-        self.clock = Clock(torch.device("cpu"))
+        self.compute_dtype = compute_dtype
+        self.clock = Clock(self.device)
+
+    def _autocast(self):
+        return nullcontext() if self.compute_dtype == torch.float32 else torch.autocast(self.device.type, dtype=self.compute_dtype)
 
     def encoder_seconds(self, mb: PackedMicroBatch) -> float:
         if self.encoder is None or mb.num_images == 0:
             return 0.0
-        return fwd_bwd_sample(self.clock, lambda: (mb.pixel_values,), self.encoder, backward=False)[0]
+        pixels = mb.pixel_values.to(self.device)
+        with self._autocast():
+            return fwd_bwd_sample(self.clock, lambda: (pixels,), self.encoder, backward=False)[0]
 
     def stage_seconds(self, mb: PackedMicroBatch, stage: int) -> tuple[float, float]:
         """(forward, backward) seconds of ``mb`` on ``stage``."""
         mod = self.stages[stage]
-        kwargs = {"positions": mb.positions[None], "cu_seqlens": mb.cu_seqlens}
+        masks = varlen_metadata(mb.cu_seqlens, self.device)
+        mb = mb.to(self.device)
+        kwargs = {"positions": mb.positions[None], "masks": masks}
         if mod.is_first:
-            with torch.no_grad():
+            with torch.no_grad(), self._autocast():
                 feats = self.encoder(mb.pixel_values) if self.encoder is not None and mb.num_images else None
             kwargs.update(image_features=feats, image_token_index=mb.image_token_index)
 
@@ -53,16 +71,12 @@ class StageTimer:
         else:
 
             def make():
-                return (torch.randn(1, mb.num_tokens, self.dim, requires_grad=True),)
+                return (torch.randn(1, mb.num_tokens, self.dim, device=self.device, dtype=self.compute_dtype, requires_grad=True),)
 
-        if mod.is_last:
-
-            def run(x):
-                return token_loss_sum(mod(x, **kwargs), mb.labels[None])
-        else:
-
-            def run(x):
-                return mod(x, **kwargs)
+        def run(x):
+            with self._autocast():
+                y = mod(x, **kwargs)
+            return token_loss_sum(y, mb.labels[None]) if mod.is_last else y
 
         return fwd_bwd_sample(self.clock, make, run, backward=True)
 

@@ -1,8 +1,10 @@
-"""Timing and memory probes for the profiler: medians over repeats, CUDA events on GPU."""
+"""The one clock of profiler, stage timer and pipeline runtime: CUDA events on a GPU (recorded on
+the compute stream, so they time kernels, not their launches), ``perf_counter`` on CPU."""
 
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -29,6 +31,76 @@ class Clock:
         t0 = time.perf_counter()
         out = fn()
         return out, time.perf_counter() - t0
+
+    def timeline(self) -> "ActionTimeline":
+        return ActionTimeline(self.cuda)
+
+
+class ActionTimeline:
+    """Start and end of every action of one step, in the simulator's terms: an action starts when
+    its rank could work on it (its previous action's end, pushed back by any wait for an incoming
+    message) and ends when its work is done.
+
+    On a GPU, an event is recorded on the current stream before and after each action; since a
+    wait for a message makes that stream wait, the start event marks exactly that moment, and
+    gaps between events are idle time. Events are read once, in ``finish``, after the step (no
+    host synchronisation inside it). On CPU, the host clock, with time spent in ``waiting``
+    pushing the next start back. Times are absolute host seconds (``perf_counter``), so timelines
+    of several ranks of one machine line up.
+    """
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self._spans: list[tuple] = []
+
+    def start(self) -> float:
+        """Begin the step (on a GPU after the device has drained, so that host and event clocks
+        share an origin); returns its start time."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            self._origin = torch.cuda.Event(enable_timing=True)
+            self._origin.record()
+        self.t0 = time.perf_counter()
+        self._ready = self.t0
+        return self.t0
+
+    @contextmanager
+    def waiting(self):
+        """Around a blocking wait for a message (host-side on CPU; on a GPU the stream waits)."""
+        t = time.perf_counter()
+        yield
+        if not self.cuda:
+            self._ready += time.perf_counter() - t
+
+    def begin(self) -> None:
+        """Right before an action's work (after the waits for its inputs)."""
+        if self.cuda:
+            self._open = torch.cuda.Event(enable_timing=True)
+            self._open.record()
+        else:
+            self._open = self._ready
+
+    def end(self) -> None:
+        if self.cuda:
+            done = torch.cuda.Event(enable_timing=True)
+            done.record()
+            self._spans.append((self._open, done))
+        else:
+            self._ready = time.perf_counter()
+            self._spans.append((self._open, self._ready))
+
+    def finish(self) -> tuple[list[tuple[float, float]], float]:
+        """(start, end) of every action in order, and the step's end: read after the step."""
+        if self.cuda:
+            last = torch.cuda.Event(enable_timing=True)
+            last.record()
+            last.synchronize()
+
+            def at(e):
+                return self.t0 + self._origin.elapsed_time(e) / 1e3
+
+            return [(at(a), at(b)) for a, b in self._spans], at(last)
+        return list(self._spans), time.perf_counter()
 
 
 def fwd_bwd_sample(clock: Clock, make_inputs: Callable[[], tuple], forward: Callable[..., torch.Tensor], *, backward: bool) -> tuple[float, float]:

@@ -1,4 +1,5 @@
-"""Two gloo ranks executing plans: equal gradients, varying shapes, fail-fast on inconsistent plans."""
+"""Two gloo ranks executing plans: equal gradients (strict message order, fp32 and bf16, even, uneven and
+multi-stage layouts), varying shapes, fail-fast on inconsistent plans or data."""
 
 import json
 import os
@@ -10,44 +11,97 @@ from pathlib import Path
 import pytest
 
 WORKER = Path(__file__).with_name("pipeline_worker.py")
+pytestmark = pytest.mark.timeout(150)  # on top of each rank's own timeout (run_ranks) and its gloo timeout
 
 
-def run_ranks(scenario: str, data: Path, out: Path, timeout: float = 60.0) -> list[dict]:
+def run_ranks(scenario: str, data: Path, out: Path, timeout: float = 60.0, expect_ok: bool = True, **opts) -> list:
+    """Both ranks of ``scenario``; a rank still running after ``timeout`` seconds (a hang) fails the
+    test. With ``expect_ok=False``, returns each rank's exit code (None: killed after the timeout)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
     procs = [
-        subprocess.Popen([sys.executable, str(WORKER), scenario, str(data), str(out)], env={**env, "RANK": str(r)},
+        subprocess.Popen([sys.executable, str(WORKER), scenario, str(data), str(out), json.dumps(opts)], env={**env, "RANK": str(r)},
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for r in range(2)
     ]
     logs = []
     try:
         for p in procs:
-            logs.append(p.communicate(timeout=timeout)[0])
+            try:
+                logs.append(p.communicate(timeout=timeout)[0])
+            except subprocess.TimeoutExpired:
+                if expect_ok:
+                    raise
+                logs.append("")
     finally:
         for p in procs:
             p.kill()
+    if not expect_ok:
+        return [p.poll() if p.returncode is not None else None for p in procs]
     for r, p in enumerate(procs):
         assert p.returncode == 0, f"rank {r} failed:\n{logs[r][-3000:]}"
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-def test_reordered_repacked_precomputed_plan_gives_the_baseline_gradients(datamix2_dir, tmp_path):
+# fp32: the same maths, summed in another order (observed <= 3e-7); bf16: see test_bf16_gradients_match_the_bf16_reference
+FP32_TOL = 2e-5
+
+
+@pytest.mark.parametrize("layout", ["even", "uneven", "two_per_rank"])
+def test_reordered_repacked_precomputed_plan_gives_the_baseline_gradients(datamix2_dir, tmp_path, layout):
     """original (mbs 1, packing order) vs pipetune-style (mbs 2, other packing, non-monotone order,
-    two encoders pre-computed) vs the single-process reference: same loss, same gradients on every
-    parameter (checked in the worker with rtol 1e-4)."""
-    r0, r1 = run_ranks("equal_grads", datamix2_dir, tmp_path)
+    two encoders pre-computed) vs the single-process reference, with every message on one tag
+    (``strict_order``: gloo then matches by posting order, as NCCL does, so an order mismatch
+    fails or hangs): same loss, same gradients on every parameter. Layouts: 2+2 layers, 3+1
+    layers (uneven), and four 1-layer stages V-shaped on two ranks (two stages per rank)."""
+    r0, r1 = run_ranks("equal_grads", datamix2_dir, tmp_path, strict=True, layout=layout)
     assert r0["m_a"] != r0["m_b"] and sorted(r0["order_b"]) != r0["order_b"]
     assert r0["precomputed_a"] == 0 and r0["precomputed_b"] >= 2
     assert r0["params"] > 0 and r1["params"] > 0 and r0["same_ids"]
-    assert r1["loss_a"] == pytest.approx(r1["loss_ref"], rel=1e-5)
-    assert r1["loss_b"] == pytest.approx(r1["loss_ref"], rel=1e-5)
+    assert r0["same_weights"] and r1["same_weights"]  # stages built alone hold the reference's weights
+    if layout == "two_per_rank":
+        assert r0["stages"] == [0, 3] and r1["stages"] == [1, 2]
+    for r in (r0, r1):
+        assert r["worst_rel_a_ref"] < FP32_TOL and r["worst_rel_b_ref"] < FP32_TOL
+    last = r0 if layout == "two_per_rank" else r1
+    assert last["loss_a"] == pytest.approx(last["loss_ref"], rel=1e-5)
+    assert last["loss_b"] == pytest.approx(last["loss_ref"], rel=1e-5)
+
+
+def test_strict_order_catches_a_wrong_message_order(datamix2_dir, tmp_path):
+    """Negative control for the strict mode: rank 1 posts two receives in swapped order. Matched by
+    tag, gloo hides the bug (gradients still right); with one tag for every message the run fails
+    (gloo refuses the wrongly sized message) instead of training on swapped activations."""
+    tagged = run_ranks("swapped_order", datamix2_dir, tmp_path)
+    assert tagged[1]["worst_rel"] < FP32_TOL
+    (tmp_path / "rank1.json").unlink()
+    codes = run_ranks("swapped_order", datamix2_dir, tmp_path, timeout=45, expect_ok=False, strict=True)
+    assert any(c != 0 for c in codes), codes  # both ranks completing would mean gloo matched by tag after all
+
+
+def test_bf16_gradients_match_the_bf16_reference(datamix2_dir, tmp_path):
+    """bf16 compute (autocast; fp32 master weights, gradients and loss), strict order, four stages
+    on two ranks (three stage boundaries), against the reference under the same autocast.
+
+    Tolerance: the pipeline rounds activations and their gradients to bf16 where they cross a
+    stage boundary (its messages are bf16), which the one-process reference does not; each
+    rounding is up to 2^-9 relative (bf16 keeps 8 significant bits) and the layers behind it
+    amplify it. Measured on this model (worst norm-wise relative error over parameter tensors):
+    with fp32 messages the bf16 pipeline equals the bf16 reference exactly for plan a and within
+    2.5e-3 for plan b (other packing, so other bf16 matmul shapes); with bf16 messages 1.2e-2 with
+    one boundary and 1.5e-2 with three. We allow 3e-2, twice that. fp32 runs agree to 3e-7, and
+    a wrong message, order or loss scaling gives errors of order 1."""
+    r0, r1 = run_ranks("equal_grads", datamix2_dir, tmp_path, strict=True, dtype="bf16", layout="two_per_rank")
+    for r in (r0, r1):
+        assert r["worst_rel_a_ref"] < 3e-2 and r["worst_rel_b_ref"] < 3e-2, r
+    assert r0["loss_a"] == pytest.approx(r0["loss_ref"], rel=1e-3)
+    assert r0["loss_b"] == pytest.approx(r0["loss_ref"], rel=1e-3)
 
 
 def test_consecutive_steps_with_different_counts_and_lengths(datamix2_dir, tmp_path):
-    r0, r1 = run_ranks("varying_steps", datamix2_dir, tmp_path)
+    r0, r1 = run_ranks("varying_steps", datamix2_dir, tmp_path, strict=True)
     counts = [s["m"] for s in r1["steps"]]
     assert len(counts) == 5 and len(set(counts)) >= 4
     assert len({tuple(s["tokens"]) for s in r1["steps"]}) == 5
@@ -60,6 +114,13 @@ def test_inconsistent_plans_fail_fast_with_a_clear_error(datamix2_dir, tmp_path)
     for r in (r0, r1):
         assert "ranks disagree about the plan or batch" in r["error"]
         assert "rank 0: " in r["error"] and "rank 1: " in r["error"]
+
+
+def test_ranks_with_other_data_content_fail_naming_the_micro_batch(datamix2_dir, tmp_path):
+    """Same plan and shapes, other token ids on rank 1: both ranks raise before any message."""
+    r0, r1 = run_ranks("content_mismatch", datamix2_dir, tmp_path, timeout=50)
+    for r in (r0, r1):
+        assert r["error"] is not None and "batch content: micro-batch 1" in r["error"] and "on rank 1" in r["error"]
 
 
 def test_several_stages_on_one_rank_hand_over_locally(datamix2_dir):
@@ -76,7 +137,7 @@ def test_several_stages_on_one_rank_hand_over_locally(datamix2_dir):
     from pipetune.plan.plan import IterationPlan
     from pipetune.schedule import one_f_one_b
     from torchtitan_patches.data import DataLoaderConfig
-    from torchtitan_patches.model.vlm import build_vlm, split_backbone
+    from torchtitan_patches.model.vlm import build_stages, build_vlm
     from torchtitan_patches.pipeline.executor import PlanExecutor
     from torchtitan_patches.pipeline.reference import reference_step, whole_model_names
 
@@ -87,8 +148,8 @@ def test_several_stages_on_one_rank_hand_over_locally(datamix2_dir):
                             timeout=datetime.timedelta(seconds=30))
     try:
         model = load_model_config("tiny")
-        encoder, whole = build_vlm(model, max_seq_len=1024, seed=0, attention_backend="sdpa")
-        stages = split_backbone(whole, list(StageLayout.even(4, 4).layer_ranges))
+        encoder, stages = build_stages(model, list(StageLayout.even(4, 4).layer_ranges), [0, 1, 2, 3], max_seq_len=1024, seed=0,
+                                       attention_backend="sdpa")
         loader = DataLoaderConfig(data=datamix2_dir, gbs=8, max_seq_len=256, packing=PackingConfig(mbs=1, max_seq_len=256))
         batch = next(iter(loader.build(model)))
         m = len(batch.micro_batches)
@@ -98,11 +159,11 @@ def test_several_stages_on_one_rank_hand_over_locally(datamix2_dir):
                              micro_batches=tuple(tuple(x) for x in batch.sample_ids), order=tuple(range(m))[::-1],
                              ranks=(tuple(str(a) for a in _serial(merged)),), stage_rank=(0, 0, 0, 0), encoder=True,
                              predicted_s=0.0, lower_bound_s=0.0, peak_bytes=(), estimate=False).validate()
-        res = PlanExecutor(dict(enumerate(stages)), encoder, dim=model.backbone.dim, rank=0).run(batch, plan)
+        res = PlanExecutor(stages, encoder, dim=model.backbone.dim, rank=0, strict_order=True).run(batch, plan)
         ref_encoder, ref_whole = build_vlm(model, max_seq_len=1024, seed=0, attention_backend="sdpa")
         ref_loss = reference_step(ref_encoder, ref_whole, batch)
         ref = dict(ref_whole.named_parameters())
-        for stage in stages:
+        for stage in stages.values():
             for name, p in stage.named_parameters():
                 if p.grad is not None:
                     torch.testing.assert_close(p.grad, ref[whole_model_names(stage)[name]].grad, rtol=1e-4, atol=1e-7)

@@ -17,10 +17,12 @@ def test_train_job_runs_both_modes_with_equal_losses(datamix2_dir, tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "torchtitan_patches.train",
            "--data", str(datamix2_dir), "--latency-table", str(table), "--out", str(out), "--steps", "4",
-           "--calibrate-steps", "3", "--warmup-steps", "1", "--gbs", "8", "--trace-step", "2", "--timing-rounds", "2"]
+           "--calibrate-steps", "3", "--warmup-steps", "1", "--gbs", "8", "--trace-step", "2", "--timing-rounds", "2",
+           "--strict-order"]  # the planner's plans, messages paired by posting order only
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     assert "measured cut of pipetune vs original" in res.stdout
+    assert "parameter bytes per rank" in res.stdout and "rank 1 " in res.stdout
     summary = json.loads((out / "summary.json").read_text())
     for mode in ("original", "pipetune"):
         s = summary[mode]

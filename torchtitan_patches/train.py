@@ -38,7 +38,7 @@ from pipetune.simulate import TimedAction
 from pipetune.simulate.trace import write_trace
 from torchtitan_patches.cpu_allocator import retain_freed_memory
 from torchtitan_patches.data import DataLoaderConfig
-from torchtitan_patches.model.vlm import build_vlm, split_backbone
+from torchtitan_patches.model.vlm import build_stages, parameter_bytes
 from torchtitan_patches.pipeline.calibrate import MeasuredStep, OnlineCalibrator, distinct_plans, held_out_times, simulate_plan
 from torchtitan_patches.pipeline.executor import PlanExecutor
 from torchtitan_patches.pipeline.plan_channel import PlanChannel
@@ -61,6 +61,12 @@ def parse_args(argv=None):
     p.add_argument("--modes", default="original,pipetune", help="comma-separated; a repeated mode runs again (noise check)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
+                   help="compute dtype: bf16 = autocast with fp32 master weights, gradients and loss (as TorchTitan)")
+    p.add_argument("--attention", choices=["auto", "flash", "sdpa"], default="auto", help="attention backend")
+    p.add_argument("--strict-order", action="store_true",
+                   help="one tag for every message, so gloo pairs messages by posting order as NCCL does (a check)")
+    p.add_argument("--timeout-s", type=float, default=120.0, help="timeout of every collective and message of the job")
     p.add_argument("--data-seed", type=int, default=0, help="batch order seed (the calibration phase uses another)")
     p.add_argument("--budget-s", type=float, default=None, help="planning time budget per step (default: none)")
     p.add_argument("--plan-ahead", type=int, default=2,
@@ -76,11 +82,17 @@ def parse_args(argv=None):
     return args
 
 
-class Job:
-    """One rank's part: model, stage, executor; ``run`` trains a sequence of planned steps."""
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
-    def __init__(self, args, rank: int, world: int):
-        self.args, self.rank, self.world = args, rank, world
+
+class Job:
+    """One rank's part: model, stage, executor; ``run`` trains a sequence of planned steps.
+
+    ``control`` is a gloo group (with the job's timeout) for plans, digests and timelines, so
+    that object collectives stay off NCCL; point-to-point messages use the world group."""
+
+    def __init__(self, args, rank: int, world: int, device: torch.device, control):
+        self.args, self.rank, self.world, self.device, self.control = args, rank, world, device, control
         self.model = load_model_config(args.model)
         self.layout = StageLayout.even(self.model.backbone.n_layers, world)
         self.profiled = CostModel(load_latency_table(args.latency_table, model=self.model), self.layout)
@@ -130,7 +142,7 @@ class Job:
         ranks, every rank's timeline relative to that start, then ``extra`` of every rank); None
         elsewhere."""
         gathered = [None] * self.world
-        dist.all_gather_object(gathered, (res.start, res.end, res.timeline, *extra))
+        dist.all_gather_object(gathered, (res.start, res.end, res.timeline, *extra), group=self.control)
         if self.rank != 0:
             return None
         start = min(g[0] for g in gathered)
@@ -139,13 +151,15 @@ class Job:
 
     def _start(self, make_planner, data_seed: int, steps: int) -> dict:
         args = self.args
-        encoder, whole = build_vlm(self.model, max_seq_len=args.max_mbs * args.max_seq_len, seed=args.seed)
-        stage = split_backbone(whole, list(self.layout.layer_ranges))[self.rank]
-        executor = PlanExecutor({self.rank: stage}, encoder if self.rank == 0 else None, dim=self.model.backbone.dim, rank=self.rank)
+        encoder, stages = build_stages(self.model, list(self.layout.layer_ranges), [self.rank], seed=args.seed, device=self.device,
+                                       max_seq_len=args.max_mbs * args.max_seq_len, attention_backend=args.attention)
+        stage = stages[self.rank]
+        executor = PlanExecutor(stages, encoder, dim=self.model.backbone.dim, rank=self.rank, control_group=self.control,
+                                device=self.device, compute_dtype=DTYPES[args.dtype], strict_order=args.strict_order)
         loader = DataLoaderConfig(data=args.data, gbs=args.gbs, max_seq_len=args.max_seq_len, seed=data_seed, max_steps=steps,
                                   packing=PackingConfig(max_seq_len=args.max_seq_len)).build(self.model)
         planner = make_planner(loader) if self.rank == 0 else None
-        channel = PlanChannel(planner.plan if isinstance(planner, AsyncPlanner) else planner)
+        channel = PlanChannel(planner.plan if isinstance(planner, AsyncPlanner) else planner, group=self.control)
         loader.packing_source = channel
         opt = torch.optim.AdamW([p for p in stage.parameters() if p.requires_grad], lr=args.lr)
         return {"executor": executor, "opt": opt, "loader": loader, "planner": planner, "channel": channel}
@@ -202,10 +216,25 @@ class Job:
 def main(argv=None) -> None:
     args = parse_args(argv)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.set_num_threads(1)
-    retain_freed_memory()
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    job = Job(args, rank, world)
+    timeout = timedelta(seconds=args.timeout_s)
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", timeout=timeout, device_id=device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(1)
+        retain_freed_memory()
+        dist.init_process_group("gloo", timeout=timeout)
+    dist.barrier()  # every rank joins the world group's first collective (NCCL's batched p2p needs it)
+    control = dist.new_group(backend="gloo", timeout=timeout)
+    job = Job(args, rank, world, device, control)
+    encoder, stages = build_stages(job.model, list(job.layout.layer_ranges), [rank], max_seq_len=args.max_seq_len, device="meta")
+    sizes = [None] * world
+    dist.all_gather_object(sizes, parameter_bytes(encoder, *stages.values()), group=control)
+    if rank == 0:
+        print(f"parameter bytes per rank ({args.dtype} compute, fp32 weights, {device.type}): "
+              + ", ".join(f"rank {r} {b / 2**20:.1f} MiB" for r, b in enumerate(sizes)))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.calibrate_steps:

@@ -3,7 +3,8 @@
 Backends: ``flash`` = flash-attn's varlen kernel (CUDA, ``pip install .[cuda]``); ``sdpa`` =
 PyTorch SDPA once per document, which is exact document masking with a backward on CPU (dense
 block-diagonal masks cost ~3x more on CPU and FlexAttention has no CPU backward; see
-``shared/notes``). ``auto`` takes flash when it can.
+``shared/notes``). ``auto`` takes flash when it can: on CUDA with flash-attn installed and q/k/v in
+fp16 or bf16 (the only dtypes flash-attn accepts); fp32 falls back to SDPA, ``flash`` refuses it.
 """
 
 from __future__ import annotations
@@ -54,7 +55,10 @@ class PackedAttention(Module):
             raise TypeError(f"PackedAttention needs VarlenMetadata, got {type(attention_masks).__name__}")
         if q.shape[0] != 1:
             raise ValueError(f"packed attention expects batch size 1 (one packed sequence), got {q.shape[0]}")
-        use_flash = self.backend == "flash" or (self.backend == "auto" and flash_attn_available(q.device))
+        half = q.dtype in (torch.float16, torch.bfloat16)
+        if self.backend == "flash" and not half:
+            raise ValueError(f"flash attention needs fp16 or bf16 inputs, got {q.dtype}: train with a bf16 compute dtype or the sdpa backend")
+        use_flash = self.backend == "flash" or (self.backend == "auto" and half and flash_attn_available(q.device))
         if use_flash:
             return self._flash(q, k, v, attention_masks, scale)
         bounds = attention_masks.cu_seq_q_host or tuple(attention_masks.cu_seq_q.tolist())
@@ -76,9 +80,11 @@ class PackedAttention(Module):
         return out.unsqueeze(0)
 
 
-def varlen_metadata(cu_seqlens: torch.Tensor) -> VarlenMetadata:
-    """TorchTitan's document metadata from cumulative lengths (host copy kept for the SDPA loop)."""
+def varlen_metadata(cu_seqlens: torch.Tensor, device: torch.device | str | None = None) -> VarlenMetadata:
+    """TorchTitan's document metadata from cumulative lengths. Give ``cu_seqlens`` on the host
+    (as the loader builds it) and the compute ``device``: the host copy (for the SDPA loop and
+    ``max_seqlen``) then costs no device synchronisation."""
     host = tuple(int(x) for x in cu_seqlens.tolist())
     longest = max(b - a for a, b in zip(host[:-1], host[1:]))
-    cu = cu_seqlens.to(torch.int32)
+    cu = cu_seqlens.to(device=device if device is not None else cu_seqlens.device, dtype=torch.int32, non_blocking=True)
     return VarlenMetadata(cu_seq_q=cu, cu_seq_k=cu, max_q=longest, max_k=longest, cu_seq_q_host=host)

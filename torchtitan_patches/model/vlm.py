@@ -1,7 +1,11 @@
 """A LLaVA-style VLM from TorchTitan blocks: frozen ViT -> 2-layer MLP projector -> LLaMA decoder.
 
-The model is built whole and then split into pipeline stages by layer ranges
-(``split_backbone``), so a pipelined run and a single-process reference hold the very same weights.
+Stages are built as TorchTitan builds pipeline stages: on the meta device first, then only this
+rank's stages (and the encoder, on the rank of stage 0) are materialised on its device. Each piece
+(embedding, projector, decoder layer ``i``, final norm, head, encoder) is initialised from its own
+RNG stream, seeded by ``(seed, piece name)``, so a stage holds the same weights whichever other
+stages are built beside it: a pipelined run and the single-process reference (``build_vlm``, the
+whole backbone as one stage) start from identical weights.
 The ViT is its own module: PipeTune co-locates it with stage 0 and may run it early (encoder
 pre-computation); DIP places it in segments of its own. Its output, per image, is
 ``(tokens_per_image, encoder_dim)`` features that stage 0 projects and scatters into the sequence.
@@ -9,21 +13,31 @@ pre-computation); DIP places it in segments of its own. Its output, per image, i
 
 from __future__ import annotations
 
-import copy
+import hashlib
 from functools import partial
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torchtitan.models.common import Embedding, Linear
+from torchtitan.models.common.attention import VarlenMetadata
 from torchtitan.models.common.nn_modules import LayerNorm, RMSNorm
 
 from pipetune.config.model import EncoderConfig, ModelConfig
 from torchtitan_patches.data.micro_batch import IGNORE_INDEX
-from torchtitan_patches.model.attention import varlen_metadata
 from torchtitan_patches.model.blocks import decoder_layer_config, no_rope, vit_layer_config
 
 _SMALL = {"weight": partial(nn.init.normal_, std=0.02), "bias": nn.init.zeros_}
+
+
+def _seeded_init(seed: int, name: str, init, device: torch.device) -> None:
+    """Run ``init()`` (for tensors on ``device``) on an RNG stream of its own, derived from
+    ``(seed, name)`` only; the global RNG state is left as it was (only this device's is touched)."""
+    stream = int.from_bytes(hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest(), "little") >> 1
+    cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(stream)
+        init()
 
 
 class VisionEncoder(nn.Module):
@@ -33,13 +47,21 @@ class VisionEncoder(nn.Module):
         super().__init__()
         self.config = e
         self.patch_embed = nn.Conv2d(e.channels, e.dim, kernel_size=e.patch_size, stride=e.patch_size)
-        self.pos_embed = nn.Parameter(torch.randn(e.tokens_per_image, e.dim) * 0.02)
+        self.pos_embed = nn.Parameter(torch.empty(e.tokens_per_image, e.dim))
         self.layers = nn.ModuleList(vit_layer_config(e, tp).build() for _ in range(e.n_layers))
         self.post_norm = LayerNorm.Config(normalized_shape=e.dim, eps=e.norm_eps).build()
-        for layer in self.layers:
-            layer.init_states()
         if e.frozen:
             self.requires_grad_(False)
+        if not self.pos_embed.is_meta:  # built directly (the profiler), not through build_stages
+            self.init_weights(0)
+
+    def init_weights(self, seed: int) -> None:
+        dev = self.pos_embed.device
+        _seeded_init(seed, "encoder.patch_embed", self.patch_embed.reset_parameters, dev)
+        _seeded_init(seed, "encoder.pos_embed", lambda: nn.init.normal_(self.pos_embed, std=0.02), dev)
+        for k, layer in enumerate(self.layers):
+            _seeded_init(seed, f"encoder.layers.{k}", layer.init_states, dev)
+        _seeded_init(seed, "encoder.post_norm", self.post_norm.init_states, dev)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         x = self.patch_embed(pixel_values).flatten(2).transpose(1, 2) + self.pos_embed
@@ -50,12 +72,16 @@ class VisionEncoder(nn.Module):
 
 class Projector(nn.Module):
     """Encoder features -> backbone embeddings: Linear, GELU, Linear (trained); ``tp > 1`` builds
-    one tensor-parallel rank's shard (for profiling)."""
+    one tensor-parallel rank's shard (for profiling). Call ``init_weights`` before use."""
 
     def __init__(self, encoder_dim: int, dim: int, tp: int = 1):
         super().__init__()
         self.fc1 = Linear.Config(in_features=encoder_dim, out_features=dim // tp, bias=True, param_init=_SMALL).build()
         self.fc2 = Linear.Config(in_features=dim // tp, out_features=dim, bias=True, param_init=_SMALL).build()
+        if not self.fc1.weight.is_meta:  # built directly (the profiler), not through build_stages
+            self.init_weights()
+
+    def init_weights(self) -> None:
         self.fc1.init_states()
         self.fc2.init_states()
 
@@ -64,25 +90,37 @@ class Projector(nn.Module):
 
 
 class BackboneStage(nn.Module):
-    """Decoder layers ``[first_layer, first_layer + len(layers))``; the first stage also embeds
-    tokens and projects image features, the last applies the final norm and the output head.
+    """Decoder layers ``[first_layer, last_layer)``; the first stage (``first_layer == 0``) also
+    embeds tokens and projects image features, the last applies the final norm and the output head.
 
     ``forward`` returns hidden states ``(1, T, dim)``, or logits ``(1, T, vocab)`` on the last stage.
+    Built by ``build_stages`` (parameters uninitialised until ``init_weights``).
     """
 
-    def __init__(self, model: ModelConfig, *, max_seq_len: int, attention_backend: str = "auto"):
+    def __init__(self, model: ModelConfig, layers: tuple[int, int], *, max_seq_len: int, attention_backend: str = "auto"):
         super().__init__()
         b = model.backbone
-        self.first_layer = 0
-        self.tok_embeddings = Embedding.Config(num_embeddings=b.vocab_size, embedding_dim=b.dim, param_init=_SMALL).build()
-        self.projector = Projector(model.encoder.dim, b.dim) if model.encoder is not None else None
+        lo, hi = layers
+        self.first_layer = lo
+        first, last = lo == 0, hi == b.n_layers
+        self.tok_embeddings = Embedding.Config(num_embeddings=b.vocab_size, embedding_dim=b.dim, param_init=_SMALL).build() if first else None
+        self.projector = Projector(model.encoder.dim, b.dim) if first and model.encoder is not None else None
         self.layers = nn.ModuleList(
-            decoder_layer_config(b, max_seq_len=max_seq_len, attention_backend=attention_backend).build() for _ in range(b.n_layers)
+            decoder_layer_config(b, max_seq_len=max_seq_len, attention_backend=attention_backend).build() for _ in range(lo, hi)
         )
-        self.norm = RMSNorm.Config(normalized_shape=b.dim, eps=b.norm_eps).build()
-        self.lm_head = Linear.Config(in_features=b.dim, out_features=b.vocab_size, param_init=_SMALL).build()
-        for m in (self.tok_embeddings, *self.layers, self.lm_head):
-            m.init_states()
+        self.norm = RMSNorm.Config(normalized_shape=b.dim, eps=b.norm_eps).build() if last else None
+        self.lm_head = Linear.Config(in_features=b.dim, out_features=b.vocab_size, param_init=_SMALL).build() if last else None
+
+    def init_weights(self, seed: int) -> None:
+        """Every piece from its own stream (see the module doc): the same weights in any split."""
+        dev = next(self.parameters()).device
+        for name, piece in (("tok_embeddings", self.tok_embeddings), ("norm", self.norm), ("lm_head", self.lm_head)):
+            if piece is not None:
+                _seeded_init(seed, name, piece.init_states, dev)
+        if self.projector is not None:
+            _seeded_init(seed, "projector", self.projector.init_weights, dev)
+        for k, layer in enumerate(self.layers):
+            _seeded_init(seed, f"layers.{self.first_layer + k}", layer.init_states, dev)
 
     @property
     def is_first(self) -> bool:
@@ -97,7 +135,7 @@ class BackboneStage(nn.Module):
         x: torch.Tensor,
         *,
         positions: torch.Tensor,
-        cu_seqlens: torch.Tensor,
+        masks: VarlenMetadata,
         image_features: torch.Tensor | None = None,
         image_token_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
@@ -108,7 +146,6 @@ class BackboneStage(nn.Module):
                     raise ValueError("image features given to a text-only model")
                 projected = self.projector(image_features.flatten(0, 1)).to(x.dtype)
                 x = x.index_put((torch.zeros_like(image_token_index), image_token_index), projected)
-        masks = varlen_metadata(cu_seqlens)
         for layer in self.layers:
             x = layer(x, masks, positions)
         if self.is_last:
@@ -116,32 +153,53 @@ class BackboneStage(nn.Module):
         return x
 
 
-def build_vlm(model: ModelConfig, *, max_seq_len: int, seed: int = 0, attention_backend: str = "auto"):
-    """(vision encoder or None, whole backbone as one stage), deterministically initialised."""
-    torch.manual_seed(seed)
-    encoder = VisionEncoder(model.encoder) if model.encoder is not None else None
-    backbone = BackboneStage(model, max_seq_len=max_seq_len, attention_backend=attention_backend)
-    return encoder, backbone
+def build_stages(
+    model: ModelConfig,
+    layer_ranges: list[tuple[int, int]],
+    local: list[int],
+    *,
+    max_seq_len: int,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+    attention_backend: str = "auto",
+) -> tuple[VisionEncoder | None, dict[int, BackboneStage]]:
+    """This rank's stages ``local`` (indices into ``layer_ranges``) and, when it holds stage 0 of
+    a model with one, the vision encoder: built on the meta device, then only these materialised
+    on ``device`` and initialised (``device="meta"`` leaves them unmaterialised, for sizing)."""
+    n = model.backbone.n_layers
+    if not layer_ranges or layer_ranges[0][0] != 0 or layer_ranges[-1][1] != n or any(
+        a[1] != b[0] or a[0] >= a[1] for a, b in zip(layer_ranges, layer_ranges[1:] + [(n, n)])
+    ):
+        raise ValueError(f"layer ranges {layer_ranges} do not tile the backbone's {n} layers with non-empty stages")
+    if any(not 0 <= s < len(layer_ranges) for s in local):
+        raise ValueError(f"stages {local} are not among the {len(layer_ranges)} stages")
+    device = torch.device(device)
+    with torch.device("meta"):
+        encoder = VisionEncoder(model.encoder) if model.encoder is not None and 0 in local else None
+        stages = {s: BackboneStage(model, tuple(layer_ranges[s]), max_seq_len=max_seq_len, attention_backend=attention_backend)
+                  for s in local}
+    if device.type != "meta":
+        for s, stage in stages.items():
+            stage.to_empty(device=device)
+            stage.init_weights(seed)
+        if encoder is not None:
+            encoder.to_empty(device=device)
+            encoder.init_weights(seed)
+    return encoder, stages
 
 
-def split_backbone(whole: BackboneStage, layer_ranges: list[tuple[int, int]]) -> list[BackboneStage]:
-    """Copies of ``whole`` holding the given contiguous layer ranges (weights shared by value)."""
-    n = len(whole.layers)
-    if layer_ranges[0][0] != 0 or layer_ranges[-1][1] != n or any(a[1] != b[0] for a, b in zip(layer_ranges, layer_ranges[1:])):
-        raise ValueError(f"layer ranges {layer_ranges} do not tile the backbone's {n} layers")
-    stages = []
-    for k, (lo, hi) in enumerate(layer_ranges):
-        stage = copy.deepcopy(whole)
-        stage.layers = nn.ModuleList(stage.layers[lo:hi])
-        stage.first_layer = lo
-        if k > 0:
-            stage.tok_embeddings = None
-            stage.projector = None
-        if k < len(layer_ranges) - 1:
-            stage.norm = None
-            stage.lm_head = None
-        stages.append(stage)
-    return stages
+def build_vlm(model: ModelConfig, *, max_seq_len: int, seed: int = 0, device: torch.device | str = "cpu",
+              attention_backend: str = "auto") -> tuple[VisionEncoder | None, BackboneStage]:
+    """The single-process reference model: (vision encoder or None, whole backbone as one stage),
+    with the same weights as any split built by ``build_stages`` from the same seed."""
+    encoder, stages = build_stages(model, [(0, model.backbone.n_layers)], [0], max_seq_len=max_seq_len, seed=seed,
+                                   device=device, attention_backend=attention_backend)
+    return encoder, stages[0]
+
+
+def parameter_bytes(*modules: nn.Module | None) -> int:
+    """Bytes of the parameters of ``modules`` (meta tensors count by shape)."""
+    return sum(p.numel() * p.element_size() for m in modules if m is not None for p in m.parameters())
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

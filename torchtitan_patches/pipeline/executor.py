@@ -5,40 +5,48 @@ execution order), every micro-batch here may have its own length and the order i
 
 * every rank holds the whole ``GlobalBatch`` (each PP rank runs the same dataloader, as in
   TorchTitan), so the shape of every message is known and no shape inference runs, ever;
-* messages are matched by (stage, direction, micro-batch) tags, so any order is safe;
+* messages follow ``pipetune.schedule.lowering``: between every pair of ranks both sides post
+  them in the same order, so a transport that ignores tags (NCCL) runs any plan; each ``Post`` is
+  one ``batch_isend_irecv``. ``strict_order=True`` gives every message the same tag, so gloo
+  matches by order as NCCL does (the tests run that way);
+* messages carry the compute dtype (``compute_dtype``, the same on every rank and part of the
+  plan digest); with bf16, stages run under ``torch.autocast`` as TorchTitan does without FSDP:
+  fp32 master weights and gradients, bf16 matmuls, fp32 residual stream and loss; activations
+  and their gradients are rounded to bf16 only where they cross a stage boundary;
 * losses are keyed by micro-batch index; each is ``sum of token losses / global label-token
   count``, and gradients accumulate unscaled (``scale_grads=False``), so any packing, order or
-  micro-batch count yields the same gradients as the baseline;
+  micro-batch count yields the same gradients as the baseline; losses are read once per step;
 * ``E`` actions run the frozen vision encoder wherever the plan put them (pre-computation) and
   hand their features to stage 0's forward of that micro-batch.
 
-Before running, ranks compare a digest of the plan and of the micro-batch shapes; a mismatch
-raises ``PlanMismatchError`` on every rank instead of hanging in a receive.
+Before running, ranks compare a digest of the plan, of the micro-batch shapes and of the batch
+content (token ids and labels); a mismatch raises ``PlanMismatchError`` on every rank, naming it,
+instead of hanging in a receive or training on another rank's labels.
 
-Timeline semantics match the simulator's: an action's recorded interval runs from when its rank
-was free to work on it (its previous action's end, pushed back by any wait for an incoming
-message) to its end, so bookkeeping between actions (posting sends and receives) is charged to
-the action it prepares and idle time is only time spent waiting for messages.
+Timelines come from ``profiling.timing.ActionTimeline``: CUDA events on a GPU, the host clock on
+CPU, in the simulator's semantics (idle time is time spent waiting for messages).
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from pipetune.plan.plan import IterationPlan, PlanError
-from pipetune.schedule.lowering import lower
+from pipetune.schedule.lowering import Compute, Direction, Message, Post, Wait, lower
 from pipetune.schedule.table import Action, Op
 from pipetune.simulate.simulator import TimedAction
-from torchtitan_patches.data.micro_batch import GlobalBatch
+from profiling.timing import Clock
+from torchtitan_patches.data.micro_batch import GlobalBatch, PackedMicroBatch
+from torchtitan_patches.model.attention import varlen_metadata
 from torchtitan_patches.model.vlm import BackboneStage, VisionEncoder, token_loss_sum
 
 MAX_MICRO_BATCHES = 1 << 16
-OPS = {"E": Op.ENCODER, "F": Op.FORWARD, "B": Op.BACKWARD}
 
 
 class PlanMismatchError(PlanError):
@@ -49,7 +57,7 @@ class PlanMismatchError(PlanError):
 class StepResult:
     """One rank's view of a step. ``loss`` is the batch loss (last-stage rank only);
     ``timeline`` holds this rank's compute actions (absolute ``perf_counter`` seconds);
-    ``overhead_s`` is the per-step set-up of a new plan on this rank (plan digest + lowering; the
+    ``overhead_s`` is the per-step set-up of a new plan on this rank (digest + lowering; the
     digest exchange itself is a synchronisation point, not counted)."""
 
     losses: dict[int, float] = field(default_factory=dict)
@@ -63,132 +71,225 @@ class StepResult:
         return sum(self.losses.values()) if self.losses else None
 
 
-def _tag(stage: int, backward: bool, mb: int) -> int:
-    return (2 * stage + int(backward)) * MAX_MICRO_BATCHES + mb
+def _tag(m: Message) -> int:
+    return (2 * m.stage + int(m.op is Op.BACKWARD)) * MAX_MICRO_BATCHES + m.mb
+
+
+def content_digest(mb: PackedMicroBatch) -> str:
+    """A short hash of what a micro-batch teaches: sample ids, token ids and labels (host tensors)."""
+    h = hashlib.blake2b(digest_size=8)
+    for t in (mb.sample_ids, mb.tokens, mb.labels):
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()
 
 
 class PlanExecutor:
-    """Executes plans for the stages ``stages`` (stage index -> module) held by ``rank``.
+    """Executes plans for the stages ``stages`` (stage index -> module, already on ``device``)
+    held by ``rank``.
 
     ``encoder`` must be given on the rank of stage 0 when the model has one. ``group`` is the
-    pipeline process group (default: the world).
+    pipeline process group (default: the world); ``control_group`` carries the per-step digest
+    exchange (default: ``group``; on NCCL pass a gloo group). ``device`` defaults to the stages'.
     """
 
     def __init__(
-        self, stages: dict[int, BackboneStage], encoder: VisionEncoder | None, *, dim: int, rank: int, group=None, dtype=torch.float32
+        self,
+        stages: dict[int, BackboneStage],
+        encoder: VisionEncoder | None,
+        *,
+        dim: int,
+        rank: int,
+        group=None,
+        control_group=None,
+        device: torch.device | str | None = None,
+        compute_dtype: torch.dtype = torch.float32,
+        strict_order: bool = False,
     ):
         self.stages = stages
         self.encoder = encoder
         self.dim = dim
         self.rank = rank
         self.group = group
-        self.dtype = dtype
+        self.control_group = control_group if control_group is not None else group
+        self.device = torch.device(device) if device is not None else next(next(iter(stages.values())).parameters()).device
+        self.compute_dtype = compute_dtype
+        self.strict_order = strict_order
+        self.clock = Clock(self.device)
 
-    def _digest(self, batch: GlobalBatch, plan: IterationPlan) -> str:
+    def _autocast(self):
+        if self.compute_dtype == torch.float32:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
+    def _digests(self, batch: GlobalBatch, plan: IterationPlan) -> tuple[str, list[str]]:
         shapes = [(mb.num_tokens, mb.num_images) for mb in batch.micro_batches]
-        blob = repr((plan.step, plan.ranks, plan.micro_batches, plan.stage_rank, batch.step, shapes, batch.num_label_tokens))
-        return hashlib.sha256(blob.encode()).hexdigest()
+        blob = repr((plan.step, plan.ranks, plan.micro_batches, plan.stage_rank, batch.step, shapes, batch.num_label_tokens,
+                     str(self.compute_dtype), self.strict_order))
+        return hashlib.sha256(blob.encode()).hexdigest(), [content_digest(mb) for mb in batch.micro_batches]
 
-    def check_consistent(self, batch: GlobalBatch, plan: IterationPlan, mine: str) -> None:
-        """All ranks must run the same plan on the same batch shapes (one small all-gather of digests)."""
-        digests = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(digests, (mine, plan.num_micro_batches, [mb.num_tokens for mb in batch.micro_batches]), group=self.group)
-        if len({d[0] for d in digests}) > 1:
-            detail = "; ".join(f"rank {r}: {d[1]} micro-batches of {d[2]} tokens" for r, d in enumerate(digests))
+    def check_consistent(self, batch: GlobalBatch, plan: IterationPlan, digests: tuple[str, list[str]]) -> None:
+        """All ranks must run the same plan on the same batch (one small all-gather of digests)."""
+        mine = (*digests, plan.num_micro_batches, [mb.num_tokens for mb in batch.micro_batches], str(self.compute_dtype))
+        every = [None] * dist.get_world_size(self.control_group)
+        dist.all_gather_object(every, mine, group=self.control_group)
+        if len({d[0] for d in every}) > 1:
+            detail = "; ".join(f"rank {r}: {d[2]} micro-batches of {d[3]} tokens, {d[4]} messages" for r, d in enumerate(every))
             raise PlanMismatchError(f"step {plan.step}: ranks disagree about the plan or batch ({detail})")
+        for r, d in enumerate(every):
+            bad = [k for k, (a, b) in enumerate(zip(every[0][1], d[1])) if a != b]
+            if bad:
+                k = bad[0]
+                raise PlanMismatchError(
+                    f"step {plan.step}: ranks disagree about the batch content: micro-batch {k} (samples "
+                    f"{batch.micro_batches[k].sample_ids.tolist()[:8]}) holds other token ids or labels on rank {r} than on rank 0 "
+                    f"({len(bad)} of {len(d[1])} micro-batches differ); every rank must read the same data set with the same seed")
 
     def run(self, batch: GlobalBatch, plan: IterationPlan) -> StepResult:
         t0 = time.perf_counter()
         if batch.sample_ids != [list(mb) for mb in plan.micro_batches]:
             raise PlanMismatchError(f"rank {self.rank}: batch {batch.step} was not packed as plan {plan.step} says")
-        digest = self._digest(batch, plan)
+        digests = self._digests(batch, plan)
         steps = lower(plan.table(), self.rank)
         overhead = time.perf_counter() - t0
-        self.check_consistent(batch, plan, digest)
-        st = _StepState(batch, plan, StepResult(start=time.perf_counter(), overhead_s=overhead))
-        mbs = batch.micro_batches
-        ready = st.res.start  # when this rank could start on its next action (see the module doc)
+        self.check_consistent(batch, plan, digests)
+        timeline = self.clock.timeline()
+        st = _StepState(batch, plan, StepResult(start=timeline.start(), overhead_s=overhead), self._on_device(batch, plan))
+        done: list[Action] = []
         for step in steps:
-            kind, s, i = step.kind, step.stage, step.mb
-            if kind.startswith("RECV_"):
-                buf = torch.empty(1, mbs[i].num_tokens, self.dim, dtype=self.dtype)
-                work = dist.irecv(buf, src=step.peer, group=self.group, tag=_tag(s, kind == "RECV_B", i))
-                st.recvs[(kind[-1], s, i)] = (work, buf)
-            elif kind.startswith("WAIT_"):
-                waiting_from = time.perf_counter()
-                st.recvs[(kind[-1], s, i)][0].wait()
-                ready += time.perf_counter() - waiting_from
-            elif kind.startswith("SEND_"):
-                if kind == "SEND_F":
-                    tensor, tag = st.saved[(s, i)][1].detach().contiguous(), _tag(s + 1, False, i)
-                else:
-                    tensor, tag = st.saved.pop((s, i))[0].grad.contiguous(), _tag(s - 1, True, i)
-                st.sends.append(dist.isend(tensor, dst=step.peer, group=self.group, tag=tag))
-            else:
-                if kind == "E":
-                    with torch.no_grad():
-                        st.features[i] = self.encoder(mbs[i].pixel_values.to(self.dtype)) if mbs[i].num_images else None
-                elif kind == "F":
-                    self._forward(st, s, i)
-                else:
-                    self._backward(st, s, i)
-                done = time.perf_counter()
-                st.res.timeline.append(TimedAction(self.rank, Action(s, OPS[kind], i), ready, done))
-                ready = done
-        for w in st.sends:
-            w.wait()
-        res = st.res
-        res.end = time.perf_counter()
+            match step:
+                case Post():
+                    self._post(st, step)
+                case Wait(message=m):
+                    with timeline.waiting():
+                        st.recvs[m][0].wait()
+                case Compute(action=a):
+                    timeline.begin()
+                    self._compute(st, a)
+                    timeline.end()
+                    done.append(a)
+        for work, _ in st.sends:
+            work.wait()
+        spans, st.res.end = timeline.finish()
+        if st.losses:
+            st.res.losses = dict(zip(st.losses, torch.stack(list(st.losses.values())).tolist()))
         precomputed = _precomputed(plan, self.rank)
-        res.timeline = [TimedAction(t.rank, t.action, t.start, t.end, precomputed=t.action in precomputed) for t in res.timeline]
-        return res
+        st.res.timeline = [TimedAction(self.rank, a, s, e, precomputed=a in precomputed) for a, (s, e) in zip(done, spans)]
+        return st.res
+
+    def _compute(self, st: "_StepState", a: Action) -> None:
+        match a.op:
+            case Op.ENCODER:
+                self._encode(st, a.mb)
+            case Op.FORWARD:
+                self._forward(st, a.stage, a.mb)
+            case Op.BACKWARD:
+                self._backward(st, a.stage, a.mb)
+
+    def _on_device(self, batch: GlobalBatch, plan: IterationPlan) -> list[dict]:
+        """Per micro-batch, the tensors this rank's stages use, moved to the device (non-blocking),
+        and the attention metadata built from the host's lengths (no device synchronisation)."""
+        mine = set(self.stages)
+        first, last = 0 in mine, plan.num_stages - 1 in mine
+        out = []
+        for mb in batch.micro_batches:
+            d = {"positions": mb.positions[None], "masks": varlen_metadata(mb.cu_seqlens, self.device)}
+            if first:
+                d.update(tokens=mb.tokens[None], image_token_index=mb.image_token_index, pixel_values=mb.pixel_values)
+            if last:
+                d["labels"] = mb.labels[None]
+            out.append({k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in d.items()})
+        return out
+
+    def _post(self, st: "_StepState", post: Post) -> None:
+        """Every post, even of one message, is a ``batch_isend_irecv``: torch's NCCL backend may
+        run batched and single point-to-point calls on different communicators, and the order
+        shared by two ranks holds only within one (the lowering test simulates both one queue
+        per pair and one queue per rank)."""
+        ops, recv_bufs = [], []
+        for t in post.transfers:
+            m = t.message
+            if t.direction is Direction.SEND:
+                tensor = st.outbox.pop(m)
+                ops.append(dist.P2POp(dist.isend, tensor, t.peer, group=self.group, tag=0 if self.strict_order else _tag(m)))
+            else:
+                tensor = torch.empty(1, st.batch.micro_batches[m.mb].num_tokens, self.dim, dtype=self.compute_dtype, device=self.device)
+                ops.append(dist.P2POp(dist.irecv, tensor, t.peer, group=self.group, tag=0 if self.strict_order else _tag(m)))
+                recv_bufs.append((m, tensor))
+        works = dist.batch_isend_irecv(ops)
+        if len(works) != len(ops):  # a coalescing backend (NCCL) returns one work for the whole batch
+            works = works * len(ops)
+        recv_at = iter(recv_bufs)
+        for t, op, work in zip(post.transfers, ops, works):
+            if t.direction is Direction.SEND:
+                st.sends.append((work, op.tensor))
+            else:
+                m, buf = next(recv_at)
+                st.recvs[m] = (work, buf)
+
+    def _encode(self, st: "_StepState", i: int) -> None:
+        pixels = st.dev[i]["pixel_values"]
+        with torch.no_grad(), self._autocast():
+            st.features[i] = self.encoder(pixels) if pixels.shape[0] else None
+
+    def _input(self, st: "_StepState", op: Op, s: int, i: int) -> torch.Tensor:
+        """What stage ``s`` consumes for micro-batch ``i``: a local hand-over or a received message."""
+        src = s - 1 if op is Op.FORWARD else s + 1
+        key = Message(op, src, i)
+        return st.local.pop(key) if key in st.local else st.recvs.pop(key)[1]
+
+    def _output(self, st: "_StepState", op: Op, s: int, i: int, tensor: torch.Tensor) -> None:
+        dst = s + 1 if op is Op.FORWARD else s - 1
+        target = st.local if st.plan.stage_rank[dst] == self.rank else st.outbox
+        target[Message(op, s, i)] = tensor
 
     def _forward(self, st: "_StepState", s: int, i: int) -> None:
-        mb = st.batch.micro_batches[i]
+        d = st.dev[i]
         stage = self.stages[s]
-        kwargs = {"positions": mb.positions[None], "cu_seqlens": mb.cu_seqlens}
+        kwargs = {"positions": d["positions"], "masks": d["masks"]}
         if stage.is_first:
-            x = mb.tokens[None]
+            x = d["tokens"]
             if st.plan.encoder:
-                kwargs.update(image_features=st.features.pop(i), image_token_index=mb.image_token_index)
+                kwargs.update(image_features=st.features.pop(i), image_token_index=d["image_token_index"])
         else:
-            x = st.local.pop(("F", s, i)) if ("F", s, i) in st.local else st.recvs.pop(("F", s, i))[1]
-            x.requires_grad_(True)
-        y = stage(x, **kwargs)
-        if s == st.plan.num_stages - 1:
-            loss = token_loss_sum(y, mb.labels[None]) / st.batch.num_label_tokens
-            st.res.losses[i] = float(loss.detach())
-            y = loss
-        elif st.plan.stage_rank[s + 1] == self.rank:
-            st.local[("F", s + 1, i)] = y.detach()
+            x = self._input(st, Op.FORWARD, s, i).requires_grad_(True)
+        with self._autocast():
+            # the residual stream stays fp32 as in the unsplit model; only messages are rounded
+            y = stage(x if stage.is_first else x.float(), **kwargs)
+        if stage.is_last:
+            y = token_loss_sum(y, d["labels"]) / st.batch.num_label_tokens
+            st.losses[i] = y.detach()
+        else:
+            y = y.to(self.compute_dtype)  # the message dtype every rank knows
+            self._output(st, Op.FORWARD, s, i, y.detach())
         st.saved[(s, i)] = (x, y)
 
     def _backward(self, st: "_StepState", s: int, i: int) -> None:
-        x, y = st.saved[(s, i)]
-        if s == st.plan.num_stages - 1:
+        x, y = st.saved.pop((s, i))
+        if self.stages[s].is_last:
             y.backward()
         else:
-            grad = st.local.pop(("B", s, i)) if ("B", s, i) in st.local else st.recvs.pop(("B", s, i))[1]
-            torch.autograd.backward(y, grad)
-        if s > 0 and st.plan.stage_rank[s - 1] == self.rank:
-            st.local[("B", s - 1, i)] = st.saved.pop((s, i))[0].grad
-        elif s == 0:
-            st.saved.pop((s, i))
+            torch.autograd.backward(y, self._input(st, Op.BACKWARD, s, i))
+        if s > 0:
+            self._output(st, Op.BACKWARD, s, i, x.grad)
 
 
 @dataclass
 class _StepState:
-    """What one step keeps between actions: posted receives, pending sends, saved activations for
-    backward, same-rank hand-overs between stages, encoder features waiting for their forward."""
+    """What one step keeps between actions: device tensors per micro-batch, posted receives,
+    pending sends, outputs waiting to be sent, saved activations for backward, same-rank
+    hand-overs between stages, encoder features waiting for their forward, losses."""
 
     batch: GlobalBatch
     plan: IterationPlan
     res: StepResult
+    dev: list[dict]
     recvs: dict = field(default_factory=dict)
     sends: list = field(default_factory=list)
+    outbox: dict = field(default_factory=dict)
     saved: dict = field(default_factory=dict)
     local: dict = field(default_factory=dict)
     features: dict = field(default_factory=dict)
+    losses: dict = field(default_factory=dict)
 
 
 def _precomputed(plan: IterationPlan, rank: int) -> set[Action]:

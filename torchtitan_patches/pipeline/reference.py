@@ -6,26 +6,35 @@ encoder placement, because the loss is ``sum of token losses / global label-toke
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
 from torchtitan_patches.data.micro_batch import GlobalBatch
+from torchtitan_patches.model.attention import varlen_metadata
 from torchtitan_patches.model.vlm import BackboneStage, VisionEncoder, token_loss_sum
 
 
-def reference_step(encoder: VisionEncoder | None, whole: BackboneStage, batch: GlobalBatch) -> float:
-    """Forward + backward of every micro-batch; returns the batch loss, leaves gradients in ``.grad``."""
-    total = 0.0
+def reference_step(encoder: VisionEncoder | None, whole: BackboneStage, batch: GlobalBatch,
+                   compute_dtype: torch.dtype = torch.float32) -> float:
+    """Forward + backward of every micro-batch (under autocast to ``compute_dtype`` unless fp32, as
+    the executor runs); returns the batch loss, leaves gradients in ``.grad``."""
+    device = next(whole.parameters()).device
+    cast = nullcontext() if compute_dtype == torch.float32 else torch.autocast(device.type, dtype=compute_dtype)
+    total = torch.zeros((), device=device)
     for mb in batch.micro_batches:
+        mb = mb.to(device)
         feats = None
-        if encoder is not None and mb.num_images:
-            with torch.no_grad():
-                feats = encoder(mb.pixel_values)
-        logits = whole(mb.tokens[None], positions=mb.positions[None], cu_seqlens=mb.cu_seqlens,
-                       image_features=feats, image_token_index=mb.image_token_index)
+        with cast:
+            if encoder is not None and mb.num_images:
+                with torch.no_grad():
+                    feats = encoder(mb.pixel_values)
+            logits = whole(mb.tokens[None], positions=mb.positions[None], masks=varlen_metadata(mb.cu_seqlens.cpu(), device),
+                           image_features=feats, image_token_index=mb.image_token_index)
         loss = token_loss_sum(logits, mb.labels[None]) / batch.num_label_tokens
         loss.backward()
-        total += float(loss.detach())
-    return total
+        total += loss.detach()
+    return float(total)
 
 
 def whole_model_names(stage: BackboneStage) -> dict[str, str]:

@@ -1,0 +1,284 @@
+"""The lowering is safe on a transport that ignores tags (NCCL): checked by simulating one.
+
+``run_in_order`` executes every rank's lowered steps on a strict in-order transport: between a
+pair of ranks, posted operations complete in posting order on both sides, a send completes only
+together with its matching receive (rendezvous, no buffering), and a rank blocks only on ``Wait``
+(and, with ``blocking_send``, also until the sends of a ``Post`` complete). A pair whose heads are
+not the two halves of one message can never complete: that is the deadlock NCCL would hit.
+``run_one_queue_per_rank`` serialises all of a rank's transfers, to any peer, on one queue of
+groups (NCCL runs ``batch_isend_irecv`` groups on one communicator and stream).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+import pytest
+
+from pipetune.schedule import SCHEDULES, Action, Op, ScheduleError, ScheduleTable, place_encoders
+from pipetune.schedule.lowering import Compute, Direction, Message, Post, Transfer, Wait, _input, _output, lower, lower_all
+
+
+class Deadlock(AssertionError):
+    pass
+
+
+def run_in_order(steps: list[list], *, blocking_send: bool = False) -> None:
+    """Raise ``Deadlock`` naming the stuck ranks unless every rank finishes all its steps."""
+    n = len(steps)
+    pc = [0] * n
+    queues = [[deque() for _ in range(n)] for _ in range(n)]  # queues[r][peer]: r's posted, incomplete transfers
+    received = [set() for _ in range(n)]
+    pending_sends = [0] * n  # sends of the last Post not yet complete (blocking_send)
+    while True:
+        progress = False
+        for r in range(n):
+            while pc[r] < len(steps[r]) and not (blocking_send and pending_sends[r]):
+                s = steps[r][pc[r]]
+                if isinstance(s, Wait) and s.message not in received[r]:
+                    break
+                if isinstance(s, Post):
+                    for t in s.transfers:
+                        queues[r][t.peer].append(t)
+                        pending_sends[r] += t.direction is Direction.SEND
+                pc[r] += 1
+                progress = True
+        for a in range(n):
+            for b in range(a + 1, n):
+                qa, qb = queues[a][b], queues[b][a]
+                while qa and qb:
+                    ta, tb = qa[0], qb[0]
+                    if ta.message != tb.message or ta.direction is tb.direction:
+                        break  # heads are not two halves of one message: this pair never moves again
+                    qa.popleft(), qb.popleft()
+                    sender, receiver = (a, b) if ta.direction is Direction.SEND else (b, a)
+                    received[receiver].add(ta.message)
+                    pending_sends[sender] -= 1
+                    progress = True
+        if not progress:
+            break
+    stuck = [f"rank {r} at step {pc[r]} ({steps[r][pc[r]] if pc[r] < len(steps[r]) else 'end, sends pending'})"
+             for r in range(n) if pc[r] < len(steps[r]) or any(queues[r])]
+    if stuck:
+        raise Deadlock("; ".join(stuck))
+
+
+def run_one_queue_per_rank(steps: list[list]) -> None:
+    """Stricter still: all of a rank's transfers, to any peer, run on one queue (as NCCL runs
+    batched point-to-point operations on one communicator and stream): a ``Post`` is a group
+    whose transfers progress together, and the next group starts only when the whole group has
+    completed; a transfer completes when the peer's current group holds its other half."""
+    n = len(steps)
+    pc = [0] * n
+    posted: list[deque] = [deque() for _ in range(n)]  # groups: sets of incomplete transfers
+    received = [set() for _ in range(n)]
+    while True:
+        progress = False
+        for r in range(n):
+            while pc[r] < len(steps[r]):
+                s = steps[r][pc[r]]
+                if isinstance(s, Wait) and s.message not in received[r]:
+                    break
+                if isinstance(s, Post):
+                    posted[r].append(set(s.transfers))
+                pc[r] += 1
+                progress = True
+        for r in range(n):
+            if not posted[r]:
+                continue
+            for t in list(posted[r][0]):
+                peer_group = posted[t.peer][0] if posted[t.peer] else set()
+                other = Transfer(Direction.RECV if t.direction is Direction.SEND else Direction.SEND, t.message, r)
+                if other in peer_group:
+                    posted[r][0].discard(t)
+                    peer_group.discard(other)
+                    received[r if t.direction is Direction.RECV else t.peer].add(t.message)
+                    progress = True
+        for r in range(n):
+            while posted[r] and not posted[r][0]:
+                posted[r].popleft()
+                progress = True
+        if not progress:
+            break
+    stuck = [f"rank {r} at step {pc[r]}" for r in range(n) if pc[r] < len(steps[r]) or posted[r]]
+    if stuck:
+        raise Deadlock("; ".join(stuck))
+
+
+def pair_sequences(steps: list[list]) -> dict[tuple[int, int], list[tuple[Direction, Message]]]:
+    """For each ordered pair (r, peer): the transfers r posts with peer, in posting order."""
+    out: dict[tuple[int, int], list] = {}
+    for r, lst in enumerate(steps):
+        for s in lst:
+            if isinstance(s, Post):
+                for t in s.transfers:
+                    out.setdefault((r, t.peer), []).append((t.direction, t.message))
+    return out
+
+
+def assert_fifo_compatible(steps: list[list]) -> None:
+    seqs = pair_sequences(steps)
+    flip = {Direction.SEND: Direction.RECV, Direction.RECV: Direction.SEND}
+    for (r, peer), seq in seqs.items():
+        mirror = [(flip[d], m) for d, m in seqs.get((peer, r), [])]
+        assert seq == mirror, f"ranks {r} and {peer} post their messages in different orders"
+
+
+def check(table: ScheduleTable) -> list[list]:
+    steps = lower_all(table)
+    assert_fifo_compatible(steps)
+    run_in_order(steps)
+    run_in_order(steps, blocking_send=True)
+    run_one_queue_per_rank(steps)
+    computes = [s.action for lst in steps for s in lst if isinstance(s, Compute)]
+    assert sorted(computes, key=str) == sorted((a for r in table.ranks for a in r), key=str)
+    for r, lst in enumerate(steps):  # the rank's compute actions keep the plan's order
+        assert [s.action for s in lst if isinstance(s, Compute)] == list(table.ranks[r])
+    return steps
+
+
+def layout(kind: str, p: int) -> tuple[int, ...]:
+    """Stage -> rank: one stage per rank, interleaved (2 per rank) or V-shaped (2 per rank)."""
+    if kind == "flat":
+        return tuple(range(p))
+    if kind == "interleaved":
+        return tuple(s % p for s in range(2 * p))
+    return tuple(range(p)) + tuple(reversed(range(p)))
+
+
+def random_table(rng: np.random.Generator, *, kinds=("flat", "interleaved", "v"), encoder: bool | None = None) -> ScheduleTable:
+    """A random executable plan: a schedule over virtual stages (1F1B or GPipe, random micro-batch
+    order), merged onto ranks by a random order that respects every dependency (so several
+    stages of a rank interleave arbitrarily), then encoders pre-computed at random positions."""
+    p = int(rng.integers(2, 9))
+    stage_rank = layout(str(rng.choice(kinds)), p)
+    S = len(stage_rank)
+    m = int(rng.integers(1, 65)) if rng.random() < 0.3 else int(rng.integers(1, 17))
+    encoder = bool(rng.random() < 0.7) if encoder is None else encoder
+    virtual = SCHEDULES[str(rng.choice(["1f1b", "gpipe"]))](S, rng.permutation(m).tolist(), encoder=encoder)
+    ranks: list[list[Action]] = [[] for _ in range(p)]
+    done: set[Action] = set()
+    pos = [0] * S
+    while any(pos[s] < len(virtual.ranks[s]) for s in range(S)):
+        ready = [s for s in range(S) if pos[s] < len(virtual.ranks[s]) and _deps(virtual.ranks[s][pos[s]], S) <= done]
+        s = int(rng.choice(ready))
+        a = virtual.ranks[s][pos[s]]
+        ranks[stage_rank[s]].append(a)
+        done.add(a)
+        pos[s] += 1
+    table = ScheduleTable(num_stages=S, num_micro_batches=m, stage_rank=stage_rank, ranks=tuple(map(tuple, ranks)),
+                          encoder=encoder, name="random").validate()
+    if encoder and rng.random() < 0.8:
+        work = [a for a in table.ranks[stage_rank[0]] if a.op is not Op.ENCODER]
+        fwd = {a.mb: k for k, a in enumerate(work) if a.stage == 0 and a.op is Op.FORWARD}
+        table = place_encoders(table, {mb: int(rng.integers(0, k + 1)) for mb, k in fwd.items() if rng.random() < 0.6})
+    return table
+
+
+def _deps(a: Action, S: int) -> set[Action]:
+    if a.op is Op.FORWARD:
+        return {Action(a.stage - 1, Op.FORWARD, a.mb)} if a.stage > 0 else set()
+    if a.op is Op.BACKWARD:
+        return {Action(a.stage + 1, Op.BACKWARD, a.mb)} if a.stage < S - 1 else {Action(a.stage, Op.FORWARD, a.mb)}
+    return set()
+
+
+def _old_lower(table: ScheduleTable, rank: int) -> list:
+    """The lowering before this fix, in today's step types: each receive posted one compute action
+    ahead, sends right after their action. Kept as the regression case the checker must catch."""
+    acts = list(table.ranks[rank])
+    out: list = []
+    for k, a in enumerate(acts):
+        for b in ((a,) if k == 0 else ()) + ((acts[k + 1],) if k + 1 < len(acts) else ()):
+            if isinstance(need := _input(table, b), Message):
+                out.append(Post((Transfer(Direction.RECV, need, table.stage_rank[need.stage]),)))
+        if isinstance(need := _input(table, a), Message):
+            out.append(Wait(need))
+        out.append(Compute(a))
+        if (sent := _output(table, a)) is not None:
+            out.append(Post((Transfer(Direction.SEND, sent, table.stage_rank[sent.to_stage]),)))
+    return out
+
+
+def test_old_lowering_deadlocks_on_two_stage_1f1b():
+    """The counterexample of issue #10: rank 0 posts RECV 1B0->0 before SEND 0F1->1, rank 1 posts
+    RECV 0F1->1 before SEND 1B0->0; a strict in-order transport never completes either."""
+    table = SCHEDULES["1f1b"](2, range(4))
+    old = [_old_lower(table, r) for r in range(2)]
+    with pytest.raises(AssertionError, match="different orders"):
+        assert_fifo_compatible(old)
+    with pytest.raises(Deadlock):
+        run_in_order(old)
+    with pytest.raises(Deadlock):
+        run_one_queue_per_rank(old)
+    check(table)
+
+
+def test_one_micro_batch_two_stages_each_side_in_order():
+    steps = check(SCHEDULES["1f1b"](2, [0]))
+    f, b = Message(Op.FORWARD, 0, 0), Message(Op.BACKWARD, 1, 0)
+    # rank 0 posts its send and the receive of the gradient together (one batch_isend_irecv)
+    assert steps[0] == [Compute(Action(0, Op.FORWARD, 0)), Post((Transfer(Direction.SEND, f, 1), Transfer(Direction.RECV, b, 1))),
+                        Wait(b), Compute(Action(0, Op.BACKWARD, 0))]
+    assert pair_sequences(steps)[(0, 1)] == [(Direction.SEND, f), (Direction.RECV, b)]
+    assert pair_sequences(steps)[(1, 0)] == [(Direction.RECV, f), (Direction.SEND, b)]
+
+
+def test_a_thousand_random_plans_run_on_a_strict_in_order_transport():
+    rng = np.random.default_rng(2026)
+    seen = {"multi-stage": 0, "precomputed": 0, "m>32": 0, "p=8": 0}
+    old_failures = 0
+    for _ in range(1000):
+        table = random_table(rng)
+        check(table)
+        seen["multi-stage"] += table.num_stages > table.num_ranks
+        seen["precomputed"] += any(a.op is Op.ENCODER and table.ranks[0][k + 1] != Action(0, Op.FORWARD, a.mb)
+                                   for k, a in enumerate(table.ranks[0]))
+        seen["m>32"] += table.num_micro_batches > 32
+        seen["p=8"] += table.num_ranks == 8
+        if table.num_micro_batches > 1 and old_failures < 50:
+            try:
+                old = [_old_lower(table, r) for r in range(table.num_ranks)]
+                assert_fifo_compatible(old)
+                run_in_order(old)
+            except AssertionError:
+                old_failures += 1
+    assert all(v >= 50 for v in seen.values()), seen
+    assert old_failures == 50  # the old lowering fails on random plans too, not only on the hand-made case
+
+
+def test_matches_torchs_add_send_recv():
+    """Without encoder actions our pass is torch's ``_add_send_recv``: same compute and
+    communication order on every rank (1F1B / GPipe, flat and interleaved layouts)."""
+    from torch.distributed.pipelining.schedules import _Action, _add_send_recv, _ComputationType as T
+
+    rng = np.random.default_rng(3)
+    kinds = {(Direction.SEND, Op.FORWARD): T.SEND_F, (Direction.SEND, Op.BACKWARD): T.SEND_B,
+             (Direction.RECV, Op.FORWARD): T.RECV_F, (Direction.RECV, Op.BACKWARD): T.RECV_B}
+    for _ in range(30):
+        table = random_table(rng, kinds=("flat", "interleaved"), encoder=False)
+        ours = []
+        for lst in lower_all(table):
+            row = []
+            for s in lst:
+                if isinstance(s, Compute):
+                    row.append(_Action(s.action.stage, T.FORWARD if s.action.op is Op.FORWARD else T.FULL_BACKWARD, s.action.mb))
+                elif isinstance(s, Post):
+                    row += [_Action(t.message.stage if t.direction is Direction.SEND else t.message.to_stage,
+                                    kinds[(t.direction, t.message.op)], t.message.mb) for t in s.transfers]
+            ours.append(row)
+        compute = {r: [_Action(a.stage, T.FORWARD if a.op is Op.FORWARD else T.FULL_BACKWARD, a.mb) for a in acts]
+                   for r, acts in enumerate(table.ranks)}
+        theirs = _add_send_recv(compute, stage_to_rank=lambda s: table.stage_rank[s], num_stages=table.num_stages)
+        assert [theirs[r] for r in range(table.num_ranks)] == ours
+
+
+def test_an_unrunnable_table_is_an_error_not_a_hang():
+    """Rank 0 holds stages 0 and 2 and runs 2F0 before 0F0: no order of messages can serve it."""
+    good = SCHEDULES["gpipe"](3, [0])
+    ranks = ((Action(2, Op.FORWARD, 0), Action(0, Op.FORWARD, 0), Action(2, Op.BACKWARD, 0), Action(0, Op.BACKWARD, 0)),
+             good.ranks[1])
+    table = ScheduleTable(num_stages=3, num_micro_batches=1, stage_rank=(0, 1, 0), ranks=ranks)
+    with pytest.raises(ScheduleError, match="cannot run"):
+        lower(table, 0)

@@ -1,0 +1,66 @@
+"""Only local stages are built: a rank of a 4-stage 13B pipeline, on the meta device, holds exactly
+its own stages' parameters (counted from the model's shapes), and nothing is materialised."""
+
+import pytest
+import torch
+
+from pipetune.config import load_model_config
+from pipetune.cost import StageLayout
+from torchtitan_patches.model.vlm import build_stages, build_vlm, parameter_bytes
+from torchtitan_patches.pipeline.reference import whole_model_names
+
+
+def analytic_params(model, lo: int, hi: int, *, first: bool, last: bool) -> int:
+    """Parameters of decoder layers [lo, hi) plus what the first / last stage adds, from the
+    model's shapes: matmuls (``layer_params``) and the two RMSNorm weights per layer; embedding,
+    projector (two biased linears) and SigLIP encoder (biased projections, LayerNorms, patch
+    convolution, learned positions) on the first stage; final norm and head on the last."""
+    b, e = model.backbone, model.encoder
+    n = (hi - lo) * (b.layer_params + 2 * b.dim)
+    if first:
+        n += b.vocab_size * b.dim
+        n += e.dim * b.dim + b.dim + b.dim * b.dim + b.dim
+        vit_layer = e.layer_params + 4 * e.dim + e.ffn_dim + e.dim + 2 * 2 * e.dim
+        n += e.n_layers * vit_layer + e.channels * e.patch_size**2 * e.dim + e.dim + e.tokens_per_image * e.dim + 2 * e.dim
+    if last:
+        n += b.dim + b.dim * b.vocab_size
+    return n
+
+
+@pytest.mark.parametrize("rank", [0, 1, 3])
+def test_a_rank_of_a_4_stage_13b_model_holds_only_its_stage(rank):
+    model = load_model_config("13b")
+    ranges = list(StageLayout.even(model.backbone.n_layers, 4).layer_ranges)
+    encoder, stages = build_stages(model, ranges, [rank], max_seq_len=8192, device="meta")
+    params = [p for m in (encoder, *stages.values()) if m is not None for p in m.parameters()]
+    assert params and all(p.is_meta for p in params)  # no weight materialised
+    lo, hi = ranges[rank]
+    expected = analytic_params(model, lo, hi, first=rank == 0, last=rank == 3)
+    got = parameter_bytes(encoder, *stages.values())
+    assert got == 4 * expected  # fp32 master weights
+    assert (encoder is not None) == (rank == 0)
+    whole = sum(analytic_params(model, a, b, first=k == 0, last=k == 3) for k, (a, b) in enumerate(ranges))
+    assert got < 0.4 * 4 * whole
+    print(f"13B, 4 stages: rank {rank} holds {got / 2**30:.2f} GiB of fp32 parameters (whole model {4 * whole / 2**30:.2f} GiB)")
+
+
+def test_stages_built_alone_equal_the_whole_model():
+    """Per-piece seeding: a stage built on its own holds the same weights as the reference's layers."""
+    model = load_model_config("tiny")
+    enc_a, whole = build_vlm(model, max_seq_len=256, seed=7)
+    enc_b, parts = build_stages(model, [(0, 1), (1, 3), (3, 4)], [1, 2], max_seq_len=256, seed=7)
+    enc_c, first = build_stages(model, [(0, 2), (2, 4)], [0], max_seq_len=256, seed=7)
+    assert enc_b is None and all(torch.equal(p, q) for p, q in zip(enc_a.parameters(), enc_c.parameters()))
+    ref = dict(whole.named_parameters())
+    for stage in (*parts.values(), first[0]):
+        names = whole_model_names(stage)
+        for name, p in stage.named_parameters():
+            assert torch.equal(p, ref[names[name]]), name
+    _, other_seed = build_vlm(model, max_seq_len=256, seed=8)
+    assert not torch.equal(next(other_seed.layers[0].parameters()), next(whole.layers[0].parameters()))
+
+
+def test_bad_layer_ranges_are_refused():
+    model = load_model_config("tiny")
+    with pytest.raises(ValueError, match="do not tile"):
+        build_stages(model, [(0, 2), (3, 4)], [0], max_seq_len=256, device="meta")
