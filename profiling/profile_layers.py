@@ -35,7 +35,6 @@ the same settings resumes from there, and an unreadable partial file is reported
 from __future__ import annotations
 
 import json
-import os
 import platform
 import warnings
 from dataclasses import asdict, dataclass
@@ -49,6 +48,7 @@ from tqdm import tqdm
 
 from pipetune.config.model import ModelConfig
 from pipetune.cost.table import Curve, LatencyTable
+from pipetune.files import write_text_atomic
 from profiling.timing import Clock, fwd_bwd_sample, saved_activation_bytes
 from torchtitan_patches.cpu_allocator import retain_freed_memory
 from torchtitan_patches.model.attention import PackedAttention, flash_attn_available, varlen_metadata
@@ -226,14 +226,6 @@ def _device_name(device: torch.device) -> str:
     return f"cpu: {platform.processor() or platform.machine()}"
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    """Write via a temporary file and ``os.replace``: an interrupted write leaves the old file whole."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def _load_partial(partial: Path, header: dict) -> dict[str, list[list[float]]]:
     """Samples of an earlier run with the same settings; an unreadable file is reported and ignored."""
     if not partial.is_file():
@@ -271,7 +263,7 @@ def run_profile(model: ModelConfig, cfg: ProfileConfig, out: str | Path, *, prog
         for i in np.random.default_rng((cfg.seed, k)).permutation(len(tasks)):
             curve, x = tasks[i]
             samples.setdefault(f"{curve}:{x}", []).append(list(prof.measure(curve, x)))
-        _write_atomic(partial, json.dumps({"header": header, "samples": samples}))
+        write_text_atomic(partial, json.dumps({"header": header, "samples": samples}))
     points = {k: np.median(np.asarray(v[: cfg.repeats]), axis=0).tolist() for k, v in samples.items()}
 
     def series(curve: str, grid: list[int], k: int) -> list[float]:

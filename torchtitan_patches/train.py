@@ -29,8 +29,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from pipetune.cli.common import positive_int
 from pipetune.config import load_model_config
 from pipetune.cost import CostModel, StageLayout, load_latency_table
+from pipetune.data import Overlong
+from pipetune.files import write_text_atomic
 from pipetune.packing import PackingConfig
 from pipetune.plan import Mode, PlannerConfig
 from pipetune.plan.async_planner import AsyncPlanner
@@ -49,12 +52,14 @@ def parse_args(argv=None):
     p.add_argument("--data", required=True)
     p.add_argument("--latency-table", required=True, help="latency table of this model on this device (pipetune profile)")
     p.add_argument("--model", default="tiny")
-    p.add_argument("--gbs", type=int, default=32)
-    p.add_argument("--max-seq-len", type=int, default=512)
-    p.add_argument("--max-mbs", type=int, default=4)
-    p.add_argument("--mbs", type=int, default=None, help="mbs of the fixed-size modes (default: --max-mbs)")
+    p.add_argument("--gbs", type=positive_int, default=32)
+    p.add_argument("--max-seq-len", type=positive_int, default=512)
+    p.add_argument("--overlong", choices=[o.value for o in Overlong], default=Overlong.TRUNCATE.value,
+                   help="samples longer than --max-seq-len: truncate, reject or error (counted and reported either way)")
+    p.add_argument("--max-mbs", type=positive_int, default=4)
+    p.add_argument("--mbs", type=positive_int, default=None, help="mbs of the fixed-size modes (default: --max-mbs)")
     p.add_argument("--memory-gib", type=float, default=16.0, help="memory per rank the planner may use")
-    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--steps", type=positive_int, default=24)
     p.add_argument("--warmup-steps", type=int, default=2, help="first steps of each mode left out of the timing means")
     p.add_argument("--calibrate-steps", type=int, default=8, help="steps of the calibration phase (0: none)")
     p.add_argument("--online-window", type=int, default=8, help="steps the online calibration refits on (0: off)")
@@ -95,7 +100,7 @@ class Job:
         self.args, self.rank, self.world, self.device, self.control = args, rank, world, device, control
         self.model = load_model_config(args.model)
         self.layout = StageLayout.even(self.model.backbone.n_layers, world)
-        self.profiled = CostModel(load_latency_table(args.latency_table, model=self.model), self.layout)
+        self.profiled = CostModel(load_latency_table(args.latency_table, model=self.model, tp=1), self.layout)
         self.cost = self.profiled
         window = max(args.online_window * len(args.modes.split(",")), args.calibrate_steps)
         self.calibrator = OnlineCalibrator(self.cost.table, self.layout, window) if rank == 0 and window else None
@@ -122,9 +127,11 @@ class Job:
                 done.append((name, batch, plan, rec))
                 if rec is not None:
                     records[name].append(rec)
-        for r in runs.values():
+        for name, r in runs.items():
             if isinstance(r["planner"], AsyncPlanner):
                 r["planner"].close()
+            if self.rank == 0:
+                print(f"{name}: {r['loader'].truncation.describe()}")
         for _ in range(rounds - 1):
             for name, batch, plan, rec in done:
                 res = runs[name]["executor"].run(batch, plan)
@@ -157,7 +164,7 @@ class Job:
         executor = PlanExecutor(stages, encoder, dim=self.model.backbone.dim, rank=self.rank, control_group=self.control,
                                 device=self.device, compute_dtype=DTYPES[args.dtype], strict_order=args.strict_order)
         loader = DataLoaderConfig(data=args.data, gbs=args.gbs, max_seq_len=args.max_seq_len, seed=data_seed, max_steps=steps,
-                                  packing=PackingConfig(max_seq_len=args.max_seq_len)).build(self.model)
+                                  overlong=args.overlong, packing=PackingConfig(max_seq_len=args.max_seq_len)).build(self.model)
         planner = make_planner(loader) if self.rank == 0 else None
         channel = PlanChannel(planner.plan if isinstance(planner, AsyncPlanner) else planner, group=self.control)
         loader.packing_source = channel
@@ -302,7 +309,7 @@ def report(summary: dict, out: Path, args) -> None:
     if len(modes) > 1:
         base = np.array(summary[modes[0]]["losses"])
         summary["loss_max_abs_diff"] = {m: float(np.max(np.abs(np.array(summary[m]["losses"]) - base))) for m in modes[1:]}
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    write_text_atomic(out / "summary.json", json.dumps(summary, indent=1))
     print(f"{args.steps} steps per mode, GBS {args.gbs}, max_seq_len {args.max_seq_len}; timing means skip "
           f"{args.warmup_steps} warm-up steps")
     print(f"{'mode':10} {'measured (s)':>12} {'simulated (s)':>13} {'|error|':>8} {'held out':>9} {'plan overhead':>14}  mbs chosen")

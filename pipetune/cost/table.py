@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from pipetune.config.model import ModelConfig
+from pipetune.files import write_text_atomic
 
 FORMAT = "pipetune.latency_table"
 VERSION = 1
@@ -115,12 +116,7 @@ class LatencyTable:
         }
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1))
-        tmp.replace(path)
-        return path
+        return write_text_atomic(path, json.dumps(self.to_dict(), indent=1))
 
     def scale(self, component: str) -> float:
         return float(self.scales.get(component, 1.0))
