@@ -146,6 +146,24 @@ def test_calibrate_and_the_train_job_refuse_a_table_profiled_at_another_tp(tmp_p
     assert code == 2 and "profiled with TP=2, but the job uses TP=1" in err, err
 
 
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--steps", "0"], "argument --steps: must be >= 1, got 0"),
+        (["--mbs", "0"], "argument --mbs: must be >= 1, got 0"),
+        (["--gbs", "x"], "argument --gbs: must be an integer >= 1, got 'x'"),
+        (["--overlong", "drop"], "argument --overlong: invalid choice: 'drop'"),
+    ],
+)
+def test_the_train_job_refuses_bad_arguments_before_starting(argv, message, capsys):
+    from torchtitan_patches.train import parse_args
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--data", "d", "--latency-table", "t.json", "--out", "o", *argv])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in err and "Traceback" not in err, err
+
+
 def test_plan_reports_extrapolation_beyond_the_table_grid(tmp_path):
     argv = PLAN + ["--model", "tiny", "--memory-gib", "8", "--latency-table", _table(tmp_path)]
     from pipetune.cli.main import main
