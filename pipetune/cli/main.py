@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pipetune.cli import calibrate_cmd, data_cmd, pack_cmd, plan_cmd, profile_cmd, trace_cmd
+from pipetune.cli import calibrate_cmd, data_cmd, layout_cmd, pack_cmd, plan_cmd, profile_cmd, trace_cmd
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pipetune", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (data_cmd, pack_cmd, profile_cmd, calibrate_cmd, trace_cmd, plan_cmd):
+    for module in (data_cmd, pack_cmd, profile_cmd, calibrate_cmd, trace_cmd, plan_cmd, layout_cmd):
         module.register(sub)
     return parser
 
