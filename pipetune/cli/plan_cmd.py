@@ -23,6 +23,7 @@ def register(sub) -> None:
     add_cost_args(p)
     p.add_argument("--mbs", type=int, help="micro-batch size of the fixed-size modes (default: largest that fits memory)")
     add_layout_args(p, default="even")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas: also split each global batch over them (balanced vs round-robin)")
     p.set_defaults(run=run, iters=50)
 
 
@@ -48,6 +49,9 @@ def run(args) -> int:
     if search is not None:
         config["layout_search"] = {"layouts_scored": search.evaluated, "search_s": search.search_s,
                                    "sample_cut_vs_even": search.cut_vs_even}
+    dp = _data_parallel(args, model, cost, data, memory) if args.dp > 1 else None
+    if dp is not None:
+        out["data_parallel"] = dp
     if args.json:
         emit_json({"config": config, **out})
         return 0
@@ -58,7 +62,7 @@ def run(args) -> int:
              if search is not None else "")
           + "; lower bounds are for this layout")
     print(f"{'mode':11} {'mean iter (s)':>13} {'cut vs original':>16} {'gap to LB':>10} {'search p50 / p99 (ms)':>22}")
-    for mode, d in out.items():
+    for mode, d in ((m, out[m]) for m in summary):
         cut = "-" if mode == "original" else f"{d['cut_vs_original']:.1%}"
         print(f"{mode:11} {d['mean_iter_s']:13.3f} {cut:>16} {d['gap_to_lower_bound']:10.1%} "
               f"{d['search_ms_p50']:10.1f} / {d['search_ms_p99']:.1f}")
@@ -67,6 +71,24 @@ def run(args) -> int:
               f"{out['pipetune']['cut_vs_best_static']:.1%}")
     counts = summary["pipetune"].mbs
     print("pipetune micro-batch sizes: " + ", ".join(f"mbs={k}: {v}" for k, v in sorted(counts.items())))
-    if any(d["fallbacks"] for d in out.values()):
+    if dp is not None:
+        print(f"data parallel dp={args.dp} (GBS {args.gbs} split over replicas, each planned by pipetune; a step waits for the slowest):")
+        for name in ("round_robin", "balanced"):
+            d = dp[name]
+            print(f"  {name:11} mean iter {d['mean_iter_s']:.3f} s, slowest/mean replica {d['spread_max_over_mean']:.3f}, "
+                  f"slowest-fastest {d['spread_max_minus_min_s']:.3f} s")
+        print(f"  balanced split cut vs round-robin: {dp['cut_vs_round_robin']:.1%}")
+    if any(d["fallbacks"] for mode, d in out.items() if mode in summary):
         print("fallbacks: " + ", ".join(f"{m}={d['fallbacks']}" for m, d in out.items()))
     return 0
+
+
+def _data_parallel(args, model, cost, data, memory) -> dict:
+    from pipetune.plan.dp_balance import compare_dp
+    from pipetune.plan.search import Mode, PlannerConfig
+
+    if args.gbs % args.dp:
+        raise ValueError(f"--gbs {args.gbs} is not a multiple of --dp {args.dp}")
+    planner = PlannerConfig(mode=Mode.PIPETUNE, max_seq_len=args.max_seq_len, memory_bytes=memory, seed=args.data_seed).build(model, cost)
+    return compare_dp(model, planner, data, dp=args.dp, gbs=args.gbs, max_seq_len=args.max_seq_len, iters=args.iters,
+                      seed=args.data_seed, overlong=args.overlong)
