@@ -11,9 +11,10 @@ stage 0 gates the pipeline. The search, before training, on a sample of the job'
    from the even split if that scores better;
 3. moves one layer between neighbouring stages while the expected iteration time improves.
 
-A layout's score is the mean over sampled batches of the simulated makespan of the balanced plan at
-the best micro-batch size whose simulated peak memory, plus that layout's model states, fits the
-budget on every stage (the per-iteration planner starts from that plan and only improves on it).
+A layout's score is the mean over sampled batches of the iteration time the per-iteration planner
+(``pipetune`` mode) predicts under that layout: every candidate it considers has its simulated peak
+memory, plus that layout's model states, checked against the budget on every stage, and a layout on
+which some sampled batch has no plan that fits scores ``inf``.
 Torch's pipelining has no layout search (``split_backbone`` takes explicit ranges); hence this.
 """
 
@@ -27,12 +28,10 @@ import numpy as np
 from pipetune.config.model import ModelConfig
 from pipetune.cost.cost_model import CostModel, MicroBatchShapes
 from pipetune.cost.layout import StageLayout
-from pipetune.cost.memory import max_micro_batch_size, model_state_bytes
+from pipetune.cost.memory import max_micro_batch_size
 from pipetune.data.batch import BatchMeta
 from pipetune.packing.batch_packer import PackerKind, PackingConfig
-from pipetune.schedule.schedules import SCHEDULES
-from pipetune.simulate.dag import CompiledSchedule, compile_schedule
-from pipetune.simulate.simulator import Latencies, evaluate
+from pipetune.plan.search import Mode, PlannerConfig
 
 
 @dataclass(frozen=True)
@@ -76,54 +75,49 @@ class LayoutSearch:
     ):
         if not sample:
             raise ValueError("layout search needs at least one sampled batch")
-        self.model = model
         self.cost = cost
         self.budget = memory_bytes * (1 - reserve)
-        self.schedule = schedule
         self.n_layers = model.backbone.n_layers
         self.num_stages = cost.num_stages
+        self.sample = sample
+        self.model = model
+        self.planner_config = PlannerConfig(
+            mode=Mode.PIPETUNE, max_seq_len=max_seq_len, memory_bytes=memory_bytes, reserve=reserve, schedule=schedule, max_mbs=max_mbs, seed=seed
+        )
         even = cost.with_layout(StageLayout.even(self.n_layers, self.num_stages))
-        top = max(max_micro_batch_size(even, max_seq_len, memory_bytes, reserve=reserve, limit=max_mbs), 1)
-        self.shapes: list[list[MicroBatchShapes]] = []
-        for meta in sample:
-            row = []
-            for mbs in range(1, top + 1):
-                packing = PackingConfig(packer=PackerKind.BALANCED, mbs=mbs, max_seq_len=max_seq_len, seed=seed).build(model)(
-                    meta.table.lengths, meta.step
-                )
-                row.append(MicroBatchShapes.from_packing(meta.table, packing))
-            self.shapes.append(row)
-        self._dags: dict[int, CompiledSchedule] = {}
+        self.top_mbs = max(max_micro_batch_size(even, max_seq_len, memory_bytes, reserve=reserve, limit=max_mbs), 1)
+        self._shapes: dict[tuple[int, int], MicroBatchShapes] = {}
         self._scores: dict[tuple[int, ...], LayoutScore] = {}
-        self.encoder = model.encoder is not None
 
-    def _dag(self, m: int) -> CompiledSchedule:
-        if m not in self._dags:
-            self._dags[m] = compile_schedule(SCHEDULES[self.schedule](self.num_stages, range(m), encoder=self.encoder))
-        return self._dags[m]
+    def shapes(self, b: int, mbs: int) -> MicroBatchShapes:
+        """Sampled batch ``b`` balance-packed at ``mbs`` (as the planner packs it)."""
+        if (b, mbs) not in self._shapes:
+            meta, cfg = self.sample[b], self.planner_config
+            packing = PackingConfig(packer=PackerKind.BALANCED, mbs=mbs, max_seq_len=cfg.max_seq_len, seed=cfg.seed).build(self.model)(
+                meta.table.lengths, meta.step
+            )
+            self._shapes[b, mbs] = MicroBatchShapes.from_packing(meta.table, packing)
+        return self._shapes[b, mbs]
 
     def score(self, layout: StageLayout) -> LayoutScore:
         key = tuple(layout.layers_per_stage())
         if key in self._scores:
             return self._scores[key]
         cost = self.cost.with_layout(layout)
-        states = model_state_bytes(cost)
+        S = self.num_stages
         spans, busy, peaks = [], [], []
-        for row in self.shapes:
-            best, best_busy, best_peak = np.inf, np.zeros(self.num_stages), states.copy()
-            for shapes in row:
-                lat = Latencies.from_costs(cost.stage_costs(shapes))
-                m = shapes.num_micro_batches
-                res = evaluate(self._dag(m), lat, np.arange(m)[None], memory=True)
-                peak = res.peak_bytes[0] + states
-                span = float(res.makespan[0])
-                if (peak <= self.budget).all() and span < best:
-                    work = (lat.fwd + lat.bwd).sum(axis=0)
-                    work[0] += lat.encoder.sum()
-                    best, best_busy, best_peak = span, work / span, peak
-            spans.append(best)
-            busy.append(best_busy)
-            peaks.append(best_peak)
+        try:
+            planner = self.planner_config.build(self.model, cost)
+            for b, meta in enumerate(self.sample):
+                plan = planner.plan(meta)
+                c = cost.stage_costs(self.shapes(b, plan.mbs))
+                work = (c.fwd + c.bwd).sum(axis=0)
+                work[0] += c.encoder.sum()
+                spans.append(plan.predicted_s)
+                busy.append(work / plan.predicted_s)
+                peaks.append(plan.peak_bytes)
+        except ValueError:  # no micro-batch size fits memory under this layout
+            spans, busy, peaks = [np.inf], [np.zeros(S)], [np.full(S, np.inf)]
         s = LayoutScore(layout, float(np.mean(spans)), np.mean(busy, axis=0), np.max(peaks, axis=0))
         self._scores[key] = s
         return s
@@ -134,8 +128,8 @@ class LayoutSearch:
         cost = self.cost.with_layout(even)
         work = np.zeros(self.num_stages)
         per_layer = 0.0
-        for row in self.shapes:
-            shapes = row[-1]
+        for b in range(len(self.sample)):
+            shapes = self.shapes(b, self.top_mbs)
             c = cost.stage_costs(shapes)
             w = (c.fwd + c.bwd).sum(axis=0)
             w[0] += c.encoder.sum()
