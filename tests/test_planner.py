@@ -211,3 +211,20 @@ def test_async_planner_drives_the_dataloader(datamix2_dir):
         assert batch.sample_ids == [list(mb) for mb in plan.micro_batches]
         assert not plan.fallback and plan.estimate
     ap.close()
+
+
+def test_best_static_is_never_slower_than_a_fixed_mbs_mode_it_covers():
+    from pipetune.config import load_hardware, load_model_config
+    from pipetune.cost import CostModel, StageLayout, analytical_table
+    from pipetune.data import make_mix
+    from pipetune.plan.compare import compare_modes
+
+    model = load_model_config("3b")
+    cost = CostModel(analytical_table(model, load_hardware("a100"), tp=2), StageLayout.even(model.backbone.n_layers, 4))
+    data = make_mix("datamix2", 2000, 0)
+    kw = dict(gbs=64, max_seq_len=4096, memory_bytes=80 * 2**30, iters=3, modes=("original", "balanced"))
+    best = compare_modes(model, cost, data, **kw)["best-static"].iter_s.mean()
+    fixed = [compare_modes(model, cost, data, mbs=k, best_static=False, **kw) for k in (1, 2, 3)]
+    for run in fixed:
+        for mode in ("original", "balanced"):
+            assert best <= run[mode].iter_s.mean() + 1e-12

@@ -15,7 +15,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from pipetune.cli import calibrate_cmd, data_cmd, pack_cmd, plan_cmd, profile_cmd, trace_cmd
+from pipetune.cli import calibrate_cmd, data_cmd, layout_cmd, pack_cmd, plan_cmd, profile_cmd, trace_cmd
 
 PROJECT_DIRS = tuple(Path(__file__).resolve().parents[2] / d for d in ("pipetune", "profiling", "torchtitan_patches"))
 
@@ -23,7 +23,7 @@ PROJECT_DIRS = tuple(Path(__file__).resolve().parents[2] / d for d in ("pipetune
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pipetune", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (data_cmd, pack_cmd, profile_cmd, calibrate_cmd, trace_cmd, plan_cmd):
+    for module in (data_cmd, pack_cmd, profile_cmd, calibrate_cmd, trace_cmd, plan_cmd, layout_cmd):
         module.register(sub)
     return parser
 

@@ -7,14 +7,12 @@ from pipetune.cli.common import (
     add_cost_args,
     add_data_args,
     add_model_args,
-    cost_model_from_args,
     emit_json,
     model_from_args,
-    positive_float,
     positive_int,
     table_from_args,
 )
-from pipetune.config import load_hardware
+from pipetune.cli.layout_cmd import add_layout_args, cost_and_layout_from_args, memory_from_args
 from pipetune.plan.compare import compare_modes
 
 
@@ -25,42 +23,78 @@ def register(sub) -> None:
     add_batch_args(p, mbs=None)
     add_cost_args(p)
     p.add_argument("--mbs", type=positive_int, help="micro-batch size of the fixed-size modes (default: largest that fits memory)")
-    p.add_argument("--memory-gib", type=positive_float, help="GPU memory per rank (default: the --hardware preset's)")
+    add_layout_args(p, default="even")
+    p.add_argument("--dp", type=positive_int, default=1, help="data-parallel replicas: also split each global batch over them (balanced vs round-robin)")
     p.set_defaults(run=run, iters=50)
 
 
 def run(args) -> int:
     model = model_from_args(args)
-    cost = cost_model_from_args(args, model)
-    memory = args.memory_gib * 2**30 if args.memory_gib else load_hardware(args.hardware).memory_bytes
     data = table_from_args(args)
+    cost, search = cost_and_layout_from_args(args, model, data)
+    memory = memory_from_args(args)
     summary = compare_modes(
         model, cost, data, gbs=args.gbs, max_seq_len=args.max_seq_len, memory_bytes=memory, iters=args.iters,
         mbs=args.mbs, overlong=args.overlong, seed=args.data_seed,
     )
     base = float(summary["original"].iter_s.mean())
     out = {mode: s.to_dict(base) for mode, s in summary.items()}
+    static = summary.get("best-static")
+    if static is not None:
+        out["pipetune"]["cut_vs_best_static"] = 1 - out["pipetune"]["mean_iter_s"] / float(static.iter_s.mean())
     source = "analytical estimate" if cost.table.estimate else f"latency table ({cost.table.device})"
     extrapolated = {name: {"largest": x, "grid_end": float(cost.table.curves[name].grid[-1])} for name, x in cost.beyond_grid.items()}
     config = {"model": model.name, "tp": args.tp, "pp": args.pp, "gbs": args.gbs, "max_seq_len": args.max_seq_len,
               "iters": args.iters, "latencies": source, "hardware": args.hardware if cost.table.estimate else None,
-              "extrapolated": extrapolated}
+              "layout": args.layout, "layers_per_stage": cost.layout.layers_per_stage(),
+              "recompute_encoder": cost.recompute_encoder, "extrapolated": extrapolated}
+    if search is not None:
+        config["layout_search"] = {"layouts_scored": search.evaluated, "search_s": search.search_s,
+                                   "sample_cut_vs_even": search.cut_vs_even}
+    dp = _data_parallel(args, model, cost, data, memory) if args.dp > 1 else None
+    if dp is not None:
+        out["data_parallel"] = dp
     if args.json:
         emit_json({"config": config, **out})
         return 0
     print(f"{model.name} TP{args.tp} PP{args.pp} GBS {args.gbs} max_seq_len {args.max_seq_len}, {args.iters} iterations; "
           f"latencies: {source}")
-    print(f"{'mode':10} {'mean iter (s)':>13} {'cut vs original':>16} {'gap to LB':>10} {'search p50 / p99 (ms)':>22}")
-    for mode, d in out.items():
+    print(f"layout ({args.layout}): layers per stage {','.join(map(str, cost.layout.layers_per_stage()))}"
+          + (f"; searched {search.evaluated} layouts in {search.search_s:.2f} s, sampled cut vs even {search.cut_vs_even:.1%}"
+             if search is not None else "")
+          + "; lower bounds are for this layout")
+    print(f"{'mode':11} {'mean iter (s)':>13} {'cut vs original':>16} {'gap to LB':>10} {'search p50 / p99 (ms)':>22}")
+    for mode, d in ((m, out[m]) for m in summary):
         cut = "-" if mode == "original" else f"{d['cut_vs_original']:.1%}"
-        print(f"{mode:10} {d['mean_iter_s']:13.3f} {cut:>16} {d['gap_to_lower_bound']:10.1%} "
+        print(f"{mode:11} {d['mean_iter_s']:13.3f} {cut:>16} {d['gap_to_lower_bound']:10.1%} "
               f"{d['search_ms_p50']:10.1f} / {d['search_ms_p99']:.1f}")
+    if static is not None:
+        print(f"best-static = {static.choice} (fixed for the run); pipetune cut vs best-static: "
+              f"{out['pipetune']['cut_vs_best_static']:.1%}")
     counts = summary["pipetune"].mbs
     print("pipetune micro-batch sizes: " + ", ".join(f"mbs={k}: {v}" for k, v in sorted(counts.items())))
+    if dp is not None:
+        print(f"data parallel dp={args.dp} (GBS {args.gbs} split over replicas, each planned by pipetune; a step waits for the slowest):")
+        for name in ("round_robin", "balanced"):
+            d = dp[name]
+            print(f"  {name:11} mean iter {d['mean_iter_s']:.3f} s, slowest/mean replica {d['spread_max_over_mean']:.3f}, "
+                  f"slowest-fastest {d['spread_max_minus_min_s']:.3f} s")
+        print(f"  balanced split cut vs round-robin: {dp['cut_vs_round_robin']:.1%}")
     if extrapolated:
         print("warning: planned beyond the latency table's grid (costs extrapolated by FLOPs growth): "
               + ", ".join(f"{n} up to {e['largest']:g} (grid ends at {e['grid_end']:g})" for n, e in extrapolated.items())
               + "; profile larger sizes for measured figures")
-    if any(d["fallbacks"] for d in out.values()):
-        print("fallbacks: " + ", ".join(f"{m}={d['fallbacks']}" for m, d in out.items()))
+    if any(out[m]["fallbacks"] for m in summary):
+        print("fallbacks: " + ", ".join(f"{m}={out[m]['fallbacks']}" for m in summary))
     return 0
+
+
+def _data_parallel(args, model, cost, data, memory) -> dict:
+    from pipetune.plan.dp_balance import compare_dp
+    from pipetune.plan.search import Mode, PlannerConfig
+
+    if args.gbs % args.dp:
+        raise ValueError(f"--gbs {args.gbs} is not a multiple of --dp {args.dp}")
+    planner = PlannerConfig(mode=Mode.PIPETUNE, max_seq_len=args.max_seq_len, memory_bytes=memory, seed=args.data_seed).build(model, cost)
+    return compare_dp(model, planner, data, dp=args.dp, gbs=args.gbs, max_seq_len=args.max_seq_len, iters=args.iters,
+                      seed=args.data_seed, overlong=args.overlong)

@@ -85,9 +85,13 @@ class BackboneConfig:
 class EncoderConfig:
     """ViT vision encoder (SigLIP-style: GELU MLP with two matrices, full attention) + projector.
 
-    ``tokens_per_image`` follows from the resolution: (image_size / patch_size) ** 2.
-    The projector is a 2-layer MLP (encoder dim -> backbone dim -> backbone dim) and is always
-    trained; ``frozen`` refers to the ViT only, which is what lets its forward be pre-computed.
+    The ViT runs over ``patches_per_image`` = (image_size / patch_size) ** 2 patches; a spatial
+    merge (pixel shuffle) of ``merge`` x ``merge`` neighbouring patches then hands
+    ``tokens_per_image`` = patches / merge ** 2 tokens of width ``dim * merge ** 2`` to the projector
+    (DIP: 676 patches -> 169 tokens). So the encoder's cost scales with patches, the backbone's with
+    tokens. The projector is a 2-layer MLP (``dim * merge ** 2`` -> backbone dim -> backbone dim) and
+    is always trained; ``frozen`` refers to the ViT only, which is what lets its forward be
+    pre-computed.
     """
 
     n_layers: int
@@ -99,18 +103,32 @@ class EncoderConfig:
     channels: int = 3
     frozen: bool = True
     norm_eps: float = 1e-6
+    merge: int = 1
 
     def __post_init__(self) -> None:
         check_field_types(self, "encoder")
-        _check_shape(self, "encoder", ("n_layers", "dim", "ffn_dim", "n_heads", "image_size", "patch_size", "channels"), ("dim", "n_heads"))
+        _check_shape(self, "encoder", ("n_layers", "dim", "ffn_dim", "n_heads", "image_size", "patch_size", "channels", "merge"), ("dim", "n_heads"))
         _require(
             self.image_size % self.patch_size == 0,
             f"encoder.image_size={self.image_size} is not a multiple of patch_size={self.patch_size}",
         )
+        side = self.image_size // self.patch_size
+        _require(side % self.merge == 0, f"encoder.merge={self.merge} does not divide the {side} x {side} patch grid")
+
+    @property
+    def patches_per_image(self) -> int:
+        """Tokens the ViT itself runs over."""
+        return (self.image_size // self.patch_size) ** 2
 
     @property
     def tokens_per_image(self) -> int:
-        return (self.image_size // self.patch_size) ** 2
+        """Tokens handed to the backbone after the spatial merge."""
+        return self.patches_per_image // self.merge**2
+
+    @property
+    def merged_dim(self) -> int:
+        """Width of a merged token: the projector's input."""
+        return self.dim * self.merge**2
 
     @property
     def layer_params(self) -> int:

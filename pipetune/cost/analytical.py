@@ -96,7 +96,7 @@ def analytical_table(model: ModelConfig, hw: HardwareSpec, *, tp: int = 1, max_t
     enc = model.encoder
     if enc is not None:
         images = _grid(max_images, 32)
-        p = enc.tokens_per_image
+        p = enc.patches_per_image
         n = images * p
         vit_layer = gemm(2 * enc.layer_params * n, n)
         vit_attn = 4 * enc.dim * p * p * images / tp / (hw.peak_flops * hw.attention_fwd_efficiency) * (1 + hw.attention_half_len / p)
@@ -105,12 +105,13 @@ def analytical_table(model: ModelConfig, hw: HardwareSpec, *, tp: int = 1, max_t
         enc_fwd = patch + enc.n_layers * (vit_layer + vit_attn + vit_elem + KERNELS_PER_VIT_LAYER_FWD * launch + all_reduces(2, n * enc.dim * BYTES))
         enc_bwd = BACKWARD_FACTOR * enc_fwd if not enc.frozen else np.zeros_like(enc_fwd)
         proj_flops = f.projector_forward_per_image() * images
-        proj_fwd = gemm(proj_flops, n) + 3 * launch
-        proj_bwd = BACKWARD_FACTOR * gemm(proj_flops, n) + 6 * launch
+        k = images * enc.tokens_per_image
+        proj_fwd = gemm(proj_flops, k) + 3 * launch
+        proj_bwd = BACKWARD_FACTOR * gemm(proj_flops, k) + 6 * launch
         curves["encoder"] = Curve("images", images, enc_fwd, enc_bwd)
         curves["projector"] = Curve("images", images, proj_fwd, proj_bwd)
         memory["image_feature_bytes"] = p * enc.dim * BYTES
-        memory["projector_bytes_per_image"] = p * (enc.dim + 2 * b.dim) * BYTES / tp
+        memory["projector_bytes_per_image"] = enc.tokens_per_image * (enc.merged_dim + 2 * b.dim) * BYTES / tp
     return LatencyTable(
         model=model,
         curves=curves,

@@ -7,6 +7,11 @@ For micro-batch ``j`` with documents ``l_i`` (``T`` tokens, ``n`` images) on sta
                 + [s last] head(T)                                   (bwd alike, bwd curves)
     encoder[j] = encoder(n)          # stage 0, before fwd[j, 0]; movable when the ViT is frozen
 
+A trained ViT adds its backward to ``bwd[j, 0]`` and keeps its activations on stage 0 from the
+micro-batch's forward to its backward: ``vit_activation_bytes_per_image`` per image, derived from
+the encoder's shapes (latency tables hold no such entry). With ``recompute_encoder`` only each ViT
+layer's input is kept and the backward re-runs the encoder's forward first (its time is added).
+
 Lookups interpolate linearly between grid points. Below the grid they take the first point (a
 call never costs less than the smallest measured one; zero images cost nothing). Above it they
 scale the last point by the component's FLOPs growth (quadratic pair count for attention,
@@ -21,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipetune.config.model import ModelConfig
 from pipetune.cost.layout import StageLayout
 from pipetune.cost.table import Curve, LatencyTable
 from pipetune.data.samples import SampleTable
@@ -77,6 +83,20 @@ class StageCosts:
     image_feature_bytes: np.ndarray
     p2p: np.ndarray
     extrapolated: int
+    encoder_activation_bytes: np.ndarray
+
+
+def vit_activation_bytes_per_image(model: ModelConfig, tp: int, dtype_bytes: int, *, recompute: bool = False) -> float:
+    """Bytes a trained ViT keeps per image for its backward (FlashAttention, no softmax matrix):
+    per layer and patch the inputs of its matmuls and elementwise ops, ``8 dim + 2 ffn_dim``
+    values split over ``tp`` ranks; with ``recompute``, each layer's input plus one layer's full set."""
+    enc = model.encoder
+    if enc is None or enc.frozen:
+        return 0.0
+    per_layer = dtype_bytes * enc.patches_per_image * (8 * enc.dim + 2 * enc.ffn_dim) / tp
+    if recompute:
+        return enc.n_layers * dtype_bytes * enc.patches_per_image * enc.dim / tp + per_layer
+    return enc.n_layers * per_layer
 
 
 def _growth(x: np.ndarray, kind: str) -> np.ndarray:
@@ -98,7 +118,7 @@ def lookup(curve: Curve, x: np.ndarray, which: str) -> tuple[np.ndarray, int]:
 class CostModel:
     """Vectorised stage-latency estimates for one model, table and stage layout."""
 
-    def __init__(self, table: LatencyTable, layout: StageLayout):
+    def __init__(self, table: LatencyTable, layout: StageLayout, *, recompute_encoder: bool = False):
         if layout.num_layers != table.model.backbone.n_layers:
             raise ValueError(
                 f"stage layout covers {layout.num_layers} layers but model {table.model.name!r} has "
@@ -111,6 +131,14 @@ class CostModel:
         enc = table.model.encoder
         self.encoder_trainable = enc is not None and not enc.frozen
         self.beyond_grid: dict[str, float] = {}  # component -> largest size looked up past its grid
+        self.recompute_encoder = recompute_encoder and self.encoder_trainable
+        self.encoder_bytes_per_image = vit_activation_bytes_per_image(
+            table.model, table.tp, self.dtype_bytes, recompute=self.recompute_encoder
+        )
+
+    def with_layout(self, layout: StageLayout) -> "CostModel":
+        """The same table and options on another stage layout."""
+        return CostModel(self.table, layout, recompute_encoder=self.recompute_encoder)
 
     @property
     def num_stages(self) -> int:
@@ -173,8 +201,12 @@ class CostModel:
         encoder = self.table.scale("encoder") * parts["encoder"]["fwd"][:, 0]
         if self.encoder_trainable:
             bwd[:, 0] += self.table.scale("encoder") * parts["encoder"]["bwd"][:, 0]
+            if self.recompute_encoder:
+                bwd[:, 0] += encoder
         mem = self.table.memory
         act = self.activation_bytes(shapes)
+        enc_act = shapes.images * self.encoder_bytes_per_image
+        act[:, 0] += enc_act
         msg_bytes = shapes.tokens * self.table.model.backbone.dim * self.dtype_bytes
         p2p = self.table.p2p["latency_s"] + msg_bytes / self.table.p2p["bytes_per_s"]
         return StageCosts(
@@ -185,4 +217,5 @@ class CostModel:
             image_feature_bytes=shapes.images * mem["image_feature_bytes"],
             p2p=p2p if S > 1 else np.zeros(m),
             extrapolated=extrapolated,
+            encoder_activation_bytes=enc_act,
         )

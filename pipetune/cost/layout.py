@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class StageLayout:
@@ -31,6 +33,31 @@ class StageLayout:
             ranges.append((lo, lo + n))
             lo += n
         return cls(tuple(ranges))
+
+    @classmethod
+    def from_sizes(cls, sizes) -> "StageLayout":
+        """Layers per stage, in stage order (``[7, 9, 8, 8]``)."""
+        sizes = [int(n) for n in sizes]
+        if any(n < 1 for n in sizes):
+            raise ValueError(f"every pipeline stage needs at least one layer, got layers per stage {sizes}")
+        ends = np.cumsum(sizes)
+        return cls(tuple((int(e - n), int(e)) for n, e in zip(sizes, ends)))
+
+    @classmethod
+    def parse(cls, spec: str, n_layers: int, num_stages: int) -> "StageLayout":
+        """``even`` or comma-separated layers per stage (``7,9,8,8``), checked against the model."""
+        if spec == "even":
+            return cls.even(n_layers, num_stages)
+        try:
+            sizes = [int(x) for x in spec.split(",")]
+        except ValueError:
+            raise ValueError(f"--layout {spec!r}: expected auto, even or layers per stage such as 7,9,8,8") from None
+        if len(sizes) != num_stages or sum(sizes) != n_layers:
+            raise ValueError(
+                f"--layout {spec!r}: needs {num_stages} stages summing to the model's {n_layers} layers, "
+                f"got {len(sizes)} stages summing to {sum(sizes)}"
+            )
+        return cls.from_sizes(sizes)
 
     @property
     def num_stages(self) -> int:

@@ -1,5 +1,8 @@
 """GPU memory per pipeline stage: model states plus in-flight activations, and the largest mbs that fits.
 
+A trained ViT's activations are data-dependent (images per micro-batch) and are checked on every
+candidate plan's simulated peak (``pipetune.plan.search``), not in the worst case below.
+
 Model states per stage (no ZeRO; tensor parallelism splits everything ``tp`` ways): every trained
 parameter costs ``TRAINED_BYTES_PER_PARAM`` = 16 bytes (BF16 weight and gradient, FP32 master weight
 and two Adam moments); the frozen ViT costs its weights only. Activations come from the latency
@@ -27,8 +30,8 @@ def model_state_bytes(cost: CostModel, *, frozen_weight_bytes: int = 2) -> np.nd
     frozen = np.zeros_like(trained)
     enc = model.encoder
     if enc is not None:
-        trained[0] += enc.dim * b.dim + b.dim * b.dim
-        vit = enc.n_layers * enc.layer_params + enc.channels * enc.patch_size**2 * enc.dim + enc.tokens_per_image * enc.dim
+        trained[0] += enc.merged_dim * b.dim + b.dim * b.dim
+        vit = enc.n_layers * enc.layer_params + enc.channels * enc.patch_size**2 * enc.dim + enc.patches_per_image * enc.dim
         if enc.frozen:
             frozen[0] += vit
         else:
@@ -37,7 +40,10 @@ def model_state_bytes(cost: CostModel, *, frozen_weight_bytes: int = 2) -> np.nd
 
 
 def worst_case_activation_bytes(cost: CostModel, tokens: int) -> np.ndarray:
-    """Activation bytes per stage of one micro-batch of ``tokens`` tokens, all of them image tokens."""
+    """Activation bytes per stage of one micro-batch of ``tokens`` tokens, all of them image tokens,
+    leaving out a trained ViT's activations: those depend on how many images the data puts in a
+    micro-batch (a 8192-token micro-batch of 169-token images would hold 48 images, ~33 GB at
+    DIP's sizes), so the planner checks them on every candidate plan's simulated peak instead."""
     tpi = cost.table.model.tokens_per_image
     images = tokens // tpi if tpi else 0
     shapes = MicroBatchShapes(np.array([tokens]), np.array([0]), np.array([tokens]), np.array([images]))

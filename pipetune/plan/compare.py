@@ -1,4 +1,10 @@
-"""Plan many iterations in every mode and summarise them the way PipeTune Table 2 does."""
+"""Plan many iterations in every mode and summarise them the way PipeTune Table 2 does.
+
+Besides the paper's modes, ``best-static`` is what a careful user would run without pipetune: one
+micro-batch size and one packer (original or balanced) chosen once for the whole run, the pair
+with the lowest mean simulated iteration time over the same iterations among those whose plans fit
+memory on every iteration (PipeTune compares against ``original`` at the largest mbs that fits).
+"""
 
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ class ModeSummary:
     search_s: np.ndarray
     mbs: Counter
     fallbacks: int
+    choice: str = ""
 
     def to_dict(self, original_mean: float) -> dict:
         mean = float(self.iter_s.mean())
@@ -35,6 +42,7 @@ class ModeSummary:
             "search_ms_p99": float(np.percentile(self.search_s, 99) * 1e3),
             "mbs_counts": {str(k): v for k, v in sorted(self.mbs.items())},
             "fallbacks": self.fallbacks,
+            **({"choice": self.choice} if self.choice else {}),
         }
 
 
@@ -51,26 +59,45 @@ def compare_modes(
     overlong: Overlong | str = Overlong.TRUNCATE,
     seed: int = 0,
     modes=tuple(Mode),
+    best_static: bool = True,
 ) -> dict[str, ModeSummary]:
-    """Plan ``iters`` batches of ``data`` in each mode; simulated iteration times and search times."""
+    """Plan ``iters`` batches of ``data`` in each mode (and ``best-static``, see module doc);
+    simulated iteration times and search times."""
     stream = BatchStream(num_rows=len(data), gbs=gbs, seed=seed)
     planners = {
-        Mode(m): PlannerConfig(mode=m, max_seq_len=max_seq_len, memory_bytes=memory_bytes, mbs=mbs, seed=seed).build(model, cost)
+        Mode(m).value: PlannerConfig(mode=m, max_seq_len=max_seq_len, memory_bytes=memory_bytes, mbs=mbs, seed=seed).build(model, cost)
         for m in modes
     }
-    rows = {m: [] for m in planners}
+    static = {}
+    if best_static:
+        top = next(iter(planners.values())).max_mbs
+        static = {
+            (packer, size): PlannerConfig(mode=packer, max_seq_len=max_seq_len, memory_bytes=memory_bytes, mbs=size, seed=seed).build(model, cost)
+            for packer in (Mode.ORIGINAL, Mode.BALANCED)
+            for size in range(1, top + 1)
+        }
+    rows = {m: [] for m in [*planners, *static]}
     for step in range(iters):
         meta = batch_meta(data, stream, step, tokens_per_image=model.tokens_per_image, max_seq_len=max_seq_len, overlong=overlong)
-        for m, planner in planners.items():
+        for m, planner in [*planners.items(), *static.items()]:
             rows[m].append(planner.plan(meta))
-    return {
-        m.value: ModeSummary(
-            mode=m.value,
-            iter_s=np.array([p.predicted_s for p in plans]),
-            lower_bound_s=np.array([p.lower_bound_s for p in plans]),
-            search_s=np.array([p.search_s for p in plans]),
-            mbs=Counter(p.mbs for p in plans),
-            fallbacks=sum(p.fallback for p in plans),
-        )
-        for m, plans in rows.items()
-    }
+    out = {m: _summary(m, rows[m]) for m in planners}
+    if static:
+        fits = {k: all(max(p.peak_bytes) <= static[k].budget for p in rows[k]) for k in static}
+        means = {k: float(np.mean([p.predicted_s for p in rows[k]])) for k in static if fits[k]}
+        if means:
+            packer, size = min(means, key=means.get)
+            out["best-static"] = _summary("best-static", rows[packer, size], choice=f"{packer.value} mbs={size}")
+    return out
+
+
+def _summary(mode: str, plans, choice: str = "") -> ModeSummary:
+    return ModeSummary(
+        mode=mode,
+        iter_s=np.array([p.predicted_s for p in plans]),
+        lower_bound_s=np.array([p.lower_bound_s for p in plans]),
+        search_s=np.array([p.search_s for p in plans]),
+        mbs=Counter(p.mbs for p in plans),
+        fallbacks=sum(p.fallback for p in plans),
+        choice=choice,
+    )

@@ -9,7 +9,8 @@ For one batch's metadata, ``pipetune`` mode:
 3. visit the ``top_sizes`` sizes whose packing order is fastest, best first; skip a size whose
    lower bound cannot beat the best plan so far; otherwise evaluate the cluster-permutation orders in one vectorised simulator call, take the
    ``top_orders`` best, give each encoder pre-computation placements (strict and overflowing gap
-   filling), evaluate them with memory, and keep the fastest plan that fits in memory;
+   filling; frozen encoders only), evaluate them with memory, and keep the fastest plan that fits
+   in memory (every candidate's simulated peak, trained-encoder activations included, is checked);
 4. return the best as an ``IterationPlan``, with the lower bound of every size searched (so the
    gap to it says how far the plan is from anything the search space allows).
 
@@ -101,6 +102,7 @@ class _Candidate:
     dag: CompiledSchedule
     base_s: float
     lower_bound_s: float
+    fits: bool
     best_s: float = np.inf
     order: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
@@ -155,9 +157,11 @@ class Planner:
         lat = Latencies.from_costs(self.cost.stage_costs(MicroBatchShapes.from_packing(meta.table, packing)))
         dag = self._dag(packing.num_micro_batches)
         identity = np.arange(packing.num_micro_batches)
-        base = float(evaluate(dag, lat, identity[None]).makespan[0])
-        c = _Candidate(mbs, packing, lat, dag, base, makespan_lower_bound(lat))
-        c.best_s, c.order, c.slots = base, identity, dag.encoder_slot.copy()
+        res = evaluate(dag, lat, identity[None], memory=True)
+        base = float(res.makespan[0])
+        fits = bool(self._fits(res.peak_bytes)[0])
+        c = _Candidate(mbs, packing, lat, dag, base, makespan_lower_bound(lat), fits)
+        c.best_s, c.order, c.slots = (base if fits else np.inf), identity, dag.encoder_slot.copy()
         return c
 
     def _fits(self, peaks: np.ndarray) -> np.ndarray:
@@ -170,7 +174,7 @@ class Planner:
         span = np.where(self._fits(res.peak_bytes), res.makespan, np.inf)
         keep = np.argsort(span, kind="stable")[: self.config.top_orders]
         cands, slots, spans = orders[keep], np.tile(c.dag.encoder_slot, (len(keep), 1)), span[keep]
-        if self.encoder and self.config.precompute:
+        if self.encoder and self.config.precompute and not self.cost.encoder_trainable:
             moved_orders = np.repeat(cands, len(PRECOMPUTE_OVERFLOWS), axis=0)
             overflows = np.tile(PRECOMPUTE_OVERFLOWS, len(keep))
             moved = fill_gaps(c.dag, c.lat, moved_orders, overflows)
@@ -210,6 +214,12 @@ class Planner:
                     self._improve(c)
                     if c.best_s < best.best_s:
                         best = c
+            if mode is Mode.PIPETUNE and not np.isfinite(best.best_s):
+                raise ValueError(
+                    f"step {meta.step}: no micro-batch size in 1..{self.max_mbs} fits this batch in "
+                    f"{self.budget / 2**30:.1f} GiB per GPU (trained-encoder activations of its images); "
+                    "lower --max-seq-len, recompute the encoder or add memory"
+                )
         self.last_mbs = best.mbs
         bound = min(c.lower_bound_s for c in cands) if mode is Mode.PIPETUNE else best.lower_bound_s
         return self._to_plan(meta, best, time.perf_counter() - t0, lower_bound_s=bound)
@@ -236,7 +246,7 @@ class Planner:
             encoder=self.encoder,
             schedule=self.config.schedule,
             encoder_before=moved,
-            predicted_s=c.best_s,
+            predicted_s=c.best_s if np.isfinite(c.best_s) else c.base_s,
             lower_bound_s=lower_bound_s,
             peak_bytes=tuple(float(x) for x in peak + self.states),
             estimate=self.cost.table.estimate,

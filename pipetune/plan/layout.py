@@ -1,0 +1,188 @@
+"""Job-level stage layout search: how many backbone layers each pipeline stage holds.
+
+The even split ignores that stage 0 also runs the embeddings, the projector and the vision encoder
+(a trained 5B ViT costs as much as several backbone layers) and the last stage the output head, so
+stage 0 gates the pipeline. The search, before training, on a sample of the job's batches:
+
+1. packs each sampled batch once per micro-batch size (balanced packing balances FLOPs, so it does
+   not depend on the layout);
+2. starts from the layout that balances each stage's expected busy time (its fixed work plus its
+   layers times the per-layer work, filled one layer at a time into the least busy stage), or
+   from the even split if that scores better;
+3. moves one layer between neighbouring stages while the expected iteration time improves.
+
+A layout's score is the mean over sampled batches of the iteration time the per-iteration planner
+(``pipetune`` mode) predicts under that layout: every candidate it considers has its simulated peak
+memory, plus that layout's model states, checked against the budget on every stage, and a layout on
+which some sampled batch has no plan that fits scores ``inf``.
+Torch's pipelining has no layout search (``split_backbone`` takes explicit ranges); hence this.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipetune.config.model import ModelConfig
+from pipetune.cost.cost_model import CostModel, MicroBatchShapes
+from pipetune.cost.layout import StageLayout
+from pipetune.cost.memory import max_micro_batch_size
+from pipetune.data.batch import BatchMeta
+from pipetune.packing.batch_packer import PackerKind, PackingConfig
+from pipetune.plan.search import Mode, PlannerConfig
+
+
+@dataclass(frozen=True)
+class LayoutScore:
+    """Expected iteration time of one layout over the sample (``inf`` when nothing fits memory),
+    each stage's mean busy fraction and its largest peak bytes (model states included)."""
+
+    layout: StageLayout
+    iter_s: float
+    busy: np.ndarray
+    peak_bytes: np.ndarray
+
+
+@dataclass(frozen=True)
+class LayoutSearchResult:
+    best: LayoutScore
+    even: LayoutScore
+    evaluated: int
+    search_s: float
+
+    @property
+    def cut_vs_even(self) -> float:
+        return 1 - self.best.iter_s / self.even.iter_s
+
+
+class LayoutSearch:
+    """Scores layouts for one model, cost model and sample of batches (see module doc)."""
+
+    def __init__(
+        self,
+        model: ModelConfig,
+        cost: CostModel,
+        sample: list[BatchMeta],
+        *,
+        max_seq_len: int,
+        memory_bytes: float,
+        reserve: float = 0.1,
+        schedule: str = "1f1b",
+        max_mbs: int = 64,
+        seed: int = 0,
+    ):
+        if not sample:
+            raise ValueError("layout search needs at least one sampled batch")
+        self.cost = cost
+        self.budget = memory_bytes * (1 - reserve)
+        self.n_layers = model.backbone.n_layers
+        self.num_stages = cost.num_stages
+        self.sample = sample
+        self.model = model
+        self.planner_config = PlannerConfig(
+            mode=Mode.PIPETUNE, max_seq_len=max_seq_len, memory_bytes=memory_bytes, reserve=reserve, schedule=schedule, max_mbs=max_mbs, seed=seed
+        )
+        even = cost.with_layout(StageLayout.even(self.n_layers, self.num_stages))
+        self.top_mbs = max(max_micro_batch_size(even, max_seq_len, memory_bytes, reserve=reserve, limit=max_mbs), 1)
+        self._shapes: dict[tuple[int, int], MicroBatchShapes] = {}
+        self._scores: dict[tuple[int, ...], LayoutScore] = {}
+
+    def shapes(self, b: int, mbs: int) -> MicroBatchShapes:
+        """Sampled batch ``b`` balance-packed at ``mbs`` (as the planner packs it)."""
+        if (b, mbs) not in self._shapes:
+            meta, cfg = self.sample[b], self.planner_config
+            packing = PackingConfig(packer=PackerKind.BALANCED, mbs=mbs, max_seq_len=cfg.max_seq_len, seed=cfg.seed).build(self.model)(
+                meta.table.lengths, meta.step
+            )
+            self._shapes[b, mbs] = MicroBatchShapes.from_packing(meta.table, packing)
+        return self._shapes[b, mbs]
+
+    def score(self, layout: StageLayout) -> LayoutScore:
+        key = tuple(layout.layers_per_stage())
+        if key in self._scores:
+            return self._scores[key]
+        cost = self.cost.with_layout(layout)
+        S = self.num_stages
+        spans, busy, peaks = [], [], []
+        try:
+            planner = self.planner_config.build(self.model, cost)
+            for b, meta in enumerate(self.sample):
+                plan = planner.plan(meta)
+                c = cost.stage_costs(self.shapes(b, plan.mbs))
+                work = (c.fwd + c.bwd).sum(axis=0)
+                work[0] += c.encoder.sum()
+                spans.append(plan.predicted_s)
+                busy.append(work / plan.predicted_s)
+                peaks.append(plan.peak_bytes)
+        except ValueError:  # no micro-batch size fits memory under this layout
+            spans, busy, peaks = [np.inf], [np.zeros(S)], [np.full(S, np.inf)]
+        s = LayoutScore(layout, float(np.mean(spans)), np.mean(busy, axis=0), np.max(peaks, axis=0))
+        self._scores[key] = s
+        return s
+
+    def balanced_start(self) -> StageLayout:
+        """Layers filled one at a time into the stage with the least expected work (module doc, 2)."""
+        even = StageLayout.even(self.n_layers, self.num_stages)
+        cost = self.cost.with_layout(even)
+        work = np.zeros(self.num_stages)
+        per_layer = 0.0
+        for b in range(len(self.sample)):
+            shapes = self.shapes(b, self.top_mbs)
+            c = cost.stage_costs(shapes)
+            w = (c.fwd + c.bwd).sum(axis=0)
+            w[0] += c.encoder.sum()
+            work += w
+            parts, _ = cost.components(shapes)
+            per_layer += sum(
+                self.cost.table.scale(name) * (parts[name]["fwd"] + parts[name]["bwd"])[:, 0].sum() for name in ("attention", "rest")
+            ) / cost.layers[0]
+        fixed = work - cost.layers * per_layer
+        sizes = np.ones(self.num_stages, dtype=np.int64)
+        for _ in range(self.n_layers - self.num_stages):
+            s = int(np.argmin(fixed + (sizes + 1) * per_layer))
+            sizes[s] += 1
+        return StageLayout.from_sizes(sizes)
+
+    def neighbours(self, layout: StageLayout) -> list[StageLayout]:
+        """Every layout one layer away: one layer moved across one stage boundary."""
+        sizes = np.array(layout.layers_per_stage())
+        out = []
+        for s in range(self.num_stages - 1):
+            for src, dst in ((s, s + 1), (s + 1, s)):
+                if sizes[src] > 1:
+                    n = sizes.copy()
+                    n[src] -= 1
+                    n[dst] += 1
+                    out.append(StageLayout.from_sizes(n))
+        return out
+
+    def search(self, *, max_moves: int | None = None) -> LayoutSearchResult:
+        t0 = time.perf_counter()
+        even = self.score(StageLayout.even(self.n_layers, self.num_stages))
+        best = min((self.score(self.balanced_start()), even), key=lambda s: s.iter_s)
+        for _ in range(max_moves if max_moves is not None else self.n_layers):
+            cand = min((self.score(n) for n in self.neighbours(best.layout)), key=lambda s: s.iter_s, default=best)
+            if not cand.iter_s < best.iter_s:
+                break
+            best = cand
+        if not np.isfinite(best.iter_s):
+            raise ValueError(
+                f"no stage layout fits the sampled batches in {self.budget / 2**30:.1f} GiB per GPU at any micro-batch size; "
+                "lower --max-seq-len, recompute the encoder (--recompute-encoder) or add memory"
+            )
+        return LayoutSearchResult(best, even, len(self._scores), time.perf_counter() - t0)
+
+
+def sample_batches(data, model: ModelConfig, *, gbs: int, max_seq_len: int, count: int, seed: int, overlong="truncate") -> list[BatchMeta]:
+    """``count`` batches of the job's data drawn with their own shuffle seed, so the layout is not
+    fitted to the very iterations it is then evaluated on."""
+    from pipetune.data.batch import batch_meta
+    from pipetune.data.stream import BatchStream
+
+    stream = BatchStream(num_rows=len(data), gbs=gbs, seed=seed + 7919)
+    return [
+        batch_meta(data, stream, step, tokens_per_image=model.tokens_per_image, max_seq_len=max_seq_len, overlong=overlong)
+        for step in range(count)
+    ]
