@@ -137,7 +137,7 @@ class _Profiler:
         self.norm = self._prep(torch.nn.RMSNorm(b.dim, eps=b.norm_eps))
         self.head = self._prep(torch.nn.Linear(b.dim, b.vocab_size // tp, bias=False))
         enc = model.encoder
-        self.projector = self._prep(Projector(enc.dim, b.dim, tp)) if enc else None
+        self.projector = self._prep(Projector(enc.merged_dim, b.dim, tp)) if enc else None
         self.encoder = self._prep(VisionEncoder(enc, tp)) if enc else None
 
     def _prep(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -181,7 +181,7 @@ class _Profiler:
             )
         enc = self.model.encoder
         if curve == "projector":
-            return self._time(lambda: (self._rand(x, enc.tokens_per_image, enc.dim),), lambda f: self.projector(f))
+            return self._time(lambda: (self._rand(x, enc.tokens_per_image, enc.merged_dim),), lambda f: self.projector(f))
         if curve == "encoder":
             return self._time(
                 lambda: (self._rand(x, enc.channels, enc.image_size, enc.image_size, grad=not enc.frozen),),
@@ -207,9 +207,9 @@ class _Profiler:
         if enc is not None:
             k = max(1, min(self.cfg.max_images, 8))
             out["projector_bytes_per_image"] = saved_activation_bytes(
-                lambda: self.projector(self._rand(k, enc.tokens_per_image, enc.dim)), self.projector
+                lambda: self.projector(self._rand(k, enc.tokens_per_image, enc.merged_dim)), self.projector
             ) / k
-            out["image_feature_bytes"] = float(enc.tokens_per_image * enc.dim * self._rand(1, grad=False).element_size())
+            out["image_feature_bytes"] = float(enc.tokens_per_image * enc.merged_dim * self._rand(1, grad=False).element_size())
         return out
 
 

@@ -64,3 +64,24 @@ def test_bad_layer_ranges_are_refused():
     model = load_model_config("tiny")
     with pytest.raises(ValueError, match="do not tile"):
         build_stages(model, [(0, 2), (3, 4)], [0], max_seq_len=256, device="meta")
+
+
+def test_spatial_merge_packs_each_2x2_block_of_patches_into_one_token(tiny):
+    """A merge-2 encoder hands the backbone patches / 4 tokens, each the concatenation of one 2 x 2
+    block of neighbouring patch features of the same ViT (identical weights, merge 1)."""
+    from dataclasses import replace
+
+    from torchtitan_patches.model.vlm import Projector, VisionEncoder
+
+    plain = VisionEncoder(tiny.encoder)
+    merged = VisionEncoder(replace(tiny.encoder, merge=2))
+    merged.load_state_dict(plain.state_dict())
+    pixels = torch.randn(3, 3, tiny.encoder.image_size, tiny.encoder.image_size)
+    side = tiny.encoder.image_size // tiny.encoder.patch_size
+    patches = plain(pixels).view(3, side, side, -1)
+    tokens = merged(pixels)
+    assert tokens.shape == (3, merged.config.tokens_per_image, merged.config.merged_dim) == (3, side * side // 4, 4 * tiny.encoder.dim)
+    for i, j in [(0, 0), (0, 1), (1, 0), (side // 2 - 1, side // 2 - 1)]:
+        block = torch.cat([patches[:, 2 * i + a, 2 * j + b] for a in (0, 1) for b in (0, 1)], dim=-1)
+        torch.testing.assert_close(tokens[:, i * (side // 2) + j], block)
+    assert Projector(merged.config.merged_dim, tiny.backbone.dim)(tokens).shape == (3, side * side // 4, tiny.backbone.dim)

@@ -8,7 +8,8 @@ stages are built beside it: a pipelined run and the single-process reference (``
 whole backbone as one stage) start from identical weights.
 The ViT is its own module: PipeTune co-locates it with stage 0 and may run it early (encoder
 pre-computation); DIP places it in segments of its own. Its output, per image, is
-``(tokens_per_image, encoder_dim)`` features that stage 0 projects and scatters into the sequence.
+``(tokens_per_image, merged_dim)`` features (after the optional spatial merge of ``merge`` x
+``merge`` neighbouring patches) that stage 0 projects and scatters into the sequence.
 """
 
 from __future__ import annotations
@@ -41,13 +42,14 @@ def _seeded_init(seed: int, name: str, init, device: torch.device) -> None:
 
 
 class VisionEncoder(nn.Module):
-    """Patch embedding + learned positions + ViT layers + final LayerNorm (SigLIP layout)."""
+    """Patch embedding + learned positions + ViT layers + final LayerNorm (SigLIP layout), then a
+    ``merge`` x ``merge`` pixel shuffle of neighbouring patches into one token each (identity at 1)."""
 
     def __init__(self, e: EncoderConfig, tp: int = 1):
         super().__init__()
         self.config = e
         self.patch_embed = nn.Conv2d(e.channels, e.dim, kernel_size=e.patch_size, stride=e.patch_size)
-        self.pos_embed = nn.Parameter(torch.empty(e.tokens_per_image, e.dim))
+        self.pos_embed = nn.Parameter(torch.empty(e.patches_per_image, e.dim))
         self.layers = nn.ModuleList(vit_layer_config(e, tp).build() for _ in range(e.n_layers))
         self.post_norm = LayerNorm.Config(normalized_shape=e.dim, eps=e.norm_eps).build()
         if e.frozen:
@@ -67,7 +69,13 @@ class VisionEncoder(nn.Module):
         x = self.patch_embed(pixel_values).flatten(2).transpose(1, 2) + self.pos_embed
         for layer in self.layers:
             x = layer(x, rope_cache=x.new_zeros(1), rope_apply=no_rope, attention_mask=None)
-        return self.post_norm(x)
+        x = self.post_norm(x)
+        m = self.config.merge
+        if m == 1:
+            return x
+        n, side = x.shape[0], self.config.image_size // self.config.patch_size
+        x = x.view(n, side // m, m, side // m, m, -1).permute(0, 1, 3, 2, 4, 5)
+        return x.reshape(n, self.config.tokens_per_image, self.config.merged_dim)
 
 
 class Projector(nn.Module):
@@ -104,7 +112,7 @@ class BackboneStage(nn.Module):
         self.first_layer = lo
         first, last = lo == 0, hi == b.n_layers
         self.tok_embeddings = Embedding.Config(num_embeddings=b.vocab_size, embedding_dim=b.dim, param_init=_SMALL).build() if first else None
-        self.projector = Projector(model.encoder.dim, b.dim) if first and model.encoder is not None else None
+        self.projector = Projector(model.encoder.merged_dim, b.dim) if first and model.encoder is not None else None
         self.layers = nn.ModuleList(
             decoder_layer_config(b, max_seq_len=max_seq_len, attention_backend=attention_backend).build() for _ in range(lo, hi)
         )
