@@ -10,35 +10,25 @@ from pipetune.config import ModelConfig, load_model_config
 from pipetune.data import Overlong, SampleTable, make_mix, open_dataset
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (``--iters 0``, ``--mbs 0`` are refused with a message, not run)."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
+def _number(convert, kind: str, bound: str, ok):
+    """argparse type: ``convert(text)`` within ``bound`` (e.g. ``--iters 0`` and ``--mbs 0`` are
+    refused with a message instead of meaning something else)."""
+
+    def parse(text: str):
+        try:
+            v = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {kind} {bound}, got {text!r}") from None
+        if not ok(v):
+            raise argparse.ArgumentTypeError(f"must be {'a finite number ' if convert is float else ''}{bound}, got {v}")
+        return v
+
+    return parse
 
 
-def non_negative_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
-
-
-def positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
-    if not 0 < v < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return v
+positive_int = _number(int, "an integer", ">= 1", lambda v: v >= 1)
+non_negative_int = _number(int, "an integer", ">= 0", lambda v: v >= 0)
+positive_float = _number(float, "a number", "> 0", lambda v: 0 < v < float("inf"))
 
 
 def add_model_args(p: argparse.ArgumentParser, default: str = "13b") -> None:
