@@ -47,7 +47,11 @@ def _check_shape(cfg, section: str, positive: tuple[str, ...], divides: tuple[st
 
 @dataclass(frozen=True, kw_only=True)
 class BackboneConfig:
-    """LLaMA-style decoder: RMSNorm, GQA attention with RoPE, SwiGLU FFN, untied output head."""
+    """LLaMA-style decoder: RMSNorm, GQA attention with RoPE, SwiGLU FFN, untied output head.
+
+    ``output_gate``: attention output multiplied by ``sigmoid(x W_g)`` (Muse Glimmer's ``o_gate``),
+    one more ``dim x dim`` matmul per layer.
+    """
 
     n_layers: int
     dim: int
@@ -57,6 +61,7 @@ class BackboneConfig:
     vocab_size: int
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    output_gate: bool = False
 
     def __post_init__(self) -> None:
         check_field_types(self, "backbone")
@@ -78,7 +83,8 @@ class BackboneConfig:
     def layer_params(self) -> int:
         """Weights of one decoder layer's matmuls (norm weights are negligible and left out)."""
         attn = self.dim * (self.dim + 2 * self.kv_dim) + self.dim * self.dim
-        return attn + 3 * self.dim * self.ffn_dim
+        gate = self.dim * self.dim if self.output_gate else 0
+        return attn + gate + 3 * self.dim * self.ffn_dim
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,7 +97,10 @@ class EncoderConfig:
     (DIP: 676 patches -> 169 tokens). So the encoder's cost scales with patches, the backbone's with
     tokens. The projector is a 2-layer MLP (``dim * merge ** 2`` -> backbone dim -> backbone dim) and
     is always trained; ``frozen`` refers to the ViT only, which is what lets its forward be
-    pre-computed.
+    pre-computed. ``projector_hidden`` sets other hidden widths (Muse Glimmer's adapter + projection
+    is ``merged_dim -> 128 -> 128 -> dim``: ``projector_hidden = [128, 128]``).
+    ``patch_temporal`` frames of a still image are embedded together (Qwen-VL / Muse Glimmer
+    style), so a patch has ``patch_dim = channels * patch_temporal * patch_size ** 2`` inputs.
     """
 
     n_layers: int
@@ -104,10 +113,21 @@ class EncoderConfig:
     frozen: bool = True
     norm_eps: float = 1e-6
     merge: int = 1
+    patch_temporal: int = 1
+    projector_hidden: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         check_field_types(self, "encoder")
-        _check_shape(self, "encoder", ("n_layers", "dim", "ffn_dim", "n_heads", "image_size", "patch_size", "channels", "merge"), ("dim", "n_heads"))
+        _check_shape(
+            self, "encoder", ("n_layers", "dim", "ffn_dim", "n_heads", "image_size", "patch_size", "channels", "merge", "patch_temporal"), ("dim", "n_heads")
+        )
+        if self.projector_hidden is not None:
+            hidden = self.projector_hidden
+            _require(
+                isinstance(hidden, (list, tuple)) and all(isinstance(w, int) and not isinstance(w, bool) and w > 0 for w in hidden),
+                f"encoder.projector_hidden must be a list of positive integers (hidden widths), got {hidden!r}",
+            )
+            object.__setattr__(self, "projector_hidden", tuple(hidden))
         _require(
             self.image_size % self.patch_size == 0,
             f"encoder.image_size={self.image_size} is not a multiple of patch_size={self.patch_size}",
@@ -131,8 +151,16 @@ class EncoderConfig:
         return self.dim * self.merge**2
 
     @property
+    def patch_dim(self) -> int:
+        """Inputs of the patch embedding per patch."""
+        return self.channels * self.patch_temporal * self.patch_size**2
+
+    @property
     def layer_params(self) -> int:
         return 4 * self.dim * self.dim + 2 * self.dim * self.ffn_dim
+
+
+_LATER_FIELDS = {"backbone": {"output_gate": False}, "encoder": {"patch_temporal": 1, "projector_hidden": None}}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,6 +177,15 @@ class ModelConfig:
     @property
     def tokens_per_image(self) -> int:
         return self.encoder.tokens_per_image if self.encoder is not None else 0
+
+    @property
+    def projector_params(self) -> int:
+        """Weights of the projector MLP, ``merged_dim -> hidden... -> backbone dim`` (0 without encoder)."""
+        if self.encoder is None:
+            return 0
+        hidden = (self.backbone.dim,) if self.encoder.projector_hidden is None else self.encoder.projector_hidden
+        widths = (self.encoder.merged_dim, *hidden, self.backbone.dim)
+        return sum(a * b for a, b in zip(widths[:-1], widths[1:]))
 
     def check_tp(self, tp: int) -> None:
         """Tensor parallelism splits attention by heads: refuse a degree that does not divide every
@@ -178,8 +215,14 @@ class ModelConfig:
         )
 
     def fingerprint(self) -> str:
-        """Stable hash of the shapes (not the name): latency tables are keyed on it."""
+        """Stable hash of the shapes (not the name): latency tables are keyed on it. Fields added
+        later (``_LATER_FIELDS``) count only when set, so tables made before they existed stay valid."""
         shapes = self.to_dict()
         shapes.pop("name")
+        for section, defaults in _LATER_FIELDS.items():
+            part = shapes.get(section) or {}
+            for k, default in defaults.items():
+                if part.get(k) == default:
+                    part.pop(k)
         blob = json.dumps(shapes, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]

@@ -30,8 +30,8 @@ def model_state_bytes(cost: CostModel, *, frozen_weight_bytes: int = 2) -> np.nd
     frozen = np.zeros_like(trained)
     enc = model.encoder
     if enc is not None:
-        trained[0] += enc.merged_dim * b.dim + b.dim * b.dim
-        vit = enc.n_layers * enc.layer_params + enc.channels * enc.patch_size**2 * enc.dim + enc.patches_per_image * enc.dim
+        trained[0] += model.projector_params
+        vit = enc.n_layers * enc.layer_params + enc.patch_dim * enc.dim + enc.patches_per_image * enc.dim
         if enc.frozen:
             frozen[0] += vit
         else:

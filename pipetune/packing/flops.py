@@ -11,7 +11,8 @@ Conventions (algorithmic FLOPs, 2 per multiply-add; norms, softmax and activatio
 * Output head (last stage): ``2 * T * dim * vocab`` forward; embedding lookups cost no FLOPs.
 * Vision encoder, per image of ``P`` patches: patch embedding, ``n_layers`` ViT layers with full
   attention over the ``P`` patches; forward only when frozen. Projector (trained) per image of
-  ``K = P / merge**2`` merged tokens: ``2 * K * (enc_dim * merge**2 * dim + dim * dim)`` forward.
+  ``K = P / merge**2`` merged tokens: ``2 * K * projector_params`` forward (``enc_dim * merge**2 *
+  dim + dim * dim`` for the default two-layer MLP).
 
 Because every term is a sum over documents, the FLOPs of a micro-batch are the sum of its
 documents' FLOPs: ``sequence_flops`` gives that per-document weight.
@@ -73,7 +74,7 @@ class FlopsModel:
         if enc is None:
             return 0.0
         p = enc.patches_per_image
-        patch_embed = 2.0 * p * enc.channels * enc.patch_size**2 * enc.dim
+        patch_embed = 2.0 * p * enc.patch_dim * enc.dim
         layers = enc.n_layers * (2.0 * p * enc.layer_params + 4.0 * enc.dim * p * p)
         return patch_embed + layers
 
@@ -81,8 +82,7 @@ class FlopsModel:
         enc = self.model.encoder
         if enc is None:
             return 0.0
-        d = self.model.backbone.dim
-        return 2.0 * enc.tokens_per_image * (enc.merged_dim * d + d * d)
+        return 2.0 * enc.tokens_per_image * self.model.projector_params
 
     def encoder_flops(self, num_images, *, backward: bool | None = None) -> np.ndarray:
         """ViT FLOPs for ``num_images`` images (forward, plus backward if the ViT is trained)."""

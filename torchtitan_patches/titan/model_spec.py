@@ -1,0 +1,135 @@
+"""TorchTitan ``ModelSpec`` -> a model that trains on CPU, and pipetune's planning shapes.
+
+``with_document_attention`` rewrites a model config built with ``attn_backend="varlen"``: every
+layer's inner attention becomes ``DocumentAttention`` with the same per-layer window (TorchTitan
+bakes Muse Glimmer's sliding windows into the varlen configs), and a Muse Glimmer vision encoder
+becomes ``DenseMaskVisionEncoder`` with ``VisionMaskAttention``. Everything else, parameters and
+initialisation included, is TorchTitan's.
+
+``planning_model_config`` derives pipetune's ``ModelConfig`` (the shapes the FLOPs, cost and
+memory models read) from the TorchTitan config, so the planner and the trained model have one
+source of truth. What pipetune's FLOPs model deliberately leaves out, and so this mapping drops:
+norm weights, biases, Muse Glimmer's learned positional grid (no matmul), QK-norms, the soft cap
+of the head and the sliding windows (attention is counted over whole documents: an overestimate
+for documents longer than a window, 128 tokens in ``debugmodel_mm``); the encoder's windowed
+layers are likewise counted as full attention over the image. Refused with a ``ConfigError``:
+configs pipetune's schema cannot express (``head_dim * n_heads != dim``, layers that differ in
+shape, MoE layers, video).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+from torchtitan.models.common.attention import VarlenAttention
+from torchtitan.models.common.decoder import Decoder
+from torchtitan.models.muse_glimmer import model_registry
+from torchtitan.models.muse_glimmer.vision_encoder import MuseGlimmerVisionEncoder
+from torchtitan.protocols.model_spec import ModelSpec
+
+from pipetune.config.model import BackboneConfig, ConfigError, EncoderConfig, ModelConfig
+from torchtitan_patches.titan.attention import DocumentAttention, VisionMaskAttention
+from torchtitan_patches.titan.vision import DenseMaskVisionEncoder
+
+
+def with_document_attention(model_config: Decoder.Config) -> Decoder.Config:
+    """A copy of ``model_config`` whose attention trains on CPU (see module doc)."""
+    cfg = copy.deepcopy(model_config)
+    for i, layer in enumerate(cfg.layers):
+        inner = layer.attention.inner_attention
+        if not isinstance(inner, VarlenAttention.Config):
+            raise ConfigError(
+                f"layer {i} uses {type(inner).__name__}; build the model spec with attn_backend='varlen' so each "
+                "layer's window is in its inner-attention config, then apply with_document_attention"
+            )
+        layer.attention.inner_attention = DocumentAttention.Config(window_size=inner.window_size)
+    enc = getattr(cfg, "vision_encoder", None)
+    if enc is not None:
+        if not isinstance(enc, MuseGlimmerVisionEncoder.Config):
+            raise ConfigError(f"no CPU attention for vision encoder {type(enc).__name__}; only Muse Glimmer's is supported")
+        block = dataclasses.replace(enc.block, attn=dataclasses.replace(enc.block.attn, inner_attention=VisionMaskAttention.Config()))
+        fields = {f.name: getattr(enc, f.name) for f in dataclasses.fields(enc) if f.init}
+        cfg.vision_encoder = DenseMaskVisionEncoder.Config(**{**fields, "block": block})
+    return cfg
+
+
+def muse_glimmer_spec(flavor: str = "debugmodel_mm") -> ModelSpec:
+    """TorchTitan's Muse Glimmer ``ModelSpec`` (its own parallelize / pipelining functions and
+    state-dict adapter) with ``with_document_attention`` applied."""
+    spec = model_registry(flavor, attn_backend="varlen")
+    return dataclasses.replace(spec, model=with_document_attention(spec.model))
+
+
+def _uniform(values: list, what: str):
+    if len(set(values)) != 1:
+        raise ConfigError(f"{what} differs between layers ({sorted(set(values))}); pipetune's planning schema needs identical layers")
+    return values[0]
+
+
+def _backbone(cfg: Decoder.Config) -> BackboneConfig:
+    attn = [layer.attention for layer in cfg.layers]
+    ffn = [layer.feed_forward for layer in cfg.layers]
+    if any(getattr(layer, "moe", None) is not None or f is None for layer, f in zip(cfg.layers, ffn)):
+        raise ConfigError("MoE layers are not in pipetune's planning schema (dense SwiGLU layers only)")
+    n_heads = _uniform([a.n_heads for a in attn], "n_heads")
+    n_kv = _uniform([a.n_kv_heads or a.n_heads for a in attn], "n_kv_heads")
+    head_dim = _uniform([a.head_dim or cfg.dim // a.n_heads for a in attn], "head_dim")
+    if n_heads * head_dim != cfg.dim:
+        raise ConfigError(
+            f"n_heads * head_dim = {n_heads} * {head_dim} != dim = {cfg.dim}; pipetune's backbone schema has head_dim = dim / n_heads"
+        )
+    return BackboneConfig(
+        n_layers=len(cfg.layers),
+        dim=cfg.dim,
+        ffn_dim=_uniform([f.w1.out_features for f in ffn], "ffn hidden dim"),
+        n_heads=n_heads,
+        n_kv_heads=n_kv,
+        vocab_size=cfg.vocab_size,
+        rope_theta=float(_uniform([a.rope.theta for a in attn], "rope theta")),
+        norm_eps=float(cfg.layers[0].attention_norm.eps),
+        output_gate=bool(_uniform([getattr(a, "o_gate", None) is not None for a in attn], "output gate")),
+    )
+
+
+def _encoder(cfg, image_grid: int, frozen: bool) -> EncoderConfig:
+    enc, adapter, proj = cfg.vision_encoder, cfg.vision_adapter, cfg.vision_projection
+    if adapter is None or proj is None:
+        raise ConfigError("the vision encoder needs vision_adapter and vision_projection configs")
+    f = enc.downsample_factor
+    if image_grid % f:
+        raise ConfigError(f"image_grid={image_grid} patches per side is not a multiple of the encoder's downsample_factor={f}")
+    widths = [(adapter.c_fc.in_features, adapter.c_fc.out_features), (adapter.c_proj.in_features, adapter.c_proj.out_features)]
+    widths.append((proj.in_features, proj.out_features))
+    chain = [w for pair in widths for w in pair]
+    if chain[0] != enc.output_dim or any(a != b for a, b in zip(chain[1:-1:2], chain[2::2])) or chain[-1] != cfg.dim:
+        raise ConfigError(f"projector widths {widths} do not chain from the encoder's output_dim={enc.output_dim} to dim={cfg.dim}")
+    return EncoderConfig(
+        n_layers=enc.num_layers,
+        dim=enc.latent_dim,
+        ffn_dim=enc.block.mlp.fc1.out_features,
+        n_heads=enc.num_heads,
+        image_size=image_grid * enc.patch_size,
+        patch_size=enc.patch_size,
+        channels=enc.conv1.in_features // (enc.patch_temporal * enc.patch_size**2),
+        patch_temporal=enc.patch_temporal,
+        frozen=frozen,
+        norm_eps=float(enc.ln_pre.eps),
+        merge=f,
+        projector_hidden=tuple(out for _, out in widths[:-1]),
+    )
+
+
+def planning_model_config(spec: ModelSpec, *, image_grid: int, encoder_frozen: bool = True, name: str | None = None) -> ModelConfig:
+    """pipetune's ``ModelConfig`` for a TorchTitan Muse Glimmer spec.
+
+    pipetune plans with one image size: ``image_grid`` patches per side (a multiple of the
+    encoder's downsample factor). ``encoder_frozen`` says whether the job trains the ViT.
+    """
+    cfg = spec.model
+    if not isinstance(cfg, Decoder.Config):
+        raise ConfigError(f"{spec.name}/{spec.flavor}: not a decoder model ({type(cfg).__name__})")
+    encoder = None
+    if getattr(cfg, "vision_encoder", None) is not None:
+        encoder = _encoder(cfg, image_grid, encoder_frozen)
+    return ModelConfig(name=name or f"{spec.name}_{spec.flavor}", backbone=_backbone(cfg), encoder=encoder)
