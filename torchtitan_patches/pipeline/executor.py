@@ -16,8 +16,13 @@ execution order), every micro-batch here may have its own length and the order i
 * losses are keyed by micro-batch index; each is ``sum of token losses / global label-token
   count``, and gradients accumulate unscaled (``scale_grads=False``), so any packing, order or
   micro-batch count yields the same gradients as the baseline; losses are read once per step;
-* ``E`` actions run the frozen vision encoder wherever the plan put them (pre-computation) and
-  hand their features to stage 0's forward of that micro-batch.
+* ``E`` actions run the vision encoder wherever the plan put them (pre-computation) and hand its
+  output to stage 0's forward of that micro-batch: without gradients when the encoder is frozen
+  (PipeTune's setting), otherwise with its graph kept until stage 0's backward of that micro-batch;
+* a stage is any module with ``is_first`` / ``is_last`` and the keyword interface of
+  ``BackboneStage`` (pipetune's model, or ``torchtitan_patches.titan.stages.TitanStage`` around a
+  TorchTitan model part); the last stage's output goes through ``loss_fn`` (default: token
+  cross-entropy summed, divided by the batch's label-token count, as TorchTitan's loss does).
 
 Before running, ranks compare a digest of the plan, of the micro-batch shapes and of the batch
 content (token ids and labels); a mismatch raises ``PlanMismatchError`` on every rank, naming it,
@@ -32,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import time
 from contextlib import nullcontext
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -104,6 +110,7 @@ class PlanExecutor:
         device: torch.device | str | None = None,
         compute_dtype: torch.dtype = torch.float32,
         strict_order: bool = False,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
     ):
         self.stages = stages
         self.encoder = encoder
@@ -114,6 +121,8 @@ class PlanExecutor:
         self.device = torch.device(device) if device is not None else next(next(iter(stages.values())).parameters()).device
         self.compute_dtype = compute_dtype
         self.strict_order = strict_order
+        self.loss_fn = loss_fn or (lambda logits, labels, normaliser: token_loss_sum(logits, labels) / normaliser)
+        self.encoder_trained = encoder is not None and any(p.requires_grad for p in encoder.parameters())
         self.clock = Clock(self.device)
 
     def _autocast(self):
@@ -228,7 +237,7 @@ class PlanExecutor:
 
     def _encode(self, st: "_StepState", i: int) -> None:
         pixels = st.dev[i]["pixel_values"]
-        with torch.no_grad(), self._autocast():
+        with torch.set_grad_enabled(self.encoder_trained), self._autocast():
             st.features[i] = self.encoder(pixels) if pixels.shape[0] else None
 
     def _input(self, st: "_StepState", op: Op, s: int, i: int) -> torch.Tensor:
@@ -256,7 +265,7 @@ class PlanExecutor:
             # the residual stream stays fp32 as in the unsplit model; only messages are rounded
             y = stage(x if stage.is_first else x.float(), **kwargs)
         if stage.is_last:
-            y = token_loss_sum(y, d["labels"]) / st.batch.num_label_tokens
+            y = self.loss_fn(y, d["labels"], st.batch.num_label_tokens)
             st.losses[i] = y.detach()
         else:
             y = y.to(self.compute_dtype)  # the message dtype every rank knows

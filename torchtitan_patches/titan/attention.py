@@ -57,7 +57,9 @@ class DocumentAttention(Module):
         self.causal, self.window = _window(config.window_size)
         self.packed = PackedAttention(PackedAttention.Config(causal=self.causal, backend=config.backend))
 
-    def forward(self, q, k, v, *, attention_masks, scale=None, enable_gqa=False, out_transform=None, **kwargs):
+    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks, scale=None, enable_gqa=False, out_transform=None, **kwargs):
+        # argument names are varlen's: TorchTitan's sharding configs address inputs by name
+        q, k, v = q_BLNH, k_BLNH, v_BLNH
         if not isinstance(attention_masks, VarlenMetadata):
             raise TypeError(f"DocumentAttention needs VarlenMetadata (document boundaries), got {type(attention_masks).__name__}")
         if out_transform is not None:

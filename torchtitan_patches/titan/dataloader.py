@@ -1,0 +1,91 @@
+"""pipetune's stateful dataloader as a TorchTitan ``BaseDataLoader``.
+
+TorchTitan's trainer builds its dataloader from ``Trainer.Config.dataloader`` with the
+data-parallel coordinates, the job's tokenizer and batch sizes. pipetune's loader also needs the
+planning shapes of the model (tokens per image, vocabulary) and its packing source (the planner),
+which exist only once the trainer has built the model; ``PipeTuneTitanDataLoader`` therefore takes
+TorchTitan's arguments at build time and is bound to the model and planner by
+``PipeTuneTrainer`` (``bind``) before the first step or checkpoint load.
+
+It yields one ``GlobalBatch`` per step (every micro-batch of the step, packed as the plan says)
+rather than TorchTitan's ``(input_dict, labels)`` per micro-batch: the number and length of
+micro-batches change every step, which the stock trainer's fixed micro-batch count cannot express.
+State (``state_dict``) is the wrapped loader's: next step, configuration fingerprint, overlong
+totals; TorchTitan's ``CheckpointManager`` stores it per data-parallel rank.
+
+Token ids come from the data set (pre-tokenized ``input_ids``, raw ``text`` through pipetune's
+byte-level tokenizer, or synthetic ids for generated data); the job's tokenizer must cover them
+(checked at ``bind``). Limits: one pipeline replica (``dp_world_size`` 1).
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+
+from torchtitan.components.dataloader import BaseDataLoader
+
+from pipetune.config.model import ModelConfig
+from pipetune.data import Overlong
+from pipetune.packing import PackingConfig
+from torchtitan_patches.data.loader import DataLoaderConfig, PackingSource, PipeTuneDataLoader
+
+
+class PipeTuneTitanDataLoader(BaseDataLoader):
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseDataLoader.Config):
+        gbs: int = 16
+        """Samples (documents) per global batch, before packing (PipeTune's GBS)."""
+
+        seed: int = 0
+        """Shuffling seed of the sample stream."""
+
+        overlong: str = "truncate"
+        """Samples longer than ``training.seq_len``: truncate, drop or error (as ``pipetune pack``)."""
+
+        num_workers: int = 0
+        """Worker processes that build the tensors."""
+
+    def __init__(self, config: Config, *, dp_world_size: int = 1, dp_rank: int = 0, tokenizer=None, seq_len: int,
+                 local_batch_size: int = 1, **kwargs):
+        if not config.dataset_path:
+            raise ValueError("dataloader.dataset_path is empty: give the data set directory (e.g. from `pipetune data make`)")
+        if dp_world_size != 1:
+            raise ValueError(
+                f"PipeTuneTitanDataLoader runs one pipeline replica; got data-parallel degree {dp_world_size}. "
+                "Set parallelism.data_parallel_shard_degree and data_parallel_replicate_degree to 1")
+        if config.gbs < 1:
+            raise ValueError(f"dataloader.gbs must be a positive number of samples, got {config.gbs}")
+        self.config = config
+        self.tokenizer = tokenizer
+        self.loader_config = DataLoaderConfig(
+            data=config.dataset_path, gbs=config.gbs, max_seq_len=seq_len, seed=config.seed, overlong=Overlong(config.overlong),
+            num_workers=config.num_workers, packing=PackingConfig(max_seq_len=seq_len))
+        self.inner: PipeTuneDataLoader | None = None
+
+    def bind(self, model: ModelConfig, packing_source: PackingSource) -> PipeTuneDataLoader:
+        """Build the wrapped loader for ``model``'s shapes, packed by ``packing_source``."""
+        if self.tokenizer is not None and self.tokenizer.get_vocab_size() > model.backbone.vocab_size:
+            raise ValueError(
+                f"the job's tokenizer has {self.tokenizer.get_vocab_size()} ids but the model's vocabulary is "
+                f"{model.backbone.vocab_size}; use a tokenizer that fits the model")
+        self.inner = self.loader_config.build(model, packing_source=packing_source)
+        return self.inner
+
+    def _bound(self) -> PipeTuneDataLoader:
+        if self.inner is None:
+            raise RuntimeError("PipeTuneTitanDataLoader is used before PipeTuneTrainer bound it to the model and planner")
+        return self.inner
+
+    def __iter__(self):
+        return iter(self._bound())
+
+    def state_dict(self) -> dict:
+        # one pickled leaf, as TorchTitan's own loaders store theirs: DCP keeps it intact
+        return {"pipetune_loader": pickle.dumps(self._bound().state_dict())}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if "pipetune_loader" not in state_dict:
+            raise ValueError("the checkpoint's dataloader state was not written by PipeTuneTitanDataLoader; "
+                             "load a pipetune checkpoint, or start without loading the dataloader state")
+        self._bound().load_state_dict(pickle.loads(state_dict["pipetune_loader"]))
