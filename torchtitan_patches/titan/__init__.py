@@ -1,14 +1,15 @@
-"""pipetune's pieces for TorchTitan's own models, plugged in at TorchTitan's extension points.
+"""pipetune inside a TorchTitan job: TorchTitan's trainer, models and components, extended where
+pipetune's per-step plans need it.
 
-* ``attention``: document-masked attention that trains on CPU, behind TorchTitan's inner-attention
-  interface (a ``VarlenAttention.Config`` subclass, so models and the trainer treat it as varlen);
-* ``vision``: the Muse Glimmer vision encoder with dense masks instead of compiled BlockMasks;
-* ``model_spec``: a TorchTitan ``ModelSpec`` with those swapped in, and pipetune's planning
-  ``ModelConfig`` derived from the TorchTitan model config (one source of truth);
-* ``stages``: one pipeline stage per layer layout, split with TorchTitan's module splitter;
-* ``dataloader``: a TorchTitan ``BaseDataLoader`` around ``PipeTuneDataLoader``;
-* ``config_registry``: ``--module torchtitan_patches.titan --config <fn>`` job configs.
-
-Not here yet: a trainer that executes pipetune's plans (the stock ``Trainer`` ignores the
-``pipetune`` config section), checkpointing of planner state.
+* ``trainer``: ``PipeTuneTrainer`` (a ``Trainer`` whose step runs the plan) and its ``pipetune``
+  config section;
+* ``config_registry``: ``--module torchtitan_patches.titan --config <fn>`` job configs;
+* ``dataloader``: pipetune's stateful loader as a ``BaseDataLoader``;
+* ``stages``: TorchTitan model parts as the executor's stages, the vision encoder as ``E`` actions;
+* ``model_spec``: TorchTitan's Muse Glimmer spec with attention that trains on CPU, and pipetune's
+  planning shapes derived from the TorchTitan config;
+* ``attention`` / ``vision``: the CPU attention backends behind TorchTitan's interfaces;
+* ``tokenizer``: pipetune's byte-level tokenizer as a ``BaseTokenizer``;
+* ``cpu_device`` / ``torch_compat``: TorchTitan 0.3.0 on a CPU and on torch 2.13;
+* ``prepare``: the data set and latency table a job reads.
 """

@@ -31,6 +31,7 @@ addresses ranks of the world group), one stage per rank, fp32 or autocast comput
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import json
 import pickle
@@ -122,20 +123,13 @@ def layout_fqns(model_spec, layout: StageLayout, parts: list[str]) -> list[list[
     return fqns
 
 
-def _pipeline_only(parallelize_fn, *, freeze_encoder: bool):
+def _pipeline_only(parallelize_fn):
     """The model's ``parallelize_fn`` without data parallelism: with one replica FSDP shards
     nothing, and its lazy initialisation refuses a submodule (the encoder of an ``E`` action)
-    running before the root module. ``freeze_encoder`` turns the vision encoder's gradients off
-    before the optimizer sees its parameters."""
+    running before the root module."""
     if "skip_dp" not in inspect.signature(parallelize_fn).parameters:
         raise ValueError(f"{parallelize_fn.__qualname__} cannot skip FSDP (no skip_dp argument); PipeTuneTrainer needs that")
-
-    def parallelize(model, **kwargs):
-        if freeze_encoder and getattr(model, "vision_encoder", None) is not None:
-            model.vision_encoder.requires_grad_(False)
-        return parallelize_fn(model, **kwargs, skip_dp=True)
-
-    return parallelize
+    return functools.partial(parallelize_fn, skip_dp=True)
 
 
 class PipeTuneTrainer(Trainer):
@@ -155,8 +149,7 @@ class PipeTuneTrainer(Trainer):
         self.layout = StageLayout.parse(pt.layout, self.planning_model.backbone.n_layers, pp)
         vision = [m for m in VISION_MODULES if getattr(spec.model, m, None) is not None]
         config.parallelism.module_fqns_per_model_part = layout_fqns(spec, self.layout, vision)
-        config.model_spec = dataclasses.replace(
-            spec, parallelize_fn=_pipeline_only(spec.parallelize_fn, freeze_encoder=pt.freeze_vision_encoder))
+        config.model_spec = dataclasses.replace(spec, parallelize_fn=_pipeline_only(spec.parallelize_fn))
         super().__init__(config)
         if self.parallel_dims.world_size != pp:
             raise ValueError(f"PipeTuneTrainer runs pipeline parallelism only: world size {self.parallel_dims.world_size} != PP {pp}")
@@ -170,6 +163,8 @@ class PipeTuneTrainer(Trainer):
         timeout = timedelta(seconds=config.comm.init_timeout_seconds)
         self.control = dist.new_group(backend="gloo", timeout=timeout)
         part = self.model_parts[0]
+        if pt.freeze_vision_encoder and getattr(part, "vision_encoder", None) is not None:
+            part.vision_encoder.requires_grad_(False)  # AdamW skips parameters without gradients
         stage = TitanStage(part, is_first=self.rank == 0, is_last=self.rank == pp - 1)
         encoder = TitanEncoder(part) if stage.is_first and getattr(part, "vision_encoder", None) is not None else None
         self.executor = PlanExecutor(
