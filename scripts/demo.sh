@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# The README's main job: set up .venv if needed, then train a tiny VLM on 2 gloo ranks with the
-# original plan and with pipetune's plans, and compare measured and simulated iteration times.
+# The README's main job: set up .venv if needed, then train TorchTitan's multimodal debug model on
+# 2 gloo ranks through TorchTitan's own trainer, with the original plan and with pipetune's plans,
+# and compare measured and predicted iteration times and the loss curves.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export HF_DATASETS_DISABLE_PROGRESS_BARS=1 OMP_NUM_THREADS=1
 PT=.venv/bin/pipetune
 DATA=out/data/datamix2
-TABLE=out/tables/tiny_cpu.json
 if [ ! -f "$DATA/pipetune.json" ]; then
   "$PT" data make --mix datamix2 --samples 20000 --seed 0 --out "$DATA"
 fi
@@ -15,12 +15,6 @@ echo "== packing report (tiny model, GBS 32, max_seq_len 512, mbs 4) =="
 for packer in original balanced; do
   "$PT" pack --data "$DATA" --model tiny --max-seq-len 512 --mbs 4 --gbs 32 --packer "$packer" --iters 5 | tail -1 | sed "s/^/$packer /"
 done
-if [ ! -f "$TABLE" ]; then
-  echo "== profiling the tiny model on this CPU =="
-  "$PT" profile --model tiny --out "$TABLE" --quiet
-fi
-echo "== training on 2 gloo ranks: original plan, then pipetune plans =="
-.venv/bin/torchrun --nproc-per-node 2 -m torchtitan_patches.train \
-  --data "$DATA" --latency-table "$TABLE" --out out/demo --steps 24 --modes original,pipetune "$@" 2>&1 \
-  | grep -v -e "^W.*torch.distributed" -e "^\*\*\*\*" -e "OMP_NUM_THREADS" -e "^\s*$"
-echo "timelines: out/demo/{original,pipetune}_{measured,simulated}.png (and .json for Perfetto)"
+echo "== TorchTitan job on 2 gloo ranks (torchrun -m torchtitan.train, Muse Glimmer debugmodel_mm): original, balanced@1, pipetune =="
+.venv/bin/python benchmarks/titan_compare.py --out out/titan "$@" 2>&1 | grep -v -e "^W.*torch.distributed" -e "^\*\*\*\*" -e "OMP_NUM_THREADS" -e "^\s*$" -e "initial_load"
+echo "per-step records: out/titan/<job>_0/pipetune/steps.jsonl; TorchTitan logs and checkpoints beside them"
