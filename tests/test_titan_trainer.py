@@ -108,10 +108,12 @@ def test_step_one_gradients_equal_the_unsplit_model(job, tmp_path, monkeypatch):
     from torchtitan.distributed import utils as dist_utils
 
     monkeypatch.setattr(dist_utils, "_spmd_backend", "partial_dtensor")
-    _torchrun([str(WORKER), str(tmp_path)] + _args(job, tmp_path / "dump", "--training.steps", "1"))
+    # an uneven split (5 + 3 layers) and pre-computed encoders: stage 0's forward uses E's output
+    _torchrun([str(WORKER), str(tmp_path)] + _args(job, tmp_path / "dump", "--training.steps", "1", "--pipetune.layout", "5,3"))
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     batch = ranks[0]["batch"]
     assert any(mb.num_images for mb in batch.micro_batches), "the batch should exercise the vision encoder"
+    assert _records(tmp_path / "dump")[0]["precomputed_encoders"] > 0, "the plan should pre-compute encoders"
     weights = {k: v for r in ranks for k, v in r["weights"].items()}
     reference = _unsplit_gradients(weights, batch)
     pipelined = {k: v for r in ranks for k, v in r["grads"].items()}
@@ -120,3 +122,17 @@ def test_step_one_gradients_equal_the_unsplit_model(job, tmp_path, monkeypatch):
     for name, g in reference.items():
         err = float((pipelined[name] - g).norm() / g.norm().clamp_min(1e-30))
         assert err < 1e-4, f"{name}: relative gradient error {err:.2e}"
+
+
+def test_bad_job_settings_are_named():
+    from torchtitan_patches.titan.dataloader import PipeTuneTitanDataLoader
+    from torchtitan_patches.titan.trainer import PipeTuneSettings
+
+    with pytest.raises(ValueError, match="'fast'"):
+        PipeTuneSettings.Config(mode="fast")
+    with pytest.raises(ValueError, match="pipetune.plan_ahead"):
+        PipeTuneSettings.Config(plan_ahead=-1)
+    with pytest.raises(ValueError, match="dataset_path is empty"):
+        PipeTuneTitanDataLoader.Config().build(seq_len=512)
+    with pytest.raises(ValueError, match="data-parallel degree 2"):
+        PipeTuneTitanDataLoader.Config(dataset_path="x").build(seq_len=512, dp_world_size=2)

@@ -49,7 +49,9 @@ from torchtitan.trainer import Trainer
 
 from pipetune.cost import CostModel, StageLayout, load_latency_table
 from pipetune.plan import Mode, PlannerConfig
+from pipetune.data.storage import open_dataset
 from pipetune.plan.async_planner import AsyncPlanner
+from pipetune.plan.layout import LayoutSearch, sample_batches
 from pipetune.simulate import TimedAction
 from torchtitan_patches.pipeline.calibrate import MeasuredStep, OnlineCalibrator
 from torchtitan_patches.pipeline.executor import PlanExecutor
@@ -75,7 +77,8 @@ class PipeTuneSettings(Configurable):
         """Latency table of this device for the model's planning shapes (``pipetune profile``)."""
 
         layout: str = "even"
-        """Backbone layers per stage: ``even`` or comma-separated counts such as ``3,5``."""
+        """Backbone layers per stage: ``even``, ``auto`` (searched on sampled batches of the job's
+        data with the latency table, under ``memory_gib``) or counts such as ``3,5``."""
 
         budget_s: float = 2.0
         """Planning time per batch; past it the balanced plan at the last good mbs is used."""
@@ -146,7 +149,9 @@ class PipeTuneTrainer(Trainer):
         pp = config.parallelism.pipeline_parallel_degree
         if pp < 2:
             raise ValueError("PipeTuneTrainer plans pipelines: set parallelism.pipeline_parallel_degree >= 2")
-        self.layout = StageLayout.parse(pt.layout, self.planning_model.backbone.n_layers, pp)
+        self.table = load_latency_table(pt.latency_table, model=self.planning_model, tp=1)
+        self.layout = self._choose_layout(config, pp)
+        logger.info(f"pipetune layout ({pt.layout}): backbone layers per stage {self.layout.layers_per_stage()}")
         vision = [m for m in VISION_MODULES if getattr(spec.model, m, None) is not None]
         config.parallelism.module_fqns_per_model_part = layout_fqns(spec, self.layout, vision)
         config.model_spec = dataclasses.replace(spec, parallelize_fn=_pipeline_only(spec.parallelize_fn))
@@ -156,6 +161,20 @@ class PipeTuneTrainer(Trainer):
         if len(self.model_parts) != 1:
             raise ValueError("PipeTuneTrainer runs one pipeline stage per rank (a flat 1F1B-style split)")
         self._build_pipetune(config, pp)
+
+    def _choose_layout(self, config: Config, pp: int) -> StageLayout:
+        """``even``, explicit counts, or ``auto``: the layout search on 8 batches sampled from the
+        job's data (deterministic, so every rank finds the same layout on its own)."""
+        pt, model = config.pipetune, self.planning_model
+        n = model.backbone.n_layers
+        if pt.layout != "auto":
+            return StageLayout.parse(pt.layout, n, pp)
+        dl, seq = config.dataloader, config.training.seq_len
+        sample = sample_batches(open_dataset(dl.dataset_path).table, model, gbs=dl.gbs, max_seq_len=seq, count=8, seed=dl.seed,
+                                overlong=dl.overlong)
+        search = LayoutSearch(model, CostModel(self.table, StageLayout.even(n, pp)), sample, max_seq_len=seq,
+                              memory_bytes=pt.memory_gib * 2**30, max_mbs=pt.max_mbs, seed=dl.seed)
+        return search.search().best.layout
 
     def _build_pipetune(self, config: Config, pp: int) -> None:
         pt = config.pipetune
@@ -171,10 +190,9 @@ class PipeTuneTrainer(Trainer):
             {self.rank: stage}, encoder, dim=self.planning_model.backbone.dim, rank=self.rank, control_group=self.control,
             device=self.device, strict_order=pt.strict_order,
             loss_fn=lambda logits, labels, n: self.loss_fn(logits, labels, torch.tensor(n, device=logits.device))[0])
-        table = load_latency_table(pt.latency_table, model=self.planning_model, tp=1)
-        self.profiled = CostModel(table, self.layout)
+        self.profiled = CostModel(self.table, self.layout)
         self.cost = self.profiled
-        self.calibrator = OnlineCalibrator(table, self.layout, pt.online_window) if self.rank == 0 and pt.online_window else None
+        self.calibrator = OnlineCalibrator(self.table, self.layout, pt.online_window) if self.rank == 0 and pt.online_window else None
         if not isinstance(self.dataloader, PipeTuneTitanDataLoader):
             raise ValueError(f"PipeTuneTrainer needs dataloader = PipeTuneTitanDataLoader.Config, got {type(self.dataloader).__name__}")
         loader = self.dataloader.bind(self.planning_model, packing_source=None)
