@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from pipetune.data.samples import SampleTable
-from pipetune.data.text import BYTE_VOCAB, IMAGE_PLACEHOLDER, split_on_images
+from pipetune.data.text import BYTE_VOCAB, IMAGE_PLACEHOLDER, TextEncoder, split_on_images
 
 INFO_FILE = "pipetune.json"
 TEXT_COLUMNS = ("input_ids", "text", "text_tokens")
@@ -55,6 +55,7 @@ class SampleStore:
     content_seed: int
     has_token_ids: bool
     has_image_files: bool
+    encode: TextEncoder | None = None
 
     def __len__(self) -> int:
         return len(self.table)
@@ -79,7 +80,7 @@ class SampleStore:
                     f"{self.origin}: row {row} (counted from 0), column 'input_ids': sample id={self.table.ids[row]} has "
                     f"token id {int(flat[k])} outside the vocabulary of {vocab_size}; tokenize with the model's tokenizer"
                 )
-        elif "text" in self.dataset.column_names and vocab_size < BYTE_VOCAB:
+        elif "text" in self.dataset.column_names and self.encode is None and vocab_size < BYTE_VOCAB:
             raise ValueError(
                 f"{self.origin}: raw `text` is byte-tokenized into ids up to {BYTE_VOCAB - 1}, beyond the model's "
                 f"vocabulary of {vocab_size}; store pre-tokenized `input_ids` instead"
@@ -144,8 +145,9 @@ def write_dataset(table: SampleTable, out: str | Path, info: dict) -> Path:
     return out
 
 
-def open_dataset(path: str | Path) -> SampleStore:
-    """Open any accepted input (see module doc) and derive the metadata of every row."""
+def open_dataset(path: str | Path, *, encode: TextEncoder | None = None) -> SampleStore:
+    """Open any accepted input (see module doc) and derive the metadata of every row; raw ``text``
+    is tokenized with ``encode`` (default: pipetune's byte-level tokenizer)."""
     import pyarrow as pa
 
     path = Path(path)
@@ -156,7 +158,7 @@ def open_dataset(path: str | Path) -> SampleStore:
     if len(ds) == 0:
         raise ValueError(f"{path}: the data set has no rows")
     try:
-        table = _metadata(ds, path)
+        table = _metadata(ds, path, encode)
     except (pa.ArrowException, OSError) as e:  # a damaged file found while reading its columns
         raise ValueError(f"{path}: cannot read the data set's rows ({_first_line(e)}); {_REMAKE}") from None
     return SampleStore(
@@ -167,6 +169,7 @@ def open_dataset(path: str | Path) -> SampleStore:
         content_seed=int(info.get("seed", 0)),
         has_token_ids=bool({"input_ids", "text"} & set(ds.column_names)),
         has_image_files="images" in ds.column_names,
+        encode=encode,
     )
 
 
@@ -314,7 +317,7 @@ def _list_column(ds, path: Path, column: str, *, nullable: bool = False) -> tupl
     return lengths, _ints(flat, path, column, owner=np.repeat(np.arange(len(lengths)), lengths))
 
 
-def _metadata(ds, path: Path) -> SampleTable:
+def _metadata(ds, path: Path, encode: TextEncoder | None = None) -> SampleTable:
     import pyarrow as pa
 
     cols = set(ds.column_names)
@@ -337,7 +340,7 @@ def _metadata(ds, path: Path) -> SampleTable:
         text_type = ds.data.column("text").type
         if not (pa.types.is_string(text_type) or pa.types.is_large_string(text_type)):
             raise ValueError(f"{_where(path, 0, 'text')}: holds {text_type} values; it needs strings")
-        pieces = [split_on_images(t) for t in ds["text"]]
+        pieces = [split_on_images(t, encode) for t in ds["text"]]
         text_tokens = np.fromiter((p.num_tokens for p in pieces), np.int64, n)
     else:
         text_tokens = _int_column(ds, path, "text_tokens")

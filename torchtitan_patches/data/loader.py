@@ -29,6 +29,7 @@ from pipetune.data.batch import BatchMeta, batch_meta
 from pipetune.data.samples import Overlong, OverlongTotals
 from pipetune.data.storage import SampleStore, open_dataset
 from pipetune.data.stream import BatchStream
+from pipetune.data.text import TextEncoder
 from pipetune.packing.batch_packer import PackingConfig
 from torchtitan_patches.data.micro_batch import ContentSpec, GlobalBatch, build_micro_batch, sample_content
 
@@ -175,8 +176,10 @@ class DataLoaderConfig:
         packing_source: PackingSource | None = None,
         dp_rank: int = 0,
         dp_size: int = 1,
+        encode: TextEncoder | None = None,
     ) -> "PipeTuneDataLoader":
-        return PipeTuneDataLoader(self, model, open_dataset(self.data), packing_source, dp_rank, dp_size)
+        """``encode`` tokenizes raw ``text`` rows (default: pipetune's byte-level tokenizer)."""
+        return PipeTuneDataLoader(self, model, open_dataset(self.data, encode=encode), packing_source, dp_rank, dp_size)
 
 
 class PipeTuneDataLoader(StatefulDataLoader):
@@ -217,6 +220,7 @@ class PipeTuneDataLoader(StatefulDataLoader):
             channels=enc.channels if enc else 1,
             content_seed=store.content_seed,
             data_dir=store.path,
+            encode=store.encode,
         )
         self._sampler = _StepSampler(self.meta, lambda meta: self.packing_source(meta), config.max_steps)
         self._next_step = 0

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from pipetune.data.samples import OverlongReport, SampleTable
-from pipetune.data.text import BYTE_OFFSET, split_on_images
+from pipetune.data.text import BYTE_OFFSET, TextEncoder, split_on_images
 
 IGNORE_INDEX = -100
 IMAGE_TOKEN_ID = 0
@@ -70,13 +70,15 @@ class GlobalBatch:
 
 @dataclass(frozen=True, kw_only=True)
 class ContentSpec:
-    """What the tensors need beyond metadata: vocabulary, image shape and where content comes from."""
+    """What the tensors need beyond metadata: vocabulary, image shape, where content comes from and
+    how raw text is tokenized (``encode``, default bytes; it must be the one the metadata used)."""
 
     vocab_size: int
     image_size: int
     channels: int
     content_seed: int
     data_dir: Path | None = None
+    encode: TextEncoder | None = None
 
 
 def synthetic_tokens(seed: int, sample_id: int, n: int, vocab_size: int) -> np.ndarray:
@@ -110,7 +112,7 @@ def sample_content(table: SampleTable, k: int, row: dict, spec: ContentSpec) -> 
     if "input_ids" in row:
         ids = np.asarray(row["input_ids"], dtype=np.int64)[:n_text]
     elif "text" in row:
-        ids = np.asarray(split_on_images(row["text"]).token_ids, dtype=np.int64)[:n_text]
+        ids = np.asarray(split_on_images(row["text"], spec.encode).token_ids, dtype=np.int64)[:n_text]
     else:
         ids = synthetic_tokens(spec.content_seed, sid, n_text, spec.vocab_size)
     if row.get("images"):

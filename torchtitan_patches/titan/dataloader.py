@@ -13,9 +13,10 @@ micro-batches change every step, which the stock trainer's fixed micro-batch cou
 State (``state_dict``) is the wrapped loader's: next step, configuration fingerprint, overlong
 totals; TorchTitan's ``CheckpointManager`` stores it per data-parallel rank.
 
-Token ids come from the data set (pre-tokenized ``input_ids``, raw ``text`` through pipetune's
-byte-level tokenizer, or synthetic ids for generated data); the job's tokenizer must cover them
-(checked at ``bind``). Limits: one pipeline replica (``dp_world_size`` 1).
+Token ids come from the data set: pre-tokenized ``input_ids``, raw ``text`` through the job's
+tokenizer (``titan.tokenizer.text_encoder``: metadata look-ahead and content use the same one), or
+synthetic ids for generated data. The tokenizer's vocabulary must fit the model's (checked at
+``bind``). Limits: one pipeline replica (``dp_world_size`` 1).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pipetune.config.model import ModelConfig
 from pipetune.data import Overlong
 from pipetune.packing import PackingConfig
 from torchtitan_patches.data.loader import DataLoaderConfig, PackingSource, PipeTuneDataLoader
+from torchtitan_patches.titan.tokenizer import text_encoder
 
 
 class PipeTuneTitanDataLoader(BaseDataLoader):
@@ -69,7 +71,7 @@ class PipeTuneTitanDataLoader(BaseDataLoader):
             raise ValueError(
                 f"the job's tokenizer has {self.tokenizer.get_vocab_size()} ids but the model's vocabulary is "
                 f"{model.backbone.vocab_size}; use a tokenizer that fits the model")
-        self.inner = self.loader_config.build(model, packing_source=packing_source)
+        self.inner = self.loader_config.build(model, packing_source=packing_source, encode=text_encoder(self.tokenizer))
         return self.inner
 
     def _bound(self) -> PipeTuneDataLoader:

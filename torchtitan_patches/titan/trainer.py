@@ -60,6 +60,7 @@ from torchtitan_patches.titan.cpu_device import use_cpu
 from torchtitan_patches.titan.dataloader import PipeTuneTitanDataLoader
 from torchtitan_patches.titan.model_spec import planning_model_config
 from torchtitan_patches.titan.stages import TitanEncoder, TitanStage
+from torchtitan_patches.titan.tokenizer import text_encoder
 from torchtitan_patches.titan.torch_compat import fill_gaps
 
 VISION_MODULES = ("vision_encoder", "vision_adapter", "vision_projection", "perception_emb_norm")
@@ -170,7 +171,8 @@ class PipeTuneTrainer(Trainer):
         if pt.layout != "auto":
             return StageLayout.parse(pt.layout, n, pp)
         dl, seq = config.dataloader, config.training.seq_len
-        sample = sample_batches(open_dataset(dl.dataset_path).table, model, gbs=dl.gbs, max_seq_len=seq, count=8, seed=dl.seed,
+        encode = text_encoder(config.tokenizer.build(tokenizer_path=config.hf_assets_path))
+        sample = sample_batches(open_dataset(dl.dataset_path, encode=encode).table, model, gbs=dl.gbs, max_seq_len=seq, count=8, seed=dl.seed,
                                 overlong=dl.overlong)
         search = LayoutSearch(model, CostModel(self.table, StageLayout.even(n, pp)), sample, max_seq_len=seq,
                               memory_bytes=pt.memory_gib * 2**30, max_mbs=pt.max_mbs, seed=dl.seed)
