@@ -1,8 +1,9 @@
 """Point-to-point message cost between two pipeline ranks: ``latency + bytes / bandwidth``.
 
 Two processes ping-pong tensors of growing size over the backend the runtime uses (gloo on CPU,
-NCCL when two GPUs are visible); one-way time is half the round trip (median of repeats), and a
-least-squares line through (bytes, seconds) gives latency and bandwidth. Messages go up to at
+NCCL when two GPUs are visible); one-way time is half the fastest round trip of the repeats
+(contention from other processes only ever adds time, so the minimum is the transport's own cost,
+and a busy 2-core machine no longer hides the growth with size), and a least-squares line through (bytes, seconds) gives latency and bandwidth. Messages go up to at
 least ``MIN_TOP_BYTES`` so that the bandwidth term dominates the largest ones; when the times
 still do not grow with size (a machine too noisy to measure) the benchmark fails with a message
 instead of reporting a made-up bandwidth.
@@ -13,7 +14,6 @@ from __future__ import annotations
 import os
 import queue as queue_mod
 import socket
-import statistics
 import time
 
 from datetime import timedelta
@@ -76,7 +76,7 @@ def _worker(rank: int, port: int, sizes: list[int], repeats: int, backend: str, 
                 torch.cuda.synchronize(device)
             if i >= 2:
                 times.append((time.perf_counter() - t0) / 2)
-        out.append(statistics.median(times))
+        out.append(min(times))
     if rank == 0:
         queue.put(out)
     dist.destroy_process_group()

@@ -241,6 +241,15 @@ def _load_partial(partial: Path, header: dict) -> dict[str, list[list[float]]]:
         return {}
 
 
+def _message_cost(model: ModelConfig, cfg: ProfileConfig, prof: "_Profiler") -> tuple[dict, str]:
+    if not cfg.p2p:
+        return {"latency_s": 2e-5, "bytes_per_s": 25e9}, "p2p not measured: assumed 20 us + bytes / 25 GB/s"
+    from profiling.p2p import measure_p2p
+
+    msg = measure_p2p(cfg.max_tokens * model.backbone.dim * prof._rand(1, grad=False).element_size())
+    return msg, f"p2p measured with {msg.pop('backend')} between two local processes"
+
+
 def run_profile(model: ModelConfig, cfg: ProfileConfig, out: str | Path, *, progress: bool = True) -> LatencyTable:
     """Profile ``model`` per ``cfg`` and write the latency table to ``out`` (resumable)."""
     out = Path(out)
@@ -255,6 +264,7 @@ def run_profile(model: ModelConfig, cfg: ProfileConfig, out: str | Path, *, prog
     samples = _load_partial(partial, header)
     tasks = measurement_tasks(model, cfg)
     prof = _Profiler(model, cfg)
+    msg, p2p_note = _message_cost(model, cfg, prof)  # first: a machine too busy to measure fails before the long part
     done = min((len(samples.get(f"{c}:{x}", [])) for c, x in tasks), default=0)
     for _ in range(cfg.warmup if done == 0 else 1):
         for curve, x in tasks:
@@ -298,14 +308,7 @@ def run_profile(model: ModelConfig, cfg: ProfileConfig, out: str | Path, *, prog
         for name in ("projector", "encoder"):
             add(name, "images", g["images"], series(name, g["images"], 0), series(name, g["images"], 1))
 
-    if cfg.p2p:
-        from profiling.p2p import measure_p2p
-
-        msg = measure_p2p(cfg.max_tokens * model.backbone.dim * prof._rand(1, grad=False).element_size())
-        notes.append(f"p2p measured with {msg.pop('backend')} between two local processes")
-    else:
-        msg = {"latency_s": 2e-5, "bytes_per_s": 25e9}
-        notes.append("p2p not measured: assumed 20 us + bytes / 25 GB/s")
+    notes.append(p2p_note)
     if cfg.tp > 1:
         notes.append(f"TP={cfg.tp}: one rank's shard was timed; TP collectives are not included")
     backend = "flash-attn varlen" if cfg.attention_backend != "sdpa" and flash_attn_available(device) else "per-document SDPA"
