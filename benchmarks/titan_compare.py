@@ -17,34 +17,21 @@ same samples reach the same weights, only the summation order differs). The firs
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+from titan_jobs import ROOT, prepare, run_job
 
 
-def run_job(job: str, out: Path, args) -> list[dict]:
+def run_mode(job: str, out: Path, args) -> list[dict]:
     """``job`` is a planner mode, optionally with a fixed micro-batch size: ``balanced@1``."""
     mode, _, mbs = job.partition("@")
     dump = out / f"{mode}{mbs}_{len(list(out.glob(f'{mode}{mbs}_*')))}"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
-           "-m", "torchtitan.train", "--module", "torchtitan_patches.titan", "--config", "pipetune_muse_glimmer_mm",
-           "--dump_folder", str(dump), "--dataloader.dataset_path", str(out / "data"), "--pipetune.latency_table",
-           str(out / "table.json"), "--pipetune.mode", mode, "--training.steps", str(args.steps), "--debug.seed", "0",
-           "--dataloader.gbs", str(args.gbs), "--training.seq_len", str(args.seq_len), "--pipetune.mbs", mbs or "0"]
-    res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if res.returncode:
-        sys.exit(f"{mode} job failed (exit {res.returncode}):\n{res.stderr[-4000:]}")
-    return [json.loads(line) for line in (dump / "pipetune" / "steps.jsonl").read_text().splitlines()]
+    return run_job(dump, {"dataloader.dataset_path": out / "data", "pipetune.latency_table": out / "table.json",
+                          "pipetune.mode": mode, "training.steps": args.steps, "debug.seed": 0, "dataloader.gbs": args.gbs,
+                          "training.seq_len": args.seq_len, "pipetune.mbs": mbs or 0})
 
 
 def main(argv=None) -> int:
@@ -58,13 +45,13 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", default="original,balanced@1,pipetune",
                    help="modes to compare, mode@mbs fixes the micro-batch size (balanced@1: a careful fixed choice)")
     args = p.parse_args(argv)
-    subprocess.run([sys.executable, "-m", "torchtitan_patches.titan.prepare", "--out", str(args.out)], check=True, cwd=ROOT)
+    prepare(args.out)
     runs: dict[str, list[list[dict]]] = {job: [] for job in args.jobs.split(",")}
     if not {"original", "pipetune"} <= set(runs):
         p.error("--jobs must include original and pipetune")
     for _ in range(args.rounds):
         for mode in runs:
-            runs[mode].append(run_job(mode, args.out, args))
+            runs[mode].append(run_mode(mode, args.out, args))
     mean = {}
     print(f"TorchTitan muse_glimmer debugmodel_mm, 2 gloo ranks, GBS {args.gbs}, seq_len {args.seq_len}, "
           f"{args.steps} steps x {args.rounds} round(s), first {args.warmup} steps of each job left out")

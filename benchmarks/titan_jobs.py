@@ -1,0 +1,53 @@
+"""Launch a pipetune TorchTitan job the way a user does, and read its per-step records.
+
+Every benchmark that measures real training goes through TorchTitan's own entry point
+(``torchrun -m torchtitan.train --module torchtitan_patches.titan --config <fn>``) on 2 gloo
+ranks, with job options given as TorchTitan command-line overrides, so what is timed is the
+trainer path a user runs. ``prepare`` makes the data set and latency table once per config.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def prepare(out: Path, config: str = "pipetune_muse_glimmer_mm", *extra: str) -> None:
+    """``<out>/data`` and ``<out>/table.json`` for ``config`` (kept when they exist)."""
+    subprocess.run([sys.executable, "-m", "torchtitan_patches.titan.prepare", "--config", config, "--out", str(out), *extra],
+                   check=True, cwd=ROOT)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_job(dump: Path, overrides: dict[str, object], *, config: str = "pipetune_muse_glimmer_mm", nproc: int = 2,
+            timeout: float | None = None) -> list[dict]:
+    """Train one job into ``dump`` and return its records (``<dump>/pipetune/steps.jsonl``).
+
+    ``overrides`` maps TorchTitan option names to values (``{"pipetune.mode": "original"}`` ->
+    ``--pipetune.mode original``); ``True`` is a bare flag. A failed job exits with its log tail.
+    """
+    args = []
+    for key, value in overrides.items():
+        args += [f"--{key}"] if value is True else [f"--{key}", str(value)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(_free_port()),
+           "-m", "torchtitan.train", "--module", "torchtitan_patches.titan", "--config", config, "--dump_folder", str(dump), *args]
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
+    if res.returncode:
+        sys.exit(f"job {dump.name} failed (exit {res.returncode}):\n{res.stderr[-4000:]}")
+    return read_records(dump)
+
+
+def read_records(dump: Path) -> list[dict]:
+    return [json.loads(line) for line in (dump / "pipetune" / "steps.jsonl").read_text().splitlines()]
