@@ -1,24 +1,28 @@
-"""Measured vs simulated iteration time of real pipelined training on 2 gloo ranks (this CPU).
+"""Measured vs predicted pipeline time of real TorchTitan training on 2 gloo ranks (this CPU).
 
-1. Profile the tiny model here (or take ``--table``).
-2. For each data mix, ``torchrun`` two ranks of ``torchtitan_patches.train``: a calibration phase
-   (balanced plans at every mbs; it fits the table's scales and per-call overheads from the
-   measured action times), then ``--steps`` iterations in each of the modes original, balanced
-   and pipetune. Every iteration is a different plan (micro-batch count, sizes, order, encoder
-   placement).
-   After training, every step's plan is run again in the same order until it has
-   ``--timing-rounds`` timed runs taken minutes apart; its measured time is their median.
-3. Print, over all iterations after the warm-up steps: mean absolute % error of the simulated
-   iteration time and the Spearman rank correlation, per mix and mode and overall, and the
-   measured cut of pipetune vs original per mix. Goal (issue 6): error <= 5 %, Spearman >= 0.9.
-   Two simulations: the planner's own prediction, made online before the step ran with the table
-   as calibrated on the steps before it; and the simulator under the profiled table calibrated on
-   every timed run of all the other plans (leave-one-plan-out), which takes the planner's lag
-   behind a drifting machine out of the comparison. Both are also given against the first run of each
-   plan alone (the training step itself), i.e. what one unrepeated measurement would show.
-4. Noise: the mean |difference| between one run of a plan and the median of its runs, and
-   between two medians of the same original plans (the original mode runs a second time, in
-   lockstep with the others, on the same batches).
+What a user runs: TorchTitan's trainer (``torchrun -m torchtitan.train --module
+torchtitan_patches.titan --config pipetune_muse_glimmer_mm``, Muse Glimmer ``debugmodel_mm``)
+with pipetune's plans, one job per planner mode (original, balanced, pipetune; pipetune with its
+measured guard), through ``benchmarks/titan_jobs.py``.
+
+1. Profile the job's planning shapes on this CPU once (``torchtitan_patches.titan.prepare``).
+2. Per data mix, every mode trains ``--calibrate-steps`` calibration steps (balanced plans at
+   every micro-batch size; they feed the online calibration and are not scored) and then
+   ``--steps`` steps, refitting the table online after every step (``--online-window``). Every
+   step is a different plan (micro-batch count, sizes, order, encoder placement).
+3. Rounds 2..``--rounds`` replay each job's recorded plans (``--pipetune.replay``), the modes
+   alternating, so that a plan's measured time is the median of runs minutes apart.
+4. Printed per mix and mode, and overall, over the scored steps: mean |error| and Spearman rank
+   correlation of (a) the planner's own prediction, made online before the step ran, and (b) the
+   simulator under the profiled table calibrated on every run of all the *other* plans of the mix
+   (leave-one-plan-out: accuracy once calibrated, without the planner's lag); measured and
+   predicted cut of pipetune vs original and vs balanced per mix; the noise floor (one run vs the
+   median of its plan's runs, and two single runs of the same plan); the guard's fallback steps.
+
+``--background N`` runs N CPU-bound processes beside the jobs (contention: the setting in which
+plans of many small micro-batches were measured 27 % slower than predicted).
+
+    .venv/bin/python benchmarks/sim_vs_real.py --out out/sim_vs_real [--background 1]
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -34,86 +39,138 @@ from pathlib import Path
 import numpy as np
 from scipy.stats import spearmanr
 
+from titan_jobs import prepare, run_job
+
 os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
-from pipetune.config import load_model_config  # noqa: E402
-from pipetune.data import make_mix, write_dataset  # noqa: E402
-from profiling.profile_layers import ProfileConfig, run_profile  # noqa: E402
+from pipetune.data import Overlong  # noqa: E402
+from pipetune.packing import PackingConfig  # noqa: E402
+from pipetune.plan.plan import IterationPlan  # noqa: E402
+from pipetune.schedule.table import Action  # noqa: E402
+from pipetune.simulate import TimedAction  # noqa: E402
+from torchtitan_patches.data import DataLoaderConfig  # noqa: E402
+from torchtitan_patches.pipeline.calibrate import MeasuredStep, held_out_times  # noqa: E402
+from torchtitan_patches.titan import config_registry  # noqa: E402
+from torchtitan_patches.titan.model_spec import planning_model_config  # noqa: E402
+from pipetune.cost import CostModel, StageLayout, load_latency_table  # noqa: E402
 
 MIXES = ("datamix1", "datamix2", "datamix3")
 MODES = ("original", "balanced", "pipetune")
 
 
+def timeline(rec: dict) -> list[TimedAction]:
+    return [TimedAction(r, Action.parse(a), s, e, p) for r, a, s, e, p in rec["timeline"]]
+
+
+def run_mix(mix: str, work: Path, table: Path, args) -> dict[str, list[dict]]:
+    """Every mode's job and its replays; per mode the scored step records, each with
+    ``runs`` (measured time per round) and ``measured_s`` (their median)."""
+    out = work / mix
+    if not (out / "table.json").exists():
+        out.mkdir(parents=True, exist_ok=True)
+        shutil.copy(table, out / "table.json")
+    prepare(out, "pipetune_muse_glimmer_mm", "--mix", mix, "--samples", str(args.samples))
+    common = {"dataloader.dataset_path": out / "data", "pipetune.latency_table": out / "table.json", "debug.seed": 0,
+              "dataloader.gbs": args.gbs, "training.seq_len": args.seq_len, "pipetune.online_window": args.online_window,
+              "pipetune.calibrate_steps": args.calibrate_steps, "training.steps": args.calibrate_steps + args.steps}
+    jobs = {mode: [run_job(out / f"{mode}_0", {**common, "pipetune.mode": mode})] for mode in MODES}
+    for k in range(1, args.rounds):
+        for mode in MODES:
+            jobs[mode].append(run_job(out / f"{mode}_{k}", {**common, "pipetune.replay": out / f"{mode}_0" / "pipetune" / "steps.jsonl"}))
+    scored = {}
+    for mode, rounds in jobs.items():
+        recs = [r for r in rounds[0] if r["batch"] >= args.calibrate_steps + args.warmup]
+        for r in recs:
+            again = [next(x for x in rnd if x["batch"] == r["batch"]) for rnd in rounds]
+            assert all(x["samples"] == r["samples"] and x["order"] == r["order"] for x in again), "a replay ran another plan"
+            r["runs"] = [x["measured_s"] for x in again]
+            r["timelines"] = [timeline(x) for x in again]
+            r["measured_s"] = float(np.median(r["runs"]))
+        scored[mode] = recs
+    add_held_out(scored, out, args)
+    return scored
+
+
+def add_held_out(scored: dict[str, list[dict]], out: Path, args) -> None:
+    """``held_out_s`` per step: the profiled table fitted to every run of the mix's other plans."""
+    config = config_registry.pipetune_muse_glimmer_mm()
+    model = planning_model_config(config.model_spec, image_grid=config.pipetune.image_grid)
+    loader = DataLoaderConfig(data=str(out / "data"), gbs=args.gbs, max_seq_len=args.seq_len, seed=0, overlong=Overlong.TRUNCATE,
+                              packing=PackingConfig(max_seq_len=args.seq_len)).build(model)
+    recs = [r for mode in MODES for r in scored[mode]]
+    layout = StageLayout.from_sizes(recs[0]["layout"])
+    profiled = CostModel(load_latency_table(out / "table.json", model=model, tp=1), layout)
+    steps = [MeasuredStep.from_timelines(profiled, r["timelines"], IterationPlan.from_json(r["plan"]), loader.meta(r["batch"]),
+                                         r["measured_s"]) for r in recs]
+    for r, t in zip(recs, held_out_times(profiled, steps)):
+        r["held_out_s"] = t
+
+
+def errors(measured, predicted) -> tuple[float, float]:
+    m, p = np.asarray(measured), np.asarray(predicted)
+    return float(np.mean(np.abs(p - m) / m) * 100), float(spearmanr(m, p).statistic) if len(m) > 2 else float("nan")
+
+
+def report(results: dict[str, dict[str, list[dict]]], args) -> None:
+    print(f"\n{'':26} {'planner, online':>28} {'held-out calibration':>22}")
+    print(f"{'mix':9} {'mode':9} {'plans':>5} {'measured':>9} {'predicted':>10} {'|error|':>8} {'spearman':>9} "
+          f"{'|error|':>9} {'spearman':>9}")
+    every = []
+    for mix, scored in results.items():
+        for mode, recs in scored.items():
+            m = [r["measured_s"] for r in recs]
+            e, rho = errors(m, [r["predicted_s"] for r in recs])
+            he, hrho = errors(m, [r["held_out_s"] for r in recs])
+            print(f"{mix:9} {mode:9} {len(recs):5d} {np.mean(m):9.3f} {np.mean([r['predicted_s'] for r in recs]):10.3f} {e:7.1f}% "
+                  f"{rho:9.3f} {he:8.1f}% {hrho:9.3f}")
+            every += recs
+    m = [r["measured_s"] for r in every]
+    e, rho = errors(m, [r["predicted_s"] for r in every])
+    he, hrho = errors(m, [r["held_out_s"] for r in every])
+    print(f"{'all':9} {'':9} {len(every):5d} {'':9} {'':10} {e:7.1f}% {rho:9.3f} {he:8.1f}% {hrho:9.3f}")
+    spread = np.mean([abs(x - r["measured_s"]) / r["measured_s"] for r in every for x in r["runs"]]) * 100
+    pair = np.mean([abs(r["runs"][0] - r["runs"][1]) / r["measured_s"] for r in every]) * 100 if args.rounds > 1 else float("nan")
+    print(f"noise: one run vs the median of its plan's {args.rounds} runs {spread:.1f}% (mean |difference|); "
+          f"two runs of one plan {pair:.1f}%")
+    for mix, scored in results.items():
+        mean = {mode: (np.mean([r["measured_s"] for r in recs]), np.mean([r["predicted_s"] for r in recs])) for mode, recs in scored.items()}
+        cuts = ", ".join(f"vs {base}: measured {1 - mean['pipetune'][0] / mean[base][0]:+.1%}, predicted "
+                         f"{1 - mean['pipetune'][1] / mean[base][1]:+.1%}" for base in ("original", "balanced"))
+        kinds = [r.get("kind") for r in scored["pipetune"]]
+        print(f"{mix}: pipetune {cuts}; guard ran the baseline on {kinds.count('baseline')} of {len(kinds)} steps "
+              f"({sum(r.get('guard') == 'fallback' for r in scored['pipetune'])} in fallback)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--table", help="latency table of the tiny model on this CPU (default: profile now)")
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup-steps", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--mixes", default=",".join(MIXES))
+    ap.add_argument("--steps", type=int, default=16, help="scored steps per job (after the calibration steps)")
+    ap.add_argument("--warmup", type=int, default=1, help="first steps after calibration left out of the scores")
     ap.add_argument("--calibrate-steps", type=int, default=8)
-    ap.add_argument("--gbs", type=int, default=32)
-    ap.add_argument("--timing-rounds", type=int, default=5)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--online-window", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3, help="runs of every plan (the first trains, the others replay it)")
+    ap.add_argument("--gbs", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--samples", type=int, default=4000)
+    ap.add_argument("--background", type=int, default=0, help="CPU-bound processes to run beside the jobs")
     args = ap.parse_args()
-    work = Path(args.out or tempfile.mkdtemp(prefix="pipetune-sim-vs-real-"))
+    work = args.out or Path(tempfile.mkdtemp(prefix="pipetune-sim-vs-real-"))
     work.mkdir(parents=True, exist_ok=True)
-    table = args.table
-    if table is None:
-        table = str(work / "tiny_cpu.json")
-        run_profile(load_model_config("tiny"), ProfileConfig(max_seq_len=512, max_tokens=2048), table, progress=False)
-    pairs = {}
-    cuts = {}
-    noise = {}
-    for k, mix in enumerate(MIXES):
-        data = work / mix
-        if not (data / "pipetune.json").is_file():
-            write_dataset(make_mix(mix, 20_000, seed=k), data, {"mix": mix, "seed": k})
-        out = work / f"run_{mix}"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "torchtitan_patches.train",
-               "--data", str(data), "--latency-table", table, "--out", str(out), "--steps", str(args.steps),
-               "--warmup-steps", str(args.warmup_steps), "--calibrate-steps", str(args.calibrate_steps),
-               "--gbs", str(args.gbs), "--timing-rounds", str(args.timing_rounds), "--modes", ",".join(MODES + ("original",))]
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        if res.returncode != 0:
-            sys.exit(f"{mix}: training job failed:\n{res.stdout[-2000:]}\n{res.stderr[-4000:]}")
-        print(next(line for line in res.stdout.splitlines() if line.startswith("calibration")), f"[{mix}]")
-        summary = json.loads((out / "summary.json").read_text())
-        for mode in MODES:
-            steps = [s for s in summary[mode]["steps"] if s["step"] >= args.warmup_steps]
-            pairs[(mix, mode)] = [(s["measured_s"], s["predicted_s"], s["measured_runs_s"], s["held_out_s"]) for s in steps]
-        cuts[mix] = 1 - summary["pipetune"]["measured_mean_s"] / summary["original"]["measured_mean_s"]
-        again = [s["measured_s"] for s in summary["original#2"]["steps"] if s["step"] >= args.warmup_steps]
-        first = [r[0] for r in pairs[(mix, "original")]]
-        noise[mix] = float(np.mean(np.abs(np.array(again) - first) / np.array(first)) * 100)
-
-    def stats(rows):
-        m = np.array([r[0] for r in rows])
-        p = np.array([r[1] for r in rows])
-        return float(np.mean(np.abs(p - m) / m) * 100), float(spearmanr(m, p).statistic), float(m.mean()), float(p.mean())
-
-    def held_out(rows):
-        return [(r[0], r[3]) for r in rows]
-
-    print(f"\n{'':20} {'':12} {'planner, online':>34} {'held-out calibration':>22}")
-    print(f"{'mix':9} {'mode':9} {'plans':>5} {'measured (s)':>12} {'simulated (s)':>13} {'|error|':>8} {'spearman':>9} "
-          f"{'|error|':>9} {'spearman':>9}")
-    for (mix, mode), rows in pairs.items():
-        e, rho, m, p = stats(rows)
-        he, hrho, _, _ = stats(held_out(rows))
-        print(f"{mix:9} {mode:9} {len(rows):5d} {m:12.3f} {p:13.3f} {e:7.1f}% {rho:9.3f} {he:8.1f}% {hrho:9.3f}")
-    every = [r for rows in pairs.values() for r in rows]
-    e, rho, _, _ = stats(every)
-    he, hrho, _, _ = stats(held_out(every))
-    print(f"{'all':9} {'':9} {len(every):5d} {'':12} {'':13} {e:7.1f}% {rho:9.3f} {he:8.1f}% {hrho:9.3f}")
-    e1, rho1, _, _ = stats([(r[2][0], r[1]) for r in every])
-    he1, hrho1, _, _ = stats([(r[2][0], r[3]) for r in every])
-    print(f"{'all':9} {'1st run':9} {len(every):5d} {'':12} {'':13} {e1:7.1f}% {rho1:9.3f} {he1:8.1f}% {hrho1:9.3f}"
-          "   (against each plan's first run alone)")
-    spread = np.mean([abs(x - r[0]) / r[0] for r in every for x in r[2]]) * 100
-    print(f"noise: one run vs the median of its plan's {args.timing_rounds} runs, mean |difference| {spread:.1f}%")
-    print("measured cut of pipetune vs original: " + ", ".join(f"{mix} {c:.1%}" for mix, c in cuts.items()))
-    print("noise: the same original plans measured twice (medians), mean |difference|: "
-          + ", ".join(f"{mix} {v:.1f}%" for mix, v in noise.items()))
-    print(f"runs and timelines in {work}")
+    prepare(work / "profile", "pipetune_muse_glimmer_mm", "--samples", "200")
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.background)]
+    try:
+        results = {mix: run_mix(mix, work, work / "profile" / "table.json", args) for mix in args.mixes.split(",")}
+    finally:
+        for h in hogs:
+            h.kill()
+    print(f"TorchTitan muse_glimmer debugmodel_mm, 2 gloo ranks, GBS {args.gbs}, seq_len {args.seq_len}; per job "
+          f"{args.calibrate_steps} calibration + {args.steps} steps ({args.warmup} left out), online window {args.online_window}, "
+          f"{args.rounds} runs per plan; {args.background} CPU-bound background process(es)")
+    report(results, args)
+    (work / "summary.json").write_text(json.dumps({mix: {mode: [{k: v for k, v in r.items() if k != "timelines"} for r in recs]
+                                                         for mode, recs in s.items()} for mix, s in results.items()}))
+    print(f"records in {work}")
 
 
 if __name__ == "__main__":

@@ -39,11 +39,11 @@ def job(tmp_path_factory):
     return d
 
 
-def _args(job: Path, dump: Path, *extra: str) -> list[str]:
-    return ["--module", "torchtitan_patches.titan", "--config", "pipetune_muse_glimmer_mm", "--dump_folder", str(dump),
+def _args(job: Path, dump: Path, *extra: str, module: str = "torchtitan_patches.titan", config: str = "pipetune_muse_glimmer_mm") -> list[str]:
+    return ["--module", module, "--config", config, "--dump_folder", str(dump),
             "--dataloader.dataset_path", str(job / "data"), "--pipetune.latency_table", str(job / "table.json"),
             "--dataloader.gbs", "8", "--training.seq_len", "512", "--pipetune.online_window", "0", "--pipetune.budget_s", "60",
-            "--pipetune.strict_order", *extra]
+            "--pipetune.strict_order", "--debug.seed", "0", *extra]
 
 
 def _torchrun(target: list[str], timeout: float = 100) -> str:
@@ -52,7 +52,7 @@ def _torchrun(target: list[str], timeout: float = 100) -> str:
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port), *target]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])})
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
     return res.stdout + res.stderr
 
@@ -132,7 +132,50 @@ def test_bad_job_settings_are_named():
         PipeTuneSettings.Config(mode="fast")
     with pytest.raises(ValueError, match="pipetune.plan_ahead"):
         PipeTuneSettings.Config(plan_ahead=-1)
+    with pytest.raises(ValueError, match="pipetune.calibrate_steps"):
+        PipeTuneSettings.Config(calibrate_steps=-2)
+    with pytest.raises(ValueError, match="pipetune.guard_probe_every"):
+        PipeTuneSettings.Config(guard_probe_every=1)
     with pytest.raises(ValueError, match="dataset_path is empty"):
         PipeTuneTitanDataLoader.Config().build(seq_len=512)
     with pytest.raises(ValueError, match="data-parallel degree 2"):
         PipeTuneTitanDataLoader.Config(dataset_path="x").build(seq_len=512, dp_world_size=2)
+
+
+def test_the_guard_falls_back_while_tuned_plans_are_slowed_and_returns(job, tmp_path):
+    """Tuned plans sleep 150 ms per stage forward during batches 8-17 (about doubling their time);
+    the baseline (best fixed configuration) runs at full speed. The guard must fall back within a
+    bounded number of steps (two windows of tuned steps, a probe among them), run only baseline
+    plans while it is back, and return to pipetune's plans after the slow-down."""
+    dump = tmp_path / "slowed"
+    window, slow = 4, range(8, 18)
+    _torchrun(["-m", "torchtitan.train", *_args(
+        job, dump, "--training.steps", "34", "--pipetune.calibrate_steps", "4", "--pipetune.guard_probe_every", "4",
+        "--pipetune.guard_window", str(window), "--slow_from", str(slow.start), "--slow_to", str(slow.stop), "--slow_s", "0.15",
+        module="titan_slowed_job", config="slowed_muse_glimmer_mm")], timeout=150)
+    recs = _records(dump)
+    calibration = [r for r in recs if r["kind"] == "calibration"]
+    assert [r["batch"] for r in calibration] == [0, 1, 2, 3] and [r["mbs"] for r in calibration] == [1, 2, 3, 4]
+    states = {r["batch"]: r.get("guard") for r in recs}
+    fell = [b for b, s in states.items() if s == "fallback"]
+    assert fell, "the guard never fell back although pipetune's plans were slowed"
+    assert slow.start <= fell[0] <= slow.start + 2 * window + 2, f"fell back at batch {fell[0]}"
+    for r in recs:  # a step that starts in fallback runs the baseline plan
+        if states.get(r["batch"] - 1) == "fallback":
+            assert r["kind"] == "baseline" and r["mode"] != "pipetune"
+    back = [b for b in states if b > slow.stop and states[b] == "tuned" and states.get(b - 1) != "tuned"]
+    assert back and all(states[b] in ("tuned", None) for b in states if b >= back[-1]), states
+    assert not any(r["kind"] == "tuned" and r["mode"] != "pipetune" for r in recs)
+
+
+def test_a_replayed_job_runs_the_recorded_plans_with_the_same_losses(job, tmp_path):
+    """``--pipetune.replay`` runs an earlier job's recorded plans (how benchmarks time one plan
+    several times); on the same data and weights the losses are the same, bit for bit."""
+    recorded, replayed = tmp_path / "recorded", tmp_path / "replayed"
+    _torchrun(["-m", "torchtitan.train", *_args(job, recorded, "--training.steps", "3")])
+    _torchrun(["-m", "torchtitan.train", *_args(job, replayed, "--training.steps", "3", "--pipetune.replay",
+                                                 str(recorded / "pipetune" / "steps.jsonl"), "--pipetune.mode", "original")])
+    a, b = _records(recorded), _records(replayed)
+    assert [r["kind"] for r in b] == ["replay"] * 3
+    for x, y in zip(a, b):
+        assert (x["samples"], x["order"], x["mode"], x["loss"]) == (y["samples"], y["order"], y["mode"], y["loss"])

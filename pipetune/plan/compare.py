@@ -15,10 +15,10 @@ import numpy as np
 
 from pipetune.config.model import ModelConfig
 from pipetune.cost.cost_model import CostModel
-from pipetune.data.batch import batch_meta
+from pipetune.data.batch import BatchMeta, batch_meta
 from pipetune.data.samples import Overlong, SampleTable
 from pipetune.data.stream import BatchStream
-from pipetune.plan.search import Mode, PlannerConfig
+from pipetune.plan.search import Mode, Planner, PlannerConfig
 
 
 @dataclass(frozen=True)
@@ -68,27 +68,47 @@ def compare_modes(
         Mode(m).value: PlannerConfig(mode=m, max_seq_len=max_seq_len, memory_bytes=memory_bytes, mbs=mbs, seed=seed).build(model, cost)
         for m in modes
     }
-    static = {}
-    if best_static:
-        top = next(iter(planners.values())).max_mbs
-        static = {
-            (packer, size): PlannerConfig(mode=packer, max_seq_len=max_seq_len, memory_bytes=memory_bytes, mbs=size, seed=seed).build(model, cost)
-            for packer in (Mode.ORIGINAL, Mode.BALANCED)
-            for size in range(1, top + 1)
-        }
+    static = static_planners(model, cost, max_seq_len=max_seq_len, memory_bytes=memory_bytes, seed=seed) if best_static else {}
     rows = {m: [] for m in [*planners, *static]}
     for step in range(iters):
         meta = batch_meta(data, stream, step, tokens_per_image=model.tokens_per_image, max_seq_len=max_seq_len, overlong=overlong)
         for m, planner in [*planners.items(), *static.items()]:
             rows[m].append(planner.plan(meta))
     out = {m: _summary(m, rows[m]) for m in planners}
-    if static:
-        fits = {k: all(max(p.peak_bytes) <= static[k].budget for p in rows[k]) for k in static}
-        means = {k: float(np.mean([p.predicted_s for p in rows[k]])) for k in static if fits[k]}
-        if means:
-            packer, size = min(means, key=means.get)
-            out["best-static"] = _summary("best-static", rows[packer, size], choice=f"{packer.value} mbs={size}")
+    choice = pick_best_static(static, rows)
+    if choice is not None:
+        packer, size = choice
+        out["best-static"] = _summary("best-static", rows[choice], choice=f"{packer.value} mbs={size}")
     return out
+
+
+def static_planners(model: ModelConfig, cost: CostModel, *, max_seq_len: int, memory_bytes: float, seed: int = 0,
+                    max_mbs: int = 64) -> dict[tuple[Mode, int], Planner]:
+    """One planner per fixed configuration: packer (original or balanced) x every mbs that fits."""
+    top = PlannerConfig(mode=Mode.BALANCED, max_seq_len=max_seq_len, memory_bytes=memory_bytes, max_mbs=max_mbs).build(model, cost).max_mbs
+    return {
+        (packer, size): PlannerConfig(mode=packer, max_seq_len=max_seq_len, memory_bytes=memory_bytes, mbs=size, seed=seed).build(model, cost)
+        for packer in (Mode.ORIGINAL, Mode.BALANCED)
+        for size in range(1, top + 1)
+    }
+
+
+def pick_best_static(static: dict[tuple[Mode, int], Planner], rows: dict) -> tuple[Mode, int] | None:
+    """The configuration with the lowest mean simulated time over its planned ``rows`` among those
+    whose plans all fit memory (None if none does)."""
+    fits = {k: all(max(p.peak_bytes) <= static[k].budget for p in rows[k]) for k in static}
+    means = {k: float(np.mean([p.predicted_s for p in rows[k]])) for k in static if fits[k]}
+    return min(means, key=means.get) if means else None
+
+
+def best_static_planner(model: ModelConfig, cost: CostModel, sample: list[BatchMeta], *, max_seq_len: int, memory_bytes: float,
+                        seed: int = 0, max_mbs: int = 64) -> Planner:
+    """The best fixed configuration on ``sample`` (batches drawn apart from the ones it will plan)."""
+    static = static_planners(model, cost, max_seq_len=max_seq_len, memory_bytes=memory_bytes, seed=seed, max_mbs=max_mbs)
+    choice = pick_best_static(static, {k: [p.plan(meta) for meta in sample] for k, p in static.items()})
+    if choice is None:
+        raise ValueError(f"no fixed micro-batch size fits the sampled batches in {memory_bytes / 2**30:.1f} GiB")
+    return static[choice]
 
 
 def _summary(mode: str, plans, choice: str = "") -> ModeSummary:

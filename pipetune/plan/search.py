@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -134,6 +135,7 @@ class Planner:
         self.last_mbs = self.fixed_mbs
         self._dags: dict[tuple[int, bool], CompiledSchedule] = {}
         self.encoder = model.encoder is not None
+        self.correction: dict[int, float] = {}
         self._lock = threading.Lock()
 
     def set_cost(self, cost: CostModel) -> None:
@@ -142,6 +144,19 @@ class Planner:
             raise ValueError("set_cost needs a cost model of the same model and stage layout")
         with self._lock:
             self.cost = cost
+
+    def set_correction(self, factors: Mapping[int, float]) -> None:
+        """From the next plan on, compare micro-batch sizes by their simulated time times
+        ``factors[mbs]`` (``pipetune.cost.correction``; sizes not given: 1). Plans still report
+        the uncorrected simulated time as ``predicted_s``."""
+        with self._lock:
+            self.correction = dict(factors)
+
+    def _factor(self, mbs: int) -> float:
+        return self.correction.get(mbs, 1.0)
+
+    def _score(self, c: _Candidate) -> float:
+        return c.best_s * self._factor(c.mbs)
 
     def _dag(self, m: int) -> CompiledSchedule:
         key = (m, self.encoder)
@@ -204,15 +219,15 @@ class Planner:
                 if deadline is not None and time.perf_counter() > deadline:
                     return self._fallback(meta, t0)
                 cands.append(self._candidate(meta, mbs, PackerKind.BALANCED))
-            best = min(cands, key=lambda c: c.best_s)
+            best = min(cands, key=self._score)
             if mode in (Mode.REORDER, Mode.PIPETUNE):
-                for c in sorted(cands, key=lambda c: c.base_s)[: self.config.top_sizes]:
-                    if c.lower_bound_s >= best.best_s:
+                for c in sorted(cands, key=lambda c: c.base_s * self._factor(c.mbs))[: self.config.top_sizes]:
+                    if c.lower_bound_s * self._factor(c.mbs) >= self._score(best):
                         continue
                     if deadline is not None and time.perf_counter() > deadline:
                         return self._fallback(meta, t0)
                     self._improve(c)
-                    if c.best_s < best.best_s:
+                    if self._score(c) < self._score(best):
                         best = c
             if mode is Mode.PIPETUNE and not np.isfinite(best.best_s):
                 raise ValueError(

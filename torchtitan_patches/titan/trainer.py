@@ -14,18 +14,26 @@ distributed set-up, the model (built on meta from the job's ``ModelSpec``, split
   which torch 2.13 lacks, is therefore never called.
 * ``batch_generator``: the dataloader yields one ``GlobalBatch`` per step (see
   ``titan.dataloader``).
-* ``state_dict``: adds the planner's state (calibrated latency table and calibration window),
-  so a resumed job plans as the uninterrupted one would.
+* ``state_dict``: adds the planner's state (calibration window, per-mbs correction, guard), so a
+  resumed job plans as the uninterrupted one would.
 
 The stage layout comes from pipetune (``pipetune.layout``: even, explicit, or searched) and is
 handed to TorchTitan's splitter as ``parallelism.module_fqns_per_model_part``, so planner and
-runtime agree on it. Rank 0 plans ``plan_ahead`` batches ahead in a background thread
-(``AsyncPlanner``) and sends plans over a gloo group; per step it writes a record (mode, mbs,
-micro-batches, order, pre-computed encoders, predicted and measured pipeline time, loss) to
-``<dump_folder>/pipetune/steps.jsonl`` and logs the numbers through the metrics processor.
+runtime agree on it. Rank 0 decides every step's plan (``titan.plan_source``: replayed,
+calibration cycle, the job's planner planning ``plan_ahead`` batches ahead in a background
+thread, or the guard's baseline) and sends plans over a gloo group. After each step rank 0 refits
+the latency table to the last ``online_window`` steps' action times, updates the per-mbs
+correction the planner compares sizes with (``pipetune.cost.correction``) and the measured guard
+(``pipetune.plan.guard``: pipetune's plans run only while measured faster than the best fixed
+configuration). Per step it writes a record to ``<dump_folder>/pipetune/steps.jsonl`` (mode, kind
+of plan and guard state, mbs, micro-batches, order, pre-computed encoders, predicted and measured
+pipeline time, both plans' predictions, loss, layout, the plan itself and every rank's action
+timeline) and logs the numbers through the metrics processor.
 
 Limits: pipeline parallelism only (no data, tensor or context parallelism yet: the executor
-addresses ranks of the world group), one stage per rank, fp32 or autocast compute without FSDP.
+addresses ranks of the world group), one stage per rank, fp32 compute (TorchTitan 0.3.0 applies
+mixed precision through FSDP, which this trainer does not use yet; the executor itself runs bf16
+autocast, see ``PlanExecutor``).
 """
 
 from __future__ import annotations
@@ -48,9 +56,12 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from pipetune.cost import CostModel, StageLayout, load_latency_table
-from pipetune.plan import Mode, PlannerConfig
+from pipetune.cost.correction import FamilyCorrection
 from pipetune.data.storage import open_dataset
+from pipetune.plan import Mode, PlannerConfig
 from pipetune.plan.async_planner import AsyncPlanner
+from pipetune.plan.compare import best_static_planner
+from pipetune.plan.guard import Guard, GuardConfig, GuardState, PlanKind
 from pipetune.plan.layout import LayoutSearch, sample_batches
 from pipetune.simulate import TimedAction
 from torchtitan_patches.pipeline.calibrate import MeasuredStep, OnlineCalibrator
@@ -59,6 +70,7 @@ from torchtitan_patches.pipeline.plan_channel import PlanChannel
 from torchtitan_patches.titan.cpu_device import use_cpu
 from torchtitan_patches.titan.dataloader import PipeTuneTitanDataLoader
 from torchtitan_patches.titan.model_spec import planning_model_config
+from torchtitan_patches.titan.plan_source import PlanSource, StepKind, load_replay
 from torchtitan_patches.titan.stages import TitanEncoder, TitanStage
 from torchtitan_patches.titan.tokenizer import text_encoder
 from torchtitan_patches.titan.torch_compat import fill_gaps
@@ -109,13 +121,35 @@ class PipeTuneSettings(Configurable):
         strict_order: bool = False
         """Give every message one tag, so gloo matches messages by order as NCCL does (a check)."""
 
+        calibrate_steps: int = 0
+        """The first N steps train with balanced plans cycling through every micro-batch size, so
+        the online calibration has measured each size before the planner compares them."""
+
+        guard: bool = True
+        """pipetune mode: fall back to the best fixed configuration while pipetune's plans are
+        measured slower than it (``pipetune.plan.guard``; probes the baseline every
+        ``guard_probe_every`` steps)."""
+
+        guard_probe_every: int = 16
+        """Steps between baseline probes of the guard (one probe step runs the baseline plan)."""
+
+        guard_window: int = 8
+        """Tuned steps the guard judges on (it decides once it has ``min(4, guard_window)``)."""
+
+        replay: str = ""
+        """Run the plans recorded in an earlier job's ``pipetune/steps.jsonl`` instead of planning
+        (same data set, batch size, seed and sequence length; each plan is checked against its batch)."""
+
         def __post_init__(self) -> None:
             Mode(self.mode)
-            for name in ("plan_ahead", "max_mbs", "mbs", "online_window", "image_grid"):
+            for name in ("plan_ahead", "max_mbs", "mbs", "online_window", "image_grid", "calibrate_steps"):
                 if getattr(self, name) < 0:
                     raise ValueError(f"pipetune.{name} must be >= 0, got {getattr(self, name)}")
             if self.budget_s <= 0 or self.memory_gib <= 0:
                 raise ValueError("pipetune.budget_s and pipetune.memory_gib must be positive")
+            if self.guard_probe_every < 2 or self.guard_window < 1:
+                raise ValueError(f"pipetune.guard_probe_every must be >= 2 and pipetune.guard_window >= 1, got "
+                                 f"{self.guard_probe_every} and {self.guard_window}")
 
 
 def layout_fqns(model_spec, layout: StageLayout, parts: list[str]) -> list[list[str]]:
@@ -163,19 +197,24 @@ class PipeTuneTrainer(Trainer):
             raise ValueError("PipeTuneTrainer runs one pipeline stage per rank (a flat 1F1B-style split)")
         self._build_pipetune(config, pp)
 
+    def _sample(self, config: Config) -> list:
+        """8 batches of the job's data drawn with their own seed (deterministic, so every rank
+        draws the same): the layout search and the choice of the baseline are made on them."""
+        if getattr(self, "_sampled", None) is None:
+            dl = config.dataloader
+            encode = text_encoder(config.tokenizer.build(tokenizer_path=config.hf_assets_path))
+            self._sampled = sample_batches(open_dataset(dl.dataset_path, encode=encode).table, self.planning_model, gbs=dl.gbs,
+                                           max_seq_len=config.training.seq_len, count=8, seed=dl.seed, overlong=dl.overlong)
+        return self._sampled
+
     def _choose_layout(self, config: Config, pp: int) -> StageLayout:
-        """``even``, explicit counts, or ``auto``: the layout search on 8 batches sampled from the
-        job's data (deterministic, so every rank finds the same layout on its own)."""
+        """``even``, explicit counts, or ``auto``: the layout search on the sampled batches."""
         pt, model = config.pipetune, self.planning_model
         n = model.backbone.n_layers
         if pt.layout != "auto":
             return StageLayout.parse(pt.layout, n, pp)
-        dl, seq = config.dataloader, config.training.seq_len
-        encode = text_encoder(config.tokenizer.build(tokenizer_path=config.hf_assets_path))
-        sample = sample_batches(open_dataset(dl.dataset_path, encode=encode).table, model, gbs=dl.gbs, max_seq_len=seq, count=8, seed=dl.seed,
-                                overlong=dl.overlong)
-        search = LayoutSearch(model, CostModel(self.table, StageLayout.even(n, pp)), sample, max_seq_len=seq,
-                              memory_bytes=pt.memory_gib * 2**30, max_mbs=pt.max_mbs, seed=dl.seed)
+        search = LayoutSearch(model, CostModel(self.table, StageLayout.even(n, pp)), self._sample(config), max_seq_len=config.training.seq_len,
+                              memory_bytes=pt.memory_gib * 2**30, max_mbs=pt.max_mbs, seed=config.dataloader.seed)
         return search.search().best.layout
 
     def _build_pipetune(self, config: Config, pp: int) -> None:
@@ -186,6 +225,10 @@ class PipeTuneTrainer(Trainer):
         part = self.model_parts[0]
         if pt.freeze_vision_encoder and getattr(part, "vision_encoder", None) is not None:
             part.vision_encoder.requires_grad_(False)  # AdamW skips parameters without gradients
+        sizes = [None] * pp
+        dist.all_gather_object(sizes, sum(p.numel() * p.element_size() for p in part.parameters()), group=self.control)
+        if self.rank == 0:  # each rank materialised only its own stage (meta-device init)
+            logger.info("pipetune: parameter bytes per rank " + ", ".join(f"rank {r} {b / 2**20:.1f} MiB" for r, b in enumerate(sizes)))
         stage = TitanStage(part, is_first=self.rank == 0, is_last=self.rank == pp - 1)
         encoder = TitanEncoder(part) if stage.is_first and getattr(part, "vision_encoder", None) is not None else None
         self.executor = PlanExecutor(
@@ -193,19 +236,37 @@ class PipeTuneTrainer(Trainer):
             device=self.device, strict_order=pt.strict_order,
             loss_fn=lambda logits, labels, n: self.loss_fn(logits, labels, torch.tensor(n, device=logits.device))[0])
         self.profiled = CostModel(self.table, self.layout)
-        self.cost = self.profiled
         self.calibrator = OnlineCalibrator(self.table, self.layout, pt.online_window) if self.rank == 0 and pt.online_window else None
         if not isinstance(self.dataloader, PipeTuneTitanDataLoader):
             raise ValueError(f"PipeTuneTrainer needs dataloader = PipeTuneTitanDataLoader.Config, got {type(self.dataloader).__name__}")
         loader = self.dataloader.bind(self.planning_model, packing_source=None)
-        self.planner = None
-        if self.rank == 0:
-            planner = PlannerConfig(mode=Mode(pt.mode), max_seq_len=config.training.seq_len, memory_bytes=pt.memory_gib * 2**30,
-                                    max_mbs=pt.max_mbs, mbs=pt.mbs or None, seed=config.debug.seed or 0).build(self.planning_model, self.cost)
-            self.planner = AsyncPlanner(planner, loader.meta, budget_s=pt.budget_s, lookahead=pt.plan_ahead)
-        self.channel = PlanChannel(self.planner.plan if self.planner else None, group=self.control)
+        self.source = self._plan_source(config, loader) if self.rank == 0 else None
+        self.channel = PlanChannel(self.source, group=self.control)
         loader.packing_source = self.channel
         self.records_path = Path(config.dump_folder) / "pipetune" / "steps.jsonl"
+
+    def _plan_source(self, config: Config, loader) -> PlanSource:
+        """Rank 0's planners: the job's mode, the calibration cycle, and the guard's baseline."""
+        pt, seq, seed = config.pipetune, config.training.seq_len, config.debug.seed or 0
+        replay = load_replay(pt.replay) if pt.replay else None
+        cost, memory = self.profiled, pt.memory_gib * 2**30
+        tuned = PlannerConfig(mode=Mode(pt.mode), max_seq_len=seq, memory_bytes=memory, max_mbs=pt.max_mbs, mbs=pt.mbs or None,
+                              seed=seed).build(self.planning_model, cost)
+        calibration = [PlannerConfig(mode=Mode.BALANCED, max_seq_len=seq, memory_bytes=memory, mbs=k, seed=seed).build(self.planning_model, cost)
+                       for k in range(1, tuned.max_mbs + 1)] if pt.calibrate_steps else []
+        guarded = pt.guard and Mode(pt.mode) is Mode.PIPETUNE and replay is None
+        baseline = best_static_planner(self.planning_model, cost, self._sample(config), max_seq_len=seq, memory_bytes=memory, seed=seed,
+                                       max_mbs=pt.max_mbs) if guarded else None
+        self.planners = [tuned, *calibration, *([baseline] if baseline else [])]
+        self.guard = Guard(GuardConfig(probe_every=pt.guard_probe_every, window=pt.guard_window,
+                                       min_steps=min(4, pt.guard_window))) if guarded else None
+        self.correction = FamilyCorrection() if pt.online_window and Mode(pt.mode) is Mode.PIPETUNE else None
+        self.async_planner = AsyncPlanner(tuned, loader.meta, budget_s=pt.budget_s, lookahead=pt.plan_ahead)
+        if baseline is not None:
+            logger.info(f"pipetune guard: baseline = {baseline.config.mode.value} packing at mbs {baseline.fixed_mbs} "
+                        "(best fixed configuration on 8 sampled batches)")
+        return PlanSource(self.async_planner, baseline=baseline, calibration=calibration, calibrate_steps=pt.calibrate_steps,
+                          guard=self.guard, replay=replay)
 
     def batch_generator(self, data_iterable):
         it = iter(data_iterable)
@@ -236,37 +297,66 @@ class PipeTuneTrainer(Trainer):
         record = self._record(batch, plan, res)
         if self.metrics_processor.should_log(self.step):
             extra = {f"pipetune/{k}": record[k] for k in ("mbs", "micro_batches", "precomputed_encoders", "predicted_s", "measured_s")}
+            if self.rank == 0:
+                extra["pipetune/baseline_ran"] = float(record["kind"] in (StepKind.BASELINE.value,))
             self.metrics_processor.log(self.step, record["loss"], record["loss"], float(grad_norm.item()),
                                        extra_metrics={**extra, **lr_metrics})
 
     def _record(self, batch, plan, res) -> dict:
-        """Gather every rank's timing and loss (gloo), refit the table on rank 0, write the record."""
+        """Gather every rank's timing and loss (gloo); on rank 0 feed the calibration, correction
+        and guard, and write the record."""
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, (res.start, res.end, res.timeline, res.loss), group=self.control)
         start = min(g[0] for g in every)
         measured = max(g[1] for g in every) - start
         loss = next(g[3] for g in every if g[3] is not None)
-        record = {"step": self.step, "batch": batch.step, "mode": self.config.pipetune.mode, "mbs": plan.mbs,
+        timeline = [TimedAction(t.rank, t.action, t.start - start, t.end - start, t.precomputed) for g in every for t in g[2]]
+        record = {"step": self.step, "batch": batch.step, "mode": plan.mode, "mbs": plan.mbs,
                   "micro_batches": plan.num_micro_batches, "order": list(plan.order),
-                  "precomputed_encoders": sum(t.precomputed for g in every for t in g[2]), "predicted_s": plan.predicted_s,
-                  "measured_s": measured, "loss": loss, "fallback": plan.fallback,
+                  "precomputed_encoders": sum(t.precomputed for t in timeline), "predicted_s": plan.predicted_s,
+                  "measured_s": measured, "loss": loss, "fallback": plan.fallback, "layout": self.layout.layers_per_stage(),
                   "samples": [list(mb) for mb in plan.micro_batches]}
         if self.rank == 0:
-            if self.calibrator is not None and self.step > 1:  # the first step pays one-off warm-up costs
-                timeline = [TimedAction(t.rank, t.action, t.start - start, t.end - start, t.precomputed) for g in every for t in g[2]]
-                meta = self.dataloader.inner.meta(batch.step)
-                self.cost, _ = self.calibrator.update(MeasuredStep.from_timelines(self.profiled, [timeline], plan, meta, measured))
-                self.planner.planner.set_cost(self.cost)
+            self._learn(batch, plan, timeline, measured, record)
+            record["plan"] = plan.to_json()
+            record["timeline"] = [[t.rank, str(t.action), t.start, t.end, t.precomputed] for t in timeline]
             self.records_path.parent.mkdir(parents=True, exist_ok=True)
             with self.records_path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
-            logger.info(f"pipetune step {self.step}: mode {record['mode']}, mbs {plan.mbs}, {plan.num_micro_batches} micro-batches, "
-                        f"{record['precomputed_encoders']} encoders pre-computed, predicted {plan.predicted_s * 1e3:.1f} ms, "
-                        f"measured {measured * 1e3:.1f} ms")
+            logger.info(f"pipetune step {self.step}: {record['kind']} plan ({plan.mode}), mbs {plan.mbs}, {plan.num_micro_batches} "
+                        f"micro-batches, {record['precomputed_encoders']} encoders pre-computed, predicted {plan.predicted_s * 1e3:.1f} ms, "
+                        f"measured {measured * 1e3:.1f} ms" + (f"; guard {record['guard']}" if "guard" in record else ""))
         return record
 
+    def _learn(self, batch, plan, timeline, measured: float, record: dict) -> None:
+        """Rank 0, after a step: refit the table (not on the first step, which pays one-off
+        warm-up costs), update the per-mbs correction and the guard, and note them in ``record``."""
+        step = self.source.pop(batch.step)
+        record.update(kind=step.kind.value, tuned_predicted_s=step.tuned_predicted_s, baseline_predicted_s=step.baseline_predicted_s)
+        if self.step == 1 or step.kind is StepKind.REPLAY:
+            return
+        if self.calibrator is not None:
+            meta = self.dataloader.inner.meta(batch.step)
+            cost, _ = self.calibrator.update(MeasuredStep.from_timelines(self.profiled, [timeline], plan, meta, measured))
+            for planner in self.planners:
+                planner.set_cost(cost)
+        if self.correction is not None:
+            self.correction.observe(plan.mbs, measured, plan.predicted_s)
+            self.planners[0].set_correction(self.correction.factors())
+        if self.guard is not None and step.kind in (StepKind.TUNED, StepKind.BASELINE):
+            kind = PlanKind.TUNED if step.kind is StepKind.TUNED else PlanKind.BASELINE
+            before = self.guard.state
+            d = self.guard.observe(kind, measured, plan.predicted_s, step.baseline_predicted_s)
+            record.update(guard=d.state.value, guard_advantage=d.advantage)
+            if d.state is not before:
+                say = logger.warning if d.state is GuardState.FALLBACK else logger.info
+                say(f"pipetune guard: {before.value} -> {d.state.value} at step {self.step} (pipetune's measured advantage over "
+                    f"the baseline, log ratio: {d.advantage:+.3f} +- {d.stderr:.3f})")
+
     def state_dict(self) -> dict:
-        state = {"window": list(self.calibrator.steps) if self.calibrator else []}
+        state = {"window": list(self.calibrator.steps) if self.calibrator else [],
+                 "guard": self.guard.state_dict() if getattr(self, "guard", None) else None,
+                 "correction": self.correction.state_dict() if getattr(self, "correction", None) else None}
         return {**super().state_dict(), f"pipetune_rank_{self.rank}": pickle.dumps(state)}
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -276,13 +366,20 @@ class PipeTuneTrainer(Trainer):
             raise ValueError(f"the checkpoint has no planner state for rank {self.rank} ({key}); it was not written by "
                              "PipeTuneTrainer with this pipeline degree")
         state = pickle.loads(state_dict[key])
-        if self.calibrator is not None:
+        if self.rank != 0:
+            return
+        if self.guard is not None and state["guard"] is not None:
+            self.guard.load_state_dict(state["guard"])
+        if self.correction is not None and state["correction"] is not None:
+            self.correction.load_state_dict(state["correction"])
+            self.planners[0].set_correction(self.correction.factors())
+        if self.calibrator is not None and state["window"]:
             self.calibrator.steps.extend(state["window"])
-            if self.calibrator.steps:
-                self.cost, _ = self.calibrator.update(self.calibrator.steps.pop())
-                self.planner.planner.set_cost(self.cost)
+            cost, _ = self.calibrator.update(self.calibrator.steps.pop())
+            for planner in self.planners:
+                planner.set_cost(cost)
 
     def close(self) -> None:
-        if getattr(self, "planner", None) is not None:
-            self.planner.close()
+        if getattr(self, "async_planner", None) is not None:
+            self.async_planner.close()
         super().close()

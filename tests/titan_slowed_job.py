@@ -1,0 +1,41 @@
+"""A pipetune TorchTitan job whose tuned plans are slowed down on purpose (``--module
+titan_slowed_job --config slowed_muse_glimmer_mm``): every stage forward of a ``pipetune`` plan
+sleeps ``slow_s`` while the batch step is in ``[slow_from, slow_to)``; baseline plans run at full
+speed. The guard test uses it to check that the guard notices and comes back."""
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+from torchtitan_patches.titan import config_registry
+from torchtitan_patches.titan.trainer import PipeTuneTrainer
+
+
+class SlowedTrainer(PipeTuneTrainer):
+    @dataclass(kw_only=True, slots=True)
+    class Config(PipeTuneTrainer.Config):
+        slow_from: int = 0
+        slow_to: int = 0
+        slow_s: float = 0.0
+
+    def _build_pipetune(self, config, pp):
+        super()._build_pipetune(config, pp)
+        self.slowed = False
+        stage, run = self.executor.stages[self.rank], self.executor.run
+
+        def forward(*args, _forward=stage.forward, **kwargs):
+            if self.slowed:
+                time.sleep(config.slow_s)
+            return _forward(*args, **kwargs)
+
+        def slowed_run(batch, plan):
+            self.slowed = plan.mode == "pipetune" and config.slow_from <= batch.step < config.slow_to
+            return run(batch, plan)
+
+        stage.forward = forward
+        self.executor.run = slowed_run
+
+
+def slowed_muse_glimmer_mm() -> SlowedTrainer.Config:
+    base = config_registry.pipetune_muse_glimmer_mm()
+    return SlowedTrainer.Config(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)})

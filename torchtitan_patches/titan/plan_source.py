@@ -1,0 +1,98 @@
+"""Rank 0's source of every step's plan in a ``PipeTuneTrainer`` job.
+
+Which plan a step runs, in order of precedence:
+
+1. ``replay``: a plan recorded by an earlier job of the same configuration (its ``steps.jsonl``),
+   validated against this step's batch: the same plans timed again (benchmarks repeat runs so)
+   or a run's plans reproduced.
+2. Calibration steps (the first ``calibrate_steps`` batches): balanced plans cycling through every
+   micro-batch size, so the online calibration has seen each size's per-call costs before the
+   planner compares sizes by them. They train like any other step.
+3. Otherwise the job's planner (``AsyncPlanner``, planning ahead), unless the measured guard
+   (``pipetune.plan.guard``, pipetune mode only) asks for the baseline: the best fixed
+   configuration (packer and micro-batch size chosen once on sampled batches), which is also
+   planned for every batch so that the guard compares both predictions on the same batch.
+
+Per step it keeps a ``StepPlan`` (which kind ran, both predictions) for the trainer's record.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+from pipetune.data.batch import BatchMeta
+from pipetune.plan.async_planner import AsyncPlanner
+from pipetune.plan.guard import Guard, PlanKind
+from pipetune.plan.plan import IterationPlan, PlanError
+from pipetune.plan.search import Planner
+
+
+class StepKind(str, Enum):
+    TUNED = "tuned"
+    BASELINE = "baseline"
+    CALIBRATION = "calibration"
+    REPLAY = "replay"
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What rank 0 decided for one step: the plan, why it runs, and the predicted time of the
+    job's own plan and of the baseline plan for the same batch (``nan`` where not planned)."""
+
+    plan: IterationPlan
+    kind: StepKind
+    tuned_predicted_s: float
+    baseline_predicted_s: float
+
+
+def load_replay(path: str | Path) -> dict[int, str]:
+    """Plans by batch step from a job's ``steps.jsonl`` (each record's ``plan``)."""
+    out = {}
+    try:
+        for k, line in enumerate(Path(path).read_text().splitlines(), 1):
+            rec = json.loads(line)
+            out[int(rec["batch"])] = rec["plan"]
+    except OSError as e:
+        raise ValueError(f"pipetune.replay: cannot read {path}: {e.strerror}") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"pipetune.replay: {path}, line {k}: not a pipetune step record with a plan ({e})") from None
+    return out
+
+
+class PlanSource:
+    def __init__(self, tuned: AsyncPlanner | None, *, baseline: Planner | None = None, calibration: list[Planner] = (),
+                 calibrate_steps: int = 0, guard: Guard | None = None, replay: dict[int, str] | None = None):
+        if guard is not None and baseline is None:
+            raise ValueError("the guard needs a baseline planner")
+        self.tuned, self.baseline, self.calibration = tuned, baseline, list(calibration)
+        self.calibrate_steps = calibrate_steps if self.calibration else 0
+        self.guard, self.replay = guard, replay
+        self.decided: dict[int, StepPlan] = {}
+
+    def __call__(self, meta: BatchMeta) -> IterationPlan:
+        step = self._decide(meta)
+        self.decided[meta.step] = step
+        return step.plan
+
+    def _decide(self, meta: BatchMeta) -> StepPlan:
+        nan = float("nan")
+        if self.replay is not None:
+            if meta.step not in self.replay:
+                raise PlanError(f"pipetune.replay has no plan for batch {meta.step}; record a job with at least as many steps")
+            plan = IterationPlan.from_json(self.replay[meta.step], batch_ids=meta.table.ids)
+            return StepPlan(plan, StepKind.REPLAY, plan.predicted_s, nan)
+        if meta.step < self.calibrate_steps:
+            plan = self.calibration[meta.step % len(self.calibration)].plan(meta)
+            return StepPlan(plan, StepKind.CALIBRATION, nan, nan)
+        tuned = self.tuned.plan(meta)
+        base = self.baseline.plan(meta) if self.baseline is not None else None
+        base_s = base.predicted_s if base is not None else nan
+        if self.guard is not None and self.guard.choose() is PlanKind.BASELINE:
+            return StepPlan(base, StepKind.BASELINE, tuned.predicted_s, base_s)
+        return StepPlan(tuned, StepKind.TUNED, tuned.predicted_s, base_s)
+
+    def pop(self, batch_step: int) -> StepPlan:
+        return self.decided.pop(batch_step)
