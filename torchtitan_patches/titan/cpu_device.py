@@ -8,6 +8,7 @@ device module whose memory statistics read this process's resident set size (pea
 for peak reserved memory). Process groups then default to gloo for ``cpu`` (TorchTitan asks torch's
 ``default_device_backend_map``).
 
+It also keeps freed CPU memory in the process (``cpu_allocator``), as the profiler does.
 Call it before the ``Trainer`` is built; it does nothing when CUDA is available.
 """
 
@@ -19,6 +20,8 @@ import resource
 import types
 
 import torch
+
+from torchtitan_patches.cpu_allocator import retain_freed_memory
 
 _MODULES = (
     "torchtitan.tools.utils",
@@ -58,6 +61,7 @@ def use_cpu() -> bool:
     """Point TorchTitan at the CPU when there is no CUDA device; True if it did."""
     if torch.cuda.is_available():
         return False
+    retain_freed_memory()  # as the profiler measured the latency table (see cpu_allocator)
     module = _cpu_device_module()
     for name in _MODULES:
         mod = importlib.import_module(name)
