@@ -63,6 +63,9 @@ def parse_args(argv=None):
     p.add_argument("--warmup-steps", type=int, default=2, help="first steps of each mode left out of the timing means")
     p.add_argument("--calibrate-steps", type=int, default=8, help="steps of the calibration phase (0: none)")
     p.add_argument("--online-window", type=int, default=8, help="steps the online calibration refits on (0: off)")
+    p.add_argument("--jitter-draws", type=int, default=0,
+                   help="draws of per-action noise the planner scores plans over (expected time; 0: deterministic); "
+                        "the online calibration fits the noise and measures its makespan factor against the same")
     p.add_argument("--modes", default="original,pipetune", help="comma-separated; a repeated mode runs again (noise check)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
@@ -84,6 +87,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.timing_rounds < 1:
         p.error(f"--timing-rounds must be >= 1, got {args.timing_rounds}")
+    if args.jitter_draws == 1 or args.jitter_draws < 0:
+        p.error(f"--jitter-draws must be 0 (deterministic) or >= 2, got {args.jitter_draws}")
     return args
 
 
@@ -103,7 +108,7 @@ class Job:
         self.profiled = CostModel(load_latency_table(args.latency_table, model=self.model, tp=1), self.layout)
         self.cost = self.profiled
         window = max(args.online_window * len(args.modes.split(",")), args.calibrate_steps)
-        self.calibrator = OnlineCalibrator(self.cost.table, self.layout, window) if rank == 0 and window else None
+        self.calibrator = OnlineCalibrator(self.cost.table, self.layout, window, jitter_draws=args.jitter_draws) if rank == 0 and window else None
 
     def run(self, make_planners: dict, *, steps: int, data_seed: int, online: bool, rounds: int = 1) -> dict[str, list[dict]]:
         """Train ``steps`` steps of every run in ``make_planners`` (name -> planner factory), each
@@ -204,7 +209,7 @@ class Job:
 
         def make(loader):
             cfg = PlannerConfig(mode=mode, max_seq_len=args.max_seq_len, memory_bytes=args.memory_gib * 2**30,
-                                max_mbs=args.max_mbs, mbs=args.mbs or args.max_mbs, seed=args.seed)
+                                max_mbs=args.max_mbs, mbs=args.mbs or args.max_mbs, seed=args.seed, jitter_draws=args.jitter_draws)
             return AsyncPlanner(cfg.build(self.model, self.cost), loader.meta, budget_s=args.budget_s, lookahead=args.plan_ahead)
 
         return make
