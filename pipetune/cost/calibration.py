@@ -13,6 +13,10 @@ observation; a per-call overhead and the ``rest`` scale look alike when all micr
 the same size) would otherwise take an absurd value. Unknowns no observation exercises keep
 their value.
 
+The residuals of the fit give the table's variability model (``pipetune.cost.variability``): the
+spread of measured over predicted time of a stage's forward + backward and of an encoder forward,
+as a function of predicted time (a kind with too few observations keeps its previous spread).
+
 Observations come from ``pipetune calibrate`` (isolated stage timings) or from the runtime's own
 action timelines (``torchtitan_patches.pipeline.calibrate``).
 """
@@ -26,6 +30,7 @@ from scipy.optimize import nnls
 
 from pipetune.cost.cost_model import CostModel, MicroBatchShapes
 from pipetune.cost.table import CURVES, LatencyTable
+from pipetune.cost.variability import Variability, fit_spread
 
 RIDGE = 0.05
 HUBER_DELTA = 0.1
@@ -85,6 +90,14 @@ class Design:
     def stack(cls, designs: list["Design"]) -> "Design":
         return cls(np.vstack([d.X for d in designs]), np.concatenate([d.y for d in designs]))
 
+    def stage_work_rows(self) -> np.ndarray:
+        """Rows observing a stage's forward + backward (both per-call overheads count once)."""
+        return (self.X[:, UNKNOWNS.index("fwd_s")] == 1) & (self.X[:, UNKNOWNS.index("bwd_s")] == 1)
+
+    def encoder_rows(self) -> np.ndarray:
+        """Rows observing an encoder forward (its only non-zero unknown is the encoder scale)."""
+        return self.X[:, UNKNOWNS.index("encoder")] > 0
+
 
 def calibrate(table: LatencyTable, cost: CostModel, observations: list[Observation]) -> tuple[LatencyTable, CalibrationReport]:
     """Return ``table`` with fitted scales and overheads, and the error before and after."""
@@ -118,4 +131,10 @@ def calibrate_design(table: LatencyTable, design: Design) -> tuple[LatencyTable,
     scales = {n: float(v) for n, v in zip(CURVES, after) if v != 1.0 or n in table.scales}
     overhead = {n: float(v) for n, v in zip(UNKNOWNS[len(CURVES):], after[len(CURVES):]) if v > 0}
     report = CalibrationReport(scales, overhead, err(before), err(after), len(y))
-    return replace(table, scales=scales, overhead=overhead), report
+    previous = table.variability or Variability()
+    predicted = X @ after
+    stage, enc = design.stage_work_rows(), design.encoder_rows()
+    fitted = Variability(stage=fit_spread(predicted[stage], y[stage], previous.stage),
+                         encoder=fit_spread(predicted[enc], y[enc], previous.encoder), p2p=previous.p2p)
+    variability = fitted if fitted != Variability() else table.variability
+    return replace(table, scales=scales, overhead=overhead, variability=variability), report

@@ -11,6 +11,9 @@ File format (JSON, ``format = "pipetune.latency_table"``, ``version = 1``)::
      "scales": {component: factor},       # from calibration; 1.0 when absent
      "overhead": {"fwd_s", "bwd_s"},      # fixed cost of one stage forward / backward call
                                           # (from calibration; 0 when absent)
+     "variability": {kind: {"log_var", "log_var_s", "min_s"}},  # optional: spread of measured
+                                          # action times, kind in stage / encoder / p2p (from
+                                          # calibration; absent = no jitter; see cost.variability)
      "notes": [...]}
 
 Curves (seconds per call, per layer where it says so):
@@ -39,6 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from pipetune.config.model import ModelConfig
+from pipetune.cost.variability import KINDS, Spread, Variability
 from pipetune.files import write_text_atomic
 
 FORMAT = "pipetune.latency_table"
@@ -93,6 +97,7 @@ class LatencyTable:
     threads: int = 0
     scales: dict[str, float] = field(default_factory=dict)
     overhead: dict[str, float] = field(default_factory=dict)
+    variability: Variability | None = None
     notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
@@ -112,6 +117,7 @@ class LatencyTable:
             "p2p": dict(self.p2p),
             "scales": dict(self.scales),
             "overhead": dict(self.overhead),
+            **({"variability": self.variability.to_dict()} if self.variability is not None else {}),
             "notes": list(self.notes),
         }
 
@@ -159,7 +165,7 @@ def table_from_dict(raw: dict, *, where: str = "latency table") -> LatencyTable:
         if key not in raw:
             fail(f"missing field {key!r}")
     for key, kind in (("curves", dict), ("memory", dict), ("p2p", dict), ("scales", dict), ("overhead", dict),
-                      ("device", str), ("dtype", str), ("torch", str), ("estimate", bool), ("notes", list)):
+                      ("variability", dict), ("device", str), ("dtype", str), ("torch", str), ("estimate", bool), ("notes", list)):
         if key in raw and not isinstance(raw[key], kind):
             fail(f"field {key!r} must be a JSON {_JSON_KIND[kind]}, got {raw[key]!r}")
     for key in ("tp", "threads"):
@@ -208,8 +214,25 @@ def table_from_dict(raw: dict, *, where: str = "latency table") -> LatencyTable:
         threads=raw.get("threads", 0),
         scales=scales,
         overhead=overhead,
+        variability=_variability(raw["variability"], fail) if "variability" in raw else None,
         notes=tuple(str(n) for n in raw.get("notes", ())),
     )
+
+
+def _variability(raw: dict, fail) -> Variability:
+    unknown = sorted(set(raw) - set(KINDS))
+    if unknown:
+        fail(f"variability has unknown action kinds {unknown} (known: {list(KINDS)})")
+    spreads = {}
+    for kind, section in raw.items():
+        where = f"variability.{kind}"
+        if not isinstance(section, dict) or set(section) - {"log_var", "log_var_s", "min_s"}:
+            fail(f"{where} must be an object of log_var, log_var_s and min_s, got {section!r}")
+        values = {key: _number(section, key, where, fail) for key in section}
+        if values.get("log_var_s", 0) > 0 and values.get("min_s", 0) <= 0:
+            fail(f"{where}.min_s must be > 0 when log_var_s > 0, got {section.get('min_s')!r}")
+        spreads[kind] = Spread(**values)
+    return Variability(**spreads)
 
 
 _JSON_KIND = {dict: "object", str: "string", bool: "true/false", list: "list"}

@@ -24,8 +24,11 @@ class IterationPlan:
     """One iteration: micro-batches (sample ids; index = micro-batch id), execution order, and
     each rank's action list (``0E3`` = encoder of micro-batch 3, possibly pre-computed).
 
-    ``predicted_s`` / ``lower_bound_s`` come from the simulator; ``estimate`` says whether the
-    latencies behind them were analytical. ``fallback`` marks a plan returned because the search
+    ``predicted_s`` / ``lower_bound_s`` come from the simulator: ``predicted_s`` is the expected
+    iteration time under per-action jitter when the planner drew jitter (``PlannerConfig.jitter_draws``
+    with a table that has a variability model), else the deterministic simulation; the bound is
+    always deterministic (and below both). ``estimate`` says whether the latencies behind them were
+    analytical. ``fallback`` marks a plan returned because the search
     ran out of time.
     """
 

@@ -19,6 +19,14 @@ packing order; ``balanced`` = Alg. 1 at that mbs; ``reorder`` = ``balanced`` + o
 pre-computation; ``pipetune`` = ``reorder`` + adaptive mbs. Every searched mode includes its
 ``balanced`` plan among the candidates, so it is never slower in simulation.
 
+Jitter (``jitter_draws`` > 0, and a latency table with a variability model): every candidate
+(packing order, orders, encoder placements) is scored by its expected makespan over that many
+draws of per-action noise (``pipetune.simulate.jitter``; the same draws for every candidate of a
+packing, seeded by the planner's seed and the step), so the search prefers plans whose advantage
+survives noise; memory is checked on the deterministic peak. The expected makespan is never below
+the deterministic one, so the lower bounds still prune. ``jitter_draws=0`` is the deterministic
+search.
+
 Time budget: with a ``deadline`` the search stops when it passes one and returns the balanced plan
 at the last good mbs (the previous plan's), flagged ``fallback``. The search is deterministic:
 same seed, same metadata, same plans (as long as no deadline hits).
@@ -46,6 +54,7 @@ from pipetune.plan.plan import IterationPlan, build_plan
 from pipetune.plan.precompute import fill_gaps
 from pipetune.schedule.schedules import SCHEDULES
 from pipetune.simulate.dag import CompiledSchedule, compile_schedule
+from pipetune.simulate.jitter import JitteredLatencies, expected_makespan, jitter
 from pipetune.simulate.lower_bound import makespan_lower_bound
 from pipetune.simulate.simulator import Latencies, evaluate
 
@@ -66,7 +75,9 @@ class PlannerConfig:
     ``mbs`` fixes the micro-batch size of the fixed-size modes (default: the largest that fits).
     ``max_clusters`` bounds the clusters whose permutations are tried (the paper stays below six);
     ``top_sizes`` micro-batch sizes (best packing-order makespan first) get the order search, and
-    their ``top_orders`` best orders get encoder placements.
+    their ``top_orders`` best orders get encoder placements. ``jitter_draws`` (0 or >= 2): draws of
+    per-action noise that candidates are scored over (expected makespan), when the cost model's
+    table has a variability model; 0 scores the deterministic makespan.
     """
 
     mode: Mode = Mode.PIPETUNE
@@ -81,6 +92,7 @@ class PlannerConfig:
     top_orders: int = 3
     precompute: bool = True
     seed: int = 0
+    jitter_draws: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", Mode(self.mode))
@@ -90,6 +102,8 @@ class PlannerConfig:
             raise ValueError(f"mbs must be >= 1 (or None for the largest that fits), got {self.mbs}")
         if not 1 <= self.max_clusters <= 6:
             raise ValueError(f"max_clusters must be in 1..6 (6! = 720 orders), got {self.max_clusters}")
+        if self.jitter_draws == 1 or self.jitter_draws < 0:
+            raise ValueError(f"jitter_draws must be 0 (deterministic) or >= 2, got {self.jitter_draws}")
 
     def build(self, model: ModelConfig, cost: CostModel) -> "Planner":
         return Planner(self, model, cost)
@@ -104,6 +118,7 @@ class _Candidate:
     base_s: float
     lower_bound_s: float
     fits: bool
+    noisy: JitteredLatencies | None
     best_s: float = np.inf
     order: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
@@ -172,31 +187,39 @@ class Planner:
         lat = Latencies.from_costs(self.cost.stage_costs(MicroBatchShapes.from_packing(meta.table, packing)))
         dag = self._dag(packing.num_micro_batches)
         identity = np.arange(packing.num_micro_batches)
-        res = evaluate(dag, lat, identity[None], memory=True)
-        base = float(res.makespan[0])
-        fits = bool(self._fits(res.peak_bytes)[0])
-        c = _Candidate(mbs, packing, lat, dag, base, makespan_lower_bound(lat), fits)
-        c.best_s, c.order, c.slots = (base if fits else np.inf), identity, dag.encoder_slot.copy()
+        draws, variability = self.config.jitter_draws, self.cost.table.variability
+        noisy = jitter(lat, variability, draws, (self.config.seed, meta.step)) if draws and variability else None
+        span, fits = self._evaluate(dag, lat, noisy, identity[None])
+        c = _Candidate(mbs, packing, lat, dag, float(span[0]), makespan_lower_bound(lat), bool(fits[0]), noisy)
+        c.best_s, c.order, c.slots = (c.base_s if c.fits else np.inf), identity, dag.encoder_slot.copy()
         return c
 
     def _fits(self, peaks: np.ndarray) -> np.ndarray:
         return ((peaks + self.states[None, :]) <= self.budget).all(axis=1)
 
+    def _evaluate(self, dag: CompiledSchedule, lat: Latencies, noisy: JitteredLatencies | None, orders: np.ndarray,
+                  slots: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Makespan of candidate orders / placements (expected over ``noisy``'s draws when given) and
+        whether each fits in memory (deterministic peak)."""
+        res = evaluate(dag, lat, orders, slots, memory=True)
+        span = res.makespan if noisy is None else expected_makespan(dag, noisy, orders, slots)
+        return span, self._fits(res.peak_bytes)
+
     def _improve(self, c: _Candidate) -> None:
         """Search orders and encoder placements for one packing (in place)."""
         orders = candidate_orders(c.lat, self.config.max_clusters)
-        res = evaluate(c.dag, c.lat, orders, memory=True)
-        span = np.where(self._fits(res.peak_bytes), res.makespan, np.inf)
+        span, fits = self._evaluate(c.dag, c.lat, c.noisy, orders)
+        span = np.where(fits, span, np.inf)
         keep = np.argsort(span, kind="stable")[: self.config.top_orders]
         cands, slots, spans = orders[keep], np.tile(c.dag.encoder_slot, (len(keep), 1)), span[keep]
         if self.encoder and self.config.precompute and not self.cost.encoder_trainable:
             moved_orders = np.repeat(cands, len(PRECOMPUTE_OVERFLOWS), axis=0)
             overflows = np.tile(PRECOMPUTE_OVERFLOWS, len(keep))
             moved = fill_gaps(c.dag, c.lat, moved_orders, overflows)
-            res = evaluate(c.dag, c.lat, moved_orders, moved, memory=True)
+            moved_span, fits = self._evaluate(c.dag, c.lat, c.noisy, moved_orders, moved)
             cands = np.vstack([cands, moved_orders])
             slots = np.vstack([slots, moved])
-            spans = np.concatenate([spans, np.where(self._fits(res.peak_bytes), res.makespan, np.inf)])
+            spans = np.concatenate([spans, np.where(fits, moved_span, np.inf)])
         k = int(np.argmin(spans))
         if spans[k] < c.best_s:
             c.best_s, c.order, c.slots = float(spans[k]), cands[k], slots[k]

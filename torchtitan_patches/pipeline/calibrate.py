@@ -16,6 +16,7 @@ from pipetune.cost.table import CURVES, LatencyTable
 from pipetune.data.batch import BatchMeta
 from pipetune.plan.plan import IterationPlan
 from pipetune.schedule.table import Op
+from pipetune.simulate.jitter import expected_time
 from pipetune.simulate.simulator import Latencies, SimResult, TimedAction, simulate
 
 
@@ -62,20 +63,33 @@ def simulate_plan(cost: CostModel, plan: IterationPlan, meta: BatchMeta) -> SimR
     return simulate(plan.table(), Latencies.from_costs(cost.stage_costs(plan.shapes(meta))))
 
 
-def fit_steps(base: CostModel, steps: Sequence[MeasuredStep]) -> tuple[CostModel, CalibrationReport]:
-    """``base``'s table fitted to ``steps``: per-component scales and per-call overheads from the
-    action times, then every component scaled by the median ratio of measured to simulated
-    iteration time (``makespan_factor``).
+def fit_steps(base: CostModel, steps: Sequence[MeasuredStep], *, jitter_draws: int = 0) -> tuple[CostModel, CalibrationReport]:
+    """``base``'s table fitted to ``steps``: per-component scales, per-call overheads and the
+    variability model from the action times, then every component scaled by the median ratio of
+    measured to predicted iteration time (``makespan_factor``).
 
     The per-action fit predicts each action's typical time, but an iteration is a longest path
     through actions that jitter: a late message delays everything behind it while an early one
     gains nothing, so simulating typical times comes out short (by 2-4 % on the CPU test machine).
-    A common factor leaves the ranking of plans as it was."""
+    With ``jitter_draws`` (pass the planner's ``PlannerConfig.jitter_draws``) and a fitted
+    variability model, the prediction is the expected iteration time over that many draws of
+    per-action noise, which accounts for part of that shortfall and, unlike a common factor, for
+    its dependence on the plan; with 0, the deterministic simulation. A common factor leaves the
+    ranking of plans as it was."""
     table, report = calibrate_design(base.table, Design.stack([step.design for step in steps]))
     cost = CostModel(table, base.layout)
-    factor = float(np.median([step.measured_s / simulate_plan(cost, step.plan, step.meta).makespan for step in steps]))
+    variability = table.variability if jitter_draws else None
+
+    def predicted(step: MeasuredStep) -> float:
+        if variability is None:
+            return simulate_plan(cost, step.plan, step.meta).makespan
+        lat = Latencies.from_costs(cost.stage_costs(step.plan.shapes(step.meta)))
+        return expected_time(step.plan.table(), lat, variability, jitter_draws, step.plan.step)
+
+    factor = float(np.median([step.measured_s / predicted(step) for step in steps]))
     table = replace(table, scales={n: factor * table.scale(n) for n in CURVES},
-                    overhead={k: factor * v for k, v in table.overhead.items()})
+                    overhead={k: factor * v for k, v in table.overhead.items()},
+                    variability=None if table.variability is None else table.variability.scaled(factor))
     return CostModel(table, base.layout), replace(report, makespan_factor=factor)
 
 
@@ -104,14 +118,15 @@ class OnlineCalibrator:
     Machine speed drifts (noisy neighbours, frequency scaling) and the micro-batch sizes in use
     change, so a one-off calibration ages; refitting on a sliding window keeps the planner's
     predictions close to what the pipeline currently does. Always refits from the profiled base
-    table, so errors do not compound.
+    table, so errors do not compound. ``jitter_draws``: the planner's (see ``fit_steps``).
     """
 
-    def __init__(self, base: LatencyTable, layout: StageLayout, window: int):
+    def __init__(self, base: LatencyTable, layout: StageLayout, window: int, *, jitter_draws: int = 0):
         self.base = CostModel(base, layout)
         self.steps: deque[MeasuredStep] = deque(maxlen=window)
+        self.jitter_draws = jitter_draws
 
     def update(self, step: MeasuredStep) -> tuple[CostModel, CalibrationReport]:
         """Add one step and refit."""
         self.steps.append(step)
-        return fit_steps(self.base, self.steps)
+        return fit_steps(self.base, self.steps, jitter_draws=self.jitter_draws)

@@ -136,6 +136,11 @@ class PipeTuneSettings(Configurable):
         guard_window: int = 8
         """Tuned steps the guard judges on (it decides once it has ``min(4, guard_window)``)."""
 
+        jitter_draws: int = 0
+        """Score plans by their expected time over this many draws of per-action jitter (0: the
+        deterministic simulation; else >= 2). Needs ``online_window``: the spread is fitted online
+        from the measured action times (``pipetune.cost.variability``)."""
+
         replay: str = ""
         """Run the plans recorded in an earlier job's ``pipetune/steps.jsonl`` instead of planning
         (same data set, batch size, seed and sequence length; each plan is checked against its batch)."""
@@ -147,6 +152,8 @@ class PipeTuneSettings(Configurable):
                     raise ValueError(f"pipetune.{name} must be >= 0, got {getattr(self, name)}")
             if self.budget_s <= 0 or self.memory_gib <= 0:
                 raise ValueError("pipetune.budget_s and pipetune.memory_gib must be positive")
+            if self.jitter_draws == 1 or self.jitter_draws < 0:
+                raise ValueError(f"pipetune.jitter_draws must be 0 (deterministic) or >= 2, got {self.jitter_draws}")
             if self.guard_probe_every < 2 or self.guard_window < 1:
                 raise ValueError(f"pipetune.guard_probe_every must be >= 2 and pipetune.guard_window >= 1, got "
                                  f"{self.guard_probe_every} and {self.guard_window}")
@@ -236,7 +243,7 @@ class PipeTuneTrainer(Trainer):
             device=self.device, strict_order=pt.strict_order,
             loss_fn=lambda logits, labels, n: self.loss_fn(logits, labels, torch.tensor(n, device=logits.device))[0])
         self.profiled = CostModel(self.table, self.layout)
-        self.calibrator = OnlineCalibrator(self.table, self.layout, pt.online_window) if self.rank == 0 and pt.online_window else None
+        self.calibrator = OnlineCalibrator(self.table, self.layout, pt.online_window, jitter_draws=pt.jitter_draws) if self.rank == 0 and pt.online_window else None
         if not isinstance(self.dataloader, PipeTuneTitanDataLoader):
             raise ValueError(f"PipeTuneTrainer needs dataloader = PipeTuneTitanDataLoader.Config, got {type(self.dataloader).__name__}")
         loader = self.dataloader.bind(self.planning_model, packing_source=None)
@@ -251,7 +258,7 @@ class PipeTuneTrainer(Trainer):
         replay = load_replay(pt.replay) if pt.replay else None
         cost, memory = self.profiled, pt.memory_gib * 2**30
         tuned = PlannerConfig(mode=Mode(pt.mode), max_seq_len=seq, memory_bytes=memory, max_mbs=pt.max_mbs, mbs=pt.mbs or None,
-                              seed=seed).build(self.planning_model, cost)
+                              seed=seed, jitter_draws=pt.jitter_draws).build(self.planning_model, cost)
         calibration = [PlannerConfig(mode=Mode.BALANCED, max_seq_len=seq, memory_bytes=memory, mbs=k, seed=seed).build(self.planning_model, cost)
                        for k in range(1, tuned.max_mbs + 1)] if pt.calibrate_steps else []
         guarded = pt.guard and Mode(pt.mode) is Mode.PIPETUNE and replay is None
