@@ -250,7 +250,8 @@ class PipeTuneTrainer(Trainer):
                   "micro_batches": plan.num_micro_batches, "order": list(plan.order),
                   "precomputed_encoders": sum(t.precomputed for g in every for t in g[2]), "predicted_s": plan.predicted_s,
                   "measured_s": measured, "loss": loss, "fallback": plan.fallback,
-                  "samples": [list(mb) for mb in plan.micro_batches]}
+                  "samples": [list(mb) for mb in plan.micro_batches],
+                  "layout": self.layout.layers_per_stage()}
         if self.rank == 0:
             if self.calibrator is not None and self.step > 1:  # the first step pays one-off warm-up costs
                 timeline = [TimedAction(t.rank, t.action, t.start - start, t.end - start, t.precomputed) for g in every for t in g[2]]
