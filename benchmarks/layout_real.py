@@ -1,9 +1,9 @@
 """Even vs searched (``auto``) stage layout in real TorchTitan training, 2 gloo ranks.
 
 The job is ``pipetune_muse_glimmer_heavy_vit`` (``torchtitan_patches/titan/config_registry.py``): a
-Muse Glimmer whose trained ViT costs about as much as its backbone on a DataMix3 batch, so the
-even split leaves stage 0 (encoder + half the layers) the straggler and the layout search moves
-layers to stage 1. The benchmark prepares the job's data and latency table once, then launches
+Muse Glimmer whose trained ViT costs more than its backbone on a DataMix3 batch (1.5 x the FLOPs),
+so the even split leaves stage 0 (encoder + half the layers) the straggler and the layout search
+moves layers to stage 1. The benchmark prepares the job's data and latency table once, then launches
 TorchTitan's trainer (``benchmarks/titan_jobs.py``) with ``--pipetune.layout even`` and ``auto`` from
 the same data, seed and initial weights, in ``--rounds`` rounds ordered even, auto / auto, even /
 ... so that a linear drift of the machine's speed hits both alike. From the per-step records it
@@ -21,8 +21,8 @@ loss curves agree up to float rounding; their differences are printed as a check
 
     .venv/bin/python benchmarks/layout_real.py --rounds 2 --steps 20
 
-About 50 s per job on two otherwise idle CPU cores (20 steps of about 1.2 s, plus start-up), so
-``--rounds 2`` takes about 4 minutes after a one-off ``prepare`` of about 45 s.
+About 50 s per job on two CPU cores (20 steps of 1.2-1.6 s pipeline time, plus start-up and the
+optimizer), so ``--rounds 2`` takes about 3.5 minutes after a one-off ``prepare`` of about 40 s.
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ def test_encoder_outweighs_backbone_and_auto_moves_layers_off_stage_zero():
     f = FlopsModel(model)
     encoder = f.encoder_flops(whole.num_images.sum())
     backbone = f.sequence_flops(whole.lengths, with_head=False).sum()
-    assert encoder > 0.8 * backbone  # trained ViT fwd + bwd vs all backbone layers' fwd + bwd: 0.92 x
+    assert encoder > backbone  # trained ViT fwd + bwd vs all backbone layers' fwd + bwd: 1.5 x
 
     sample = sample_batches(data, model, gbs=dl.gbs, max_seq_len=seq, count=8, seed=dl.seed)  # as the trainer's auto samples
 
@@ -68,5 +68,5 @@ def test_encoder_outweighs_backbone_and_auto_moves_layers_off_stage_zero():
     r = search.search()
     assert r.even.busy[0] > 0.95 and r.even.busy[1] < 0.5  # even: stage 0 (encoder + half the layers) gates the pipeline
     assert r.best.layout.layers_per_stage()[0] < r.even.layout.layers_per_stage()[0]
-    assert r.cut_vs_even > 0.05  # 11 % on this table
+    assert r.cut_vs_even > 0.1  # 17 % on this table
     assert np.ptp(r.best.busy) < np.ptp(r.even.busy)  # the stages' busy fractions move closer together

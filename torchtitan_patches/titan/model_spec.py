@@ -66,14 +66,15 @@ def with_document_attention(model_config: Decoder.Config) -> Decoder.Config:
 
 
 def _heavy_vit(attn_backend: str) -> MuseGlimmerModel.Config:
-    """``debugmodel_mm`` with a vision encoder as heavy as its backbone: a 6-layer ViT of width 192 (MLP 768, 4 heads; 2.9 M parameters) on an 8-layer backbone of width 128 (4 heads, 2
-    KV heads, FFN 384; 1.7 M parameters in its layers). At 8 x 8 patches per image
+    """``debugmodel_mm`` with a vision encoder heavier than its backbone: a 10-layer ViT of width
+    192 (MLP 768, 4 heads; 4.7 M parameters) on an 8-layer backbone of width 128 (4 heads, 2 KV
+    heads, FFN 384; 1.7 M parameters in its layers). At 8 x 8 patches per image
     (``pipetune.image_grid = 8``; 16 tokens after the 2 x 2 merge) and DataMix3 cut at 512 tokens
-    (2.1 images and 210 tokens per sample), the ViT's forward + backward (when trained) is 0.92 x
-    the FLOPs of the backbone layers' forward + backward. The text side (sliding windows, vocabulary, adapter
-    width) is ``debugmodel_mm``'s."""
+    (2.1 images and 210 tokens per sample), the ViT's forward + backward (when trained) is 1.5 x
+    the FLOPs of the backbone layers' forward + backward. The text side (sliding windows,
+    vocabulary, adapter width) is ``debugmodel_mm``'s."""
     encoder = muse_glimmer_vision_encoder_config(
-        latent_dim=192, num_layers=6, num_heads=4, mlp_ratio=4.0, downsample_factor=2, sparse_attention_factor=2, pos_emb_grid_h=2,
+        latent_dim=192, num_layers=10, num_heads=4, mlp_ratio=4.0, downsample_factor=2, sparse_attention_factor=2, pos_emb_grid_h=2,
         pos_emb_grid_w=2,
     )
     adapter_dim = 128
