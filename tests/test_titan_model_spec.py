@@ -24,10 +24,11 @@ def spec():
     return muse_glimmer_spec("debugmodel_mm")
 
 
-@pytest.fixture(scope="module")
-def meta_model(spec):
-    with torch.device("meta"):
-        return spec.model.build()
+@pytest.fixture(scope="module", params=[("debugmodel_mm", 4), ("heavy_vit", 8)], ids=lambda p: p[0])
+def flavor(request):
+    """A Muse Glimmer flavour (TorchTitan's or pipetune's size variant) and its image grid."""
+    name, grid = request.param
+    return muse_glimmer_spec(name), grid
 
 
 def _matmul_weights(module: nn.Module) -> int:
@@ -38,9 +39,12 @@ def _all(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def test_parameter_counts_match_the_built_model_per_component(spec, meta_model):
-    cfg = planning_model_config(spec, image_grid=4)
-    b, e, m = cfg.backbone, cfg.encoder, meta_model
+def test_parameter_counts_match_the_built_model_per_component(flavor):
+    spec, grid = flavor
+    cfg = planning_model_config(spec, image_grid=grid)
+    with torch.device("meta"):
+        m = spec.model.build()
+    b, e = cfg.backbone, cfg.encoder
     derived = {
         "backbone layers": b.n_layers * b.layer_params,
         "embedding + head": 2 * b.vocab_size * b.dim,

@@ -50,3 +50,25 @@ def original_muse_glimmer_mm() -> PipeTuneTrainer.Config:
     config = pipetune_muse_glimmer_mm()
     config.pipetune.mode = "original"
     return config
+
+
+def pipetune_muse_glimmer_heavy_vit() -> PipeTuneTrainer.Config:
+    """A Muse Glimmer whose trained vision encoder costs more than its backbone (``heavy_vit`` in
+    ``titan.model_spec``: ViT 10 x 192 over 8 x 8 patches per image, backbone 8 x 128), on 2
+    pipeline stages: the setting where the stage layout matters, since stage 0 runs the whole
+    encoder (``benchmarks/layout_real.py`` trains it with the even and the searched layout).
+
+    Data: DataMix3 (``python -m torchtitan_patches.titan.prepare --config
+    pipetune_muse_glimmer_heavy_vit --mix datamix3 --out out/titan_heavy``). GBS 12 at seq_len 512
+    (about 5 packed sequences per step) keeps a step near one second on two CPU cores. Trains on
+    CPU: the backbone's attention is pipetune's per-document SDPA (``titan.attention.
+    DocumentAttention``), the ViT's is SDPA under dense per-image masks (``VisionMaskAttention``)."""
+    config = pipetune_muse_glimmer_mm()
+    spec = muse_glimmer_spec("heavy_vit")
+    config.model_spec = spec
+    config.loss = CrossEntropyLoss.Config(global_vocab_size=spec.model.vocab_size)
+    config.dataloader.dataset_path = "out/titan_heavy/data"
+    config.dataloader.gbs = 12
+    config.training.seq_len = 512
+    config.pipetune = PipeTuneSettings.Config(latency_table="out/titan_heavy/table.json", image_grid=8, freeze_vision_encoder=False)
+    return config

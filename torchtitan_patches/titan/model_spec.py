@@ -15,6 +15,11 @@ for documents longer than a window, 128 tokens in ``debugmodel_mm``); the encode
 layers are likewise counted as full attention over the image. Refused with a ``ConfigError``:
 configs pipetune's schema cannot express (``head_dim * n_heads != dim``, layers that differ in
 shape, MoE layers, video).
+
+``muse_glimmer_spec`` takes TorchTitan's flavours and pipetune's size variants (``FLAVORS``), which
+call TorchTitan's own Muse Glimmer config builder with other sizes, exactly as TorchTitan's
+``debugmodel_mm`` does (TorchTitan keeps its flavours in a module dict of such builders and offers
+no other way to add one).
 """
 
 from __future__ import annotations
@@ -24,7 +29,13 @@ import dataclasses
 
 from torchtitan.models.common.attention import VarlenAttention
 from torchtitan.models.common.decoder import Decoder
-from torchtitan.models.muse_glimmer import model_registry
+from torchtitan.models.muse_glimmer import (
+    MuseGlimmerModel,
+    _muse_glimmer_config,
+    model_registry,
+    muse_glimmer_vision_adapter_config,
+    muse_glimmer_vision_encoder_config,
+)
 from torchtitan.models.muse_glimmer.vision_encoder import MuseGlimmerVisionEncoder
 from torchtitan.protocols.model_spec import ModelSpec
 
@@ -54,10 +65,38 @@ def with_document_attention(model_config: Decoder.Config) -> Decoder.Config:
     return cfg
 
 
+def _heavy_vit(attn_backend: str) -> MuseGlimmerModel.Config:
+    """``debugmodel_mm`` with a vision encoder heavier than its backbone: a 10-layer ViT of width
+    192 (MLP 768, 4 heads; 4.7 M parameters) on an 8-layer backbone of width 128 (4 heads, 2 KV
+    heads, FFN 384; 1.7 M parameters in its layers). At 8 x 8 patches per image
+    (``pipetune.image_grid = 8``; 16 tokens after the 2 x 2 merge) and DataMix3 cut at 512 tokens
+    (2.1 images and 210 tokens per sample), the ViT's forward + backward (when trained) is 1.5 x
+    the FLOPs of the backbone layers' forward + backward. The text side (sliding windows,
+    vocabulary, adapter width) is ``debugmodel_mm``'s."""
+    encoder = muse_glimmer_vision_encoder_config(
+        latent_dim=192, num_layers=10, num_heads=4, mlp_ratio=4.0, downsample_factor=2, sparse_attention_factor=2, pos_emb_grid_h=2,
+        pos_emb_grid_w=2,
+    )
+    adapter_dim = 128
+    return _muse_glimmer_config(
+        dim=128, n_layers=8, n_heads=4, n_kv_heads=2, head_dim=32, vocab_size=2048, max_seq_len=4096, window_pattern=[128, 128, 128, 0],
+        output_multiplier=1.0, attn_backend=attn_backend, vision_adapter_dim=adapter_dim, vision_encoder=encoder,
+        vision_adapter=muse_glimmer_vision_adapter_config(input_dim=encoder.output_dim, output_dim=adapter_dim),
+    )
+
+
+FLAVORS = {"heavy_vit": _heavy_vit}
+"""pipetune's Muse Glimmer size variants, by flavour name (beside TorchTitan's own)."""
+
+
 def muse_glimmer_spec(flavor: str = "debugmodel_mm") -> ModelSpec:
     """TorchTitan's Muse Glimmer ``ModelSpec`` (its own parallelize / pipelining functions and
-    state-dict adapter) with ``with_document_attention`` applied."""
-    spec = model_registry(flavor, attn_backend="varlen")
+    state-dict adapter) of a TorchTitan flavour or one of ``FLAVORS``, with
+    ``with_document_attention`` applied."""
+    if flavor in FLAVORS:
+        spec = dataclasses.replace(model_registry("debugmodel_mm", attn_backend="varlen"), flavor=flavor, model=FLAVORS[flavor]("varlen"))
+    else:
+        spec = model_registry(flavor, attn_backend="varlen")
     return dataclasses.replace(spec, model=with_document_attention(spec.model))
 
 
