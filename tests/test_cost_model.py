@@ -127,10 +127,17 @@ def test_analytical_small_micro_batches_pay_fixed_costs():
     assert many.fwd.sum() > 1.5 * one.fwd.sum()
 
 
-def test_calibration_recovers_known_scales(tiny):
+@pytest.mark.parametrize("encoder", ["frozen", "trained", "trained+recompute"])
+def test_calibration_recovers_known_scales(tiny, encoder):
+    """A trained encoder's backward (and recomputed forward) is part of stage 0's backward timing."""
+    from dataclasses import replace
+
+    model = tiny if encoder == "frozen" else replace(tiny, encoder=replace(tiny.encoder, frozen=False))
+    recompute = encoder == "trained+recompute"
     layout = StageLayout.even(4, 2)
-    truth = CostModel(simple_table(tiny, scales={"attention": 1.3, "rest": 0.7, "head": 1.1, "encoder": 0.9}), layout)
-    base = simple_table(tiny)
+    truth = CostModel(simple_table(model, scales={"attention": 1.3, "rest": 0.7, "head": 1.1, "encoder": 0.9}), layout,
+                      recompute_encoder=recompute)
+    base = simple_table(model)
     rng = np.random.default_rng(0)
     obs = []
     for _ in range(20):
@@ -141,7 +148,7 @@ def test_calibration_recovers_known_scales(tiny):
             obs.append(Observation(sh, float(c.fwd[0, s] + c.bwd[0, s]), stage=s))
         if sh.images[0]:
             obs.append(Observation(sh, float(c.encoder[0]), kind="encoder"))
-    cal, report = calibrate(base, CostModel(base, layout), obs)
+    cal, report = calibrate(base, CostModel(base, layout, recompute_encoder=recompute), obs)
     # the ridge towards the old factors (see calibration.RIDGE) leaves a small bias, larger for
     # components that are a small part of every timing (the head)
     assert report.mean_abs_pct_error_before > 10 and report.mean_abs_pct_error_after < 1
