@@ -40,20 +40,17 @@ LAYOUTS = ("even", "auto")
 
 
 def search_prediction(out: Path):
-    """The layout search as the trainer's ``auto`` runs it on this job's defaults."""
-    from pipetune.cost import CostModel, StageLayout, load_latency_table
-    from pipetune.data.storage import open_dataset
-    from pipetune.plan.layout import LayoutSearch, sample_batches
+    """The layout search exactly as the trainer's ``auto`` runs it on this job's defaults."""
+    from pipetune.cost import load_latency_table
     from torchtitan_patches.titan import config_registry
     from torchtitan_patches.titan.model_spec import planning_model_config
+    from torchtitan_patches.titan.trainer import sample_job_batches, search_layout
 
     config = getattr(config_registry, CONFIG)()
-    pt, dl, seq = config.pipetune, config.dataloader, config.training.seq_len
+    config.dataloader.dataset_path = str(out / "data")
+    pt = config.pipetune
     model = planning_model_config(config.model_spec, image_grid=pt.image_grid, encoder_frozen=pt.freeze_vision_encoder)
-    even = StageLayout.even(model.backbone.n_layers, config.parallelism.pipeline_parallel_degree)
-    sample = sample_batches(open_dataset(out / "data").table, model, gbs=dl.gbs, max_seq_len=seq, count=8, seed=dl.seed, overlong=dl.overlong)
-    cost = CostModel(load_latency_table(out / "table.json", model=model, tp=1), even)
-    return LayoutSearch(model, cost, sample, max_seq_len=seq, memory_bytes=pt.memory_gib * 2**30, max_mbs=pt.max_mbs, seed=dl.seed).search()
+    return search_layout(config, model, load_latency_table(out / "table.json", model=model, tp=1), sample_job_batches(config, model))
 
 
 def run_layout(layout: str, out: Path, args) -> list[dict]:

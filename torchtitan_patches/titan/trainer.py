@@ -55,14 +55,16 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
-from pipetune.cost import CostModel, StageLayout, load_latency_table
+from pipetune.config.model import ModelConfig
+from pipetune.cost import CostModel, LatencyTable, StageLayout, load_latency_table
+from pipetune.data.batch import BatchMeta
 from pipetune.cost.correction import FamilyCorrection
 from pipetune.data.storage import open_dataset
 from pipetune.plan import Mode, PlannerConfig
 from pipetune.plan.async_planner import AsyncPlanner
 from pipetune.plan.compare import best_static_planner
 from pipetune.plan.guard import Guard, GuardConfig, GuardState, PlanKind
-from pipetune.plan.layout import LayoutSearch, sample_batches
+from pipetune.plan.layout import LayoutSearch, LayoutSearchResult, sample_batches
 from pipetune.simulate import TimedAction
 from torchtitan_patches.pipeline.calibrate import MeasuredStep, OnlineCalibrator
 from torchtitan_patches.pipeline.executor import PlanExecutor
@@ -168,6 +170,22 @@ def layout_fqns(model_spec, layout: StageLayout, parts: list[str]) -> list[list[
     return fqns
 
 
+def sample_job_batches(config: PipeTuneTrainer.Config, model: ModelConfig) -> list[BatchMeta]:
+    """8 batches of the job's data drawn with their own seed (deterministic, so every rank draws
+    the same): the layout search and the choice of the guard's baseline are made on them."""
+    dl = config.dataloader
+    encode = text_encoder(config.tokenizer.build(tokenizer_path=config.hf_assets_path))
+    return sample_batches(open_dataset(dl.dataset_path, encode=encode).table, model, gbs=dl.gbs, max_seq_len=config.training.seq_len,
+                          count=8, seed=dl.seed, overlong=dl.overlong)
+
+
+def search_layout(config: PipeTuneTrainer.Config, model: ModelConfig, table: LatencyTable, sample: list[BatchMeta]) -> LayoutSearchResult:
+    """The ``auto`` layout search of a job: its latency table, memory and micro-batch limits."""
+    pt, pp = config.pipetune, config.parallelism.pipeline_parallel_degree
+    return LayoutSearch(model, CostModel(table, StageLayout.even(model.backbone.n_layers, pp)), sample, max_seq_len=config.training.seq_len,
+                        memory_bytes=pt.memory_gib * 2**30, max_mbs=pt.max_mbs, seed=config.dataloader.seed).search()
+
+
 def _pipeline_only(parallelize_fn):
     """The model's ``parallelize_fn`` without data parallelism: with one replica FSDP shards
     nothing, and its lazy initialisation refuses a submodule (the encoder of an ``E`` action)
@@ -204,25 +222,16 @@ class PipeTuneTrainer(Trainer):
             raise ValueError("PipeTuneTrainer runs one pipeline stage per rank (a flat 1F1B-style split)")
         self._build_pipetune(config, pp)
 
-    def _sample(self, config: Config) -> list:
-        """8 batches of the job's data drawn with their own seed (deterministic, so every rank
-        draws the same): the layout search and the choice of the baseline are made on them."""
+    def _sample(self, config: Config) -> list[BatchMeta]:
         if getattr(self, "_sampled", None) is None:
-            dl = config.dataloader
-            encode = text_encoder(config.tokenizer.build(tokenizer_path=config.hf_assets_path))
-            self._sampled = sample_batches(open_dataset(dl.dataset_path, encode=encode).table, self.planning_model, gbs=dl.gbs,
-                                           max_seq_len=config.training.seq_len, count=8, seed=dl.seed, overlong=dl.overlong)
+            self._sampled = sample_job_batches(config, self.planning_model)
         return self._sampled
 
     def _choose_layout(self, config: Config, pp: int) -> StageLayout:
         """``even``, explicit counts, or ``auto``: the layout search on the sampled batches."""
-        pt, model = config.pipetune, self.planning_model
-        n = model.backbone.n_layers
-        if pt.layout != "auto":
-            return StageLayout.parse(pt.layout, n, pp)
-        search = LayoutSearch(model, CostModel(self.table, StageLayout.even(n, pp)), self._sample(config), max_seq_len=config.training.seq_len,
-                              memory_bytes=pt.memory_gib * 2**30, max_mbs=pt.max_mbs, seed=config.dataloader.seed)
-        return search.search().best.layout
+        if config.pipetune.layout != "auto":
+            return StageLayout.parse(config.pipetune.layout, self.planning_model.backbone.n_layers, pp)
+        return search_layout(config, self.planning_model, self.table, self._sample(config)).best.layout
 
     def _build_pipetune(self, config: Config, pp: int) -> None:
         pt = config.pipetune
