@@ -51,7 +51,7 @@ def test_stage_costs_by_hand(tiny):
     assert c.bwd[0, 1] == pytest.approx(2 * c.fwd[0, 1])
     layer1 = 100e-3 + 2e-2
     assert c.fwd[1, 0] == pytest.approx(2 * layer1 + 1e-4)  # no images: no projector
-    assert c.encoder.tolist() == pytest.approx([4e-3, 0.0])
+    assert c.encoder[:, 0].tolist() == pytest.approx([4e-3, 0.0])
     assert c.activation_bytes[0].tolist() == pytest.approx([50 * 2 * 10 + 50 * 1 + 2 * 7, 50 * 2 * 10 + 50 * 2])
     assert c.image_feature_bytes.tolist() == [200.0, 0.0]
     assert c.p2p[1] == pytest.approx(1e-4 + 100 * tiny.backbone.dim * 4 / 1e9)
@@ -140,7 +140,7 @@ def test_calibration_recovers_known_scales(tiny):
         for s in range(2):
             obs.append(Observation(sh, float(c.fwd[0, s] + c.bwd[0, s]), stage=s))
         if sh.images[0]:
-            obs.append(Observation(sh, float(c.encoder[0]), kind="encoder"))
+            obs.append(Observation(sh, float(c.encoder[0, 0]), kind="encoder", part="fwd"))
     cal, report = calibrate(base, CostModel(base, layout), obs)
     # the ridge towards the old factors (see calibration.RIDGE) leaves a small bias, larger for
     # components that are a small part of every timing (the head)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe, _PipelineScheduleRuntime
 
-from pipetune.schedule import Action, Op, ScheduleError, ScheduleTable, gpipe, one_f_one_b, place_encoders
+from pipetune.schedule import Action, Op, Placement, ScheduleError, ScheduleTable, gpipe, one_f_one_b, place_encoders
 from pipetune.simulate import Latencies, compile_schedule, evaluate, simulate
 from pipetune.simulate.lower_bound import makespan_lower_bound
 from pipetune.simulate.trace import chrome_trace, write_trace
@@ -115,14 +115,14 @@ def test_precomputed_encoders_fill_gaps_without_overlap_and_after_their_data():
         rank0 = sorted((t for t in res.actions if t.rank == 0), key=lambda t: t.start)
         for x, y in zip(rank0, rank0[1:]):
             assert x.end <= y.start + 1e-12  # one action at a time on rank 0
-        enc = {t.action.mb: t for t in res.actions if t.action.op is Op.ENCODER}
-        fwd0 = {t.action.mb: t for t in res.actions if t.action.op is Op.FORWARD and t.action.stage == 0}
+        enc = {t.action.unit: t for t in res.actions if t.action.is_encoder}
+        fwd0 = {t.action.unit: t for t in res.actions if t.action.op is Op.FORWARD and t.action.chunk == 0 and not t.action.is_encoder}
         assert set(enc) == set(range(m))
         for mb, e in enc.items():
             assert e.start >= 0 and e.end <= fwd0[mb].start + 1e-12
-            assert e.end - e.start == pytest.approx(lat.encoder[mb])
+            assert e.end - e.start == pytest.approx(lat.encoder[mb, 0])
     res = simulate(moved, lat)
-    assert {t.action.mb for t in res.actions if t.precomputed} == {3, 4, 5}
+    assert {t.action.unit for t in res.actions if t.precomputed} == {3, 4, 5}
     # held image features raise rank 0's peak; other ranks are unaffected
     assert res.peak_bytes[0] > simulate(plain, lat).peak_bytes[0]
     assert res.peak_bytes[1:] == pytest.approx(simulate(plain, lat).peak_bytes[1:])
@@ -147,11 +147,11 @@ def test_batch_evaluation_agrees_with_the_detailed_simulator():
     orders, slots, expected, peaks = [], [], [], []
     for _ in range(25):
         order = rng.permutation(m)
-        slot = dag.encoder_slot.copy()
+        slot = dag.float_slot.copy()
         before = {}
         for k in range(m):
             if rng.random() < 0.5:  # move slot k's encoder to a random earlier rank-0 node
-                fwd_pos = pos[dag.encoder_slot[k]]
+                fwd_pos = pos[dag.float_slot[k]]
                 target = int(rng.integers(0, fwd_pos + 1))
                 slot[k] = dag.rank_nodes[0][target]
                 before[int(order[k])] = target
@@ -180,7 +180,7 @@ def test_csv_round_trips_and_loads_in_torch(tmp_path):
     table = one_f_one_b(4, [2, 0, 3, 1, 4], encoder=True)
     text = table.to_csv()
     back = ScheduleTable.from_csv(text, num_stages=4, num_micro_batches=5)
-    assert back.ranks == tuple(tuple(a for a in r if a.op is not Op.ENCODER) for r in table.ranks)
+    assert back.ranks == tuple(tuple(a for a in r if not a.is_encoder) for r in table.ranks)
     assert back.to_csv() == text
     path = tmp_path / "schedule.csv"
     path.write_text(text)
@@ -193,9 +193,9 @@ def test_csv_round_trips_and_loads_in_torch(tmp_path):
     assert "1RECV_F2" in [str(a) for a in runtime.pipeline_order_with_comms[1]]
 
 
-def table_of(rows, S=2, m=2, **kw):
-    return ScheduleTable(num_stages=S, num_micro_batches=m, stage_rank=tuple(range(S)),
-                         ranks=tuple(tuple(Action.parse(a) for a in r) for r in rows), **kw)
+def table_of(rows, S=2, m=2, encoder=False, trained=False, **kw):
+    return ScheduleTable(placement=Placement.colocated(S, encoder=encoder, encoder_trained=trained), num_micro_batches=m,
+                         ranks=tuple(tuple(Action.parse(a) for a in r) for r in rows), sub_mb_parent=tuple(range(m)) if encoder else (), **kw)
 
 
 @pytest.mark.parametrize(
@@ -203,17 +203,28 @@ def table_of(rows, S=2, m=2, **kw):
     [
         ([["0F0", "0F0", "0B0"], ["1F0", "1B0"]], {"m": 1}, "0F0 appears twice"),
         ([["0F0", "0B0"], ["1F0"]], {"m": 1}, "action 1B0 is missing"),
-        ([["0B0", "0F0"], ["1F0", "1B0"]], {"m": 1}, "backward before this rank ran forward 0F0"),
-        ([["1F0", "0B0"], ["0F0", "1B0"]], {"m": 1}, "stage 1 belongs to rank 1"),
+        ([["0B0", "0F0"], ["1F0", "1B0"]], {"m": 1}, "needs 0F0, which this rank has not run before it"),
+        ([["1F0", "0B0"], ["0F0", "1B0"]], {"m": 1}, "chunk 1 is placed on rank 1"),
         ([["0F0", "0F1", "0B0", "0B1"], ["1F0", "1F1", "1B0", "1B1"]], {"max_in_flight": (2, 1)}, "stage 1 holds 2 micro-batches in flight"),
-        ([["0F0", "0E0", "0B0"], ["1F0", "1B0"]], {"m": 1, "encoder": True}, "forward before this rank ran its encoder 0E0"),
+        ([["0F0", "E0F0", "0B0"], ["1F0", "1B0"]], {"m": 1, "encoder": True}, "0F0.*needs E0F0, which this rank has not run"),
+        ([["E0F0", "0F0", "0B0", "E0B0"], ["1F0", "1B0"]], {"m": 1, "encoder": True}, "a frozen encoder has no backward actions"),
+        ([["E0F0", "0F0", "E0B0", "0B0"], ["1F0", "1B0"]], {"m": 1, "encoder": True, "trained": True}, "E0B0.*needs 0B0"),
+        ([["E0F0", "0F0", "0B0"], ["1F0", "1B0"]], {"m": 1, "encoder": True, "trained": True}, "action E0B0 is missing"),
         ([["0F5", "0B5"], ["1F5", "1B5"]], {"m": 1}, "out of range"),
+        ([["E1F0", "0F0", "0B0"], ["1F0", "1B0"]], {"m": 1, "encoder": True}, "out of range"),
     ],
 )
 def test_invalid_tables_are_named(rows, kw, message):
     m = kw.pop("m", 2)
     with pytest.raises(ScheduleError, match=message):
         table_of(rows, m=m, **kw).validate()
+
+
+@pytest.mark.parametrize("text", ["0E3", "E0X1", "F0", "e0F1", "1F", ""])
+def test_action_text_is_parsed_by_one_grammar(text):
+    with pytest.raises(ValueError, match="not an action"):
+        Action.parse(text)
+    assert str(Action.parse("E12B7")) == "E12B7" and Action.parse("E12B7").is_encoder and not Action.parse("12B7").is_encoder
 
 
 def test_deadlock_is_detected():

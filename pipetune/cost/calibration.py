@@ -36,7 +36,9 @@ PARTS = {"fwd": ("fwd",), "bwd": ("bwd",), "fwd+bwd": ("fwd", "bwd")}
 @dataclass(frozen=True)
 class Observation:
     """A measured latency (seconds) of micro-batch ``shapes`` (a single one): ``part`` of its
-    work on ``stage`` (``kind="stage"``) or its encoder forward (``kind="encoder"``)."""
+    work on backbone ``stage`` (``kind="stage"``), or ``part`` of the encoder's work on its
+    ``shapes.images`` images on encoder chunk ``stage`` (``kind="encoder"``; the chunk's share of
+    the encoder's layers, see ``pipetune.cost.cost_model``)."""
 
     shapes: MicroBatchShapes
     seconds: float
@@ -74,10 +76,13 @@ class Design:
         for obs in observations:
             parts, _ = cost.components(obs.shapes)
             if obs.kind == "encoder":
-                rows.append([parts["encoder"]["fwd"][0, 0] if n == "encoder" else 0.0 for n in UNKNOWNS])
+                seconds = sum(cost.encoder_curve(obs.shapes.images, w)[0][0] for w in PARTS[obs.part])
+                if cost.recompute_encoder and "bwd" in PARTS[obs.part]:
+                    seconds += cost.encoder_curve(obs.shapes.images, "fwd")[0][0]  # the backward re-runs the forward
+                rows.append([seconds * cost.encoder_share[obs.stage] if n == "encoder" else 0.0 for n in UNKNOWNS])
                 continue
             which = PARTS[obs.part]
-            row = [0.0 if n == "encoder" else sum(parts[n][w][0, obs.stage] for w in which) for n in CURVES]
+            row = [sum(parts[n][w][0, obs.stage] for w in which) if n in parts else 0.0 for n in CURVES]
             rows.append(row + [float("fwd" in which), float("bwd" in which)])
         return cls(np.asarray(rows).reshape(-1, len(UNKNOWNS)), np.asarray([o.seconds for o in observations], dtype=np.float64))
 
