@@ -12,10 +12,12 @@ groups (NCCL runs ``batch_isend_irecv`` groups on one communicator and stream).
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
+from pipetune.packing.sub_batches import SubBatches
 from pipetune.schedule import SCHEDULES, Action, Op, Placement, ScheduleError, ScheduleTable, place_encoders
 from pipetune.schedule.lowering import Compute, Direction, Message, Post, Transfer, Wait, inputs, lower, lower_all, outputs
 
@@ -185,6 +187,31 @@ def random_table(rng: np.random.Generator, *, kinds=("flat", "interleaved", "v")
     return table
 
 
+def random_separated_table(rng: np.random.Generator) -> ScheduleTable:
+    """A random executable plan of the separated layout (DIP): ``P`` ranks, ``P * K`` encoder chunks
+    (chunk ``k`` on rank ``k mod P``, so each rank holds several), each micro-batch's images in
+    sub-microbatches of ``B`` (some micro-batches without images), a frozen or trained encoder;
+    the actions in a random order that respects every dependency (any interleaving of a rank's
+    chunks and of forwards and backwards)."""
+    P, K = int(rng.integers(2, 7)), int(rng.integers(1, 4))
+    m = int(rng.integers(1, 9))
+    images = rng.integers(0, 7, size=m) * (rng.random(m) < 0.8)
+    sub = SubBatches.split(images, int(rng.integers(1, 5)))
+    placement = Placement.separated(P, P * K, encoder_trained=bool(rng.random() < 0.5))
+    proto = ScheduleTable(placement=placement, num_micro_batches=m, ranks=((),) * P, sub_mb_parent=tuple(sub.parent.tolist()))
+    missing = {a: len(proto.producers(a)) for a in proto.expected_actions()}
+    ready = [a for a, n in missing.items() if n == 0]
+    ranks: list[list[Action]] = [[] for _ in range(P)]
+    while ready:
+        a = ready.pop(int(rng.integers(len(ready))))
+        ranks[placement.rank_of(a)].append(a)
+        for c in proto.consumers(a):
+            missing[c] -= 1
+            if missing[c] == 0:
+                ready.append(c)
+    return replace(proto, ranks=tuple(map(tuple, ranks)), name="random separated").validate()
+
+
 def _old_lower(table: ScheduleTable, rank: int) -> list:
     """The lowering before issue #10's fix, in today's step types: each receive posted one compute
     action ahead, sends right after their action. Kept as the regression case the checker must catch."""
@@ -229,17 +256,35 @@ def test_one_micro_batch_two_stages_each_side_in_order():
     assert pair_sequences(steps)[(1, 0)] == [(Direction.RECV, f), (Direction.SEND, b)]
 
 
+def test_consumers_invert_producers():
+    rng = np.random.default_rng(5)
+    for table in [random_separated_table(rng) for _ in range(30)] + [random_table(rng) for _ in range(30)]:
+        acts = [a for r in table.ranks for a in r]
+        produced = {(p, a) for a in acts for p in table.producers(a)}
+        consumed = {(a, c) for a in acts for c in table.consumers(a)}
+        assert produced == consumed
+
+
 def test_a_thousand_random_plans_run_on_a_strict_in_order_transport():
+    """Co-located plans (one to eight ranks, several stages per rank, pre-computed and trained
+    encoders) and separated plans (several encoder chunks per rank, sub-microbatches, frozen and
+    trained encoders) on all three transport models."""
     rng = np.random.default_rng(2026)
-    seen = {"multi-stage": 0, "precomputed": 0, "m>32": 0, "p=8": 0, "trained": 0}
+    seen = {"multi-chunk ranks": 0, "precomputed": 0, "m>32": 0, "p=8": 0, "trained": 0, "separated": 0, "separated, trained": 0,
+            "split images": 0}
     old_failures = 0
     for _ in range(1000):
-        table = random_table(rng)
+        table = random_separated_table(rng) if rng.random() < 0.3 else random_table(rng)
         check(table)
-        seen["multi-stage"] += table.num_stages > table.num_ranks
-        seen["precomputed"] += any(a.is_encoder and a.op is Op.FORWARD and table.ranks[0][k + 1] != Action(0, Op.FORWARD, a.unit)
+        sep = table.encoder and not table.placement.colocated_encoder
+        seen["separated"] += sep
+        seen["separated, trained"] += sep and table.placement.encoder_trained
+        seen["split images"] += any(len(k) > 1 for k in table.sub_micro_batches)
+        seen["multi-chunk ranks"] += max(map(table.placement.backbone.count, range(table.num_ranks))) > 1 or (
+            sep and len(table.placement.encoder) > table.num_ranks)
+        seen["precomputed"] += not sep and any(a.is_encoder and a.op is Op.FORWARD and table.ranks[0][k + 1] != Action(0, Op.FORWARD, a.unit)
                                    for k, a in enumerate(table.ranks[0]))
-        seen["trained"] += table.placement.encoder_trained
+        seen["trained"] += table.placement.encoder_trained and not sep
         seen["m>32"] += table.num_micro_batches > 32
         seen["p=8"] += table.num_ranks == 8
         if table.num_micro_batches > 1 and old_failures < 50:

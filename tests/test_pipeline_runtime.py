@@ -192,3 +192,30 @@ def _serial(actions):
     fwd = [a for a in actions if a.op is Op.FORWARD]
     bwd = sorted((a for a in actions if a.op is Op.BACKWARD), key=lambda a: -a.chunk)
     return sorted(fwd, key=lambda a: (not a.is_encoder, a.chunk)) + bwd
+
+
+def test_separated_plans_are_refused_by_name_until_the_runtime_runs_them(datamix2_dir):
+    """The executor checks a plan before any message: a separated-layout plan (encoder chunks of
+    their own, images in sub-microbatches) is a ``PlanError`` naming the layout, not a hang."""
+    from pipetune.config import load_model_config
+    from pipetune.packing import PackingConfig
+    from pipetune.packing.sub_batches import SubBatches
+    from pipetune.plan.plan import PlanError, plan_from_table
+    from pipetune.schedule import Action, Module, Op, Placement, ScheduleTable
+    from torchtitan_patches.data import DataLoaderConfig
+    from torchtitan_patches.model.vlm import build_stages
+    from torchtitan_patches.pipeline.executor import PlanExecutor
+
+    model = load_model_config("tiny")
+    encoder, stages = build_stages(model, [(0, 4)], [0], max_seq_len=1024, seed=0, attention_backend="sdpa")
+    batch = next(iter(DataLoaderConfig(data=datamix2_dir, gbs=8, max_seq_len=256, packing=PackingConfig(mbs=1, max_seq_len=256)).build(model)))
+    m = len(batch.micro_batches)
+    sub = SubBatches.split([mb.num_images for mb in batch.micro_batches], 1)
+    acts = [Action(c, Op.FORWARD, k, Module.ENCODER) for k in range(sub.count) for c in range(2)]
+    acts += [a for j in range(m) for a in (Action(0, Op.FORWARD, j), Action(0, Op.BACKWARD, j))]
+    table = ScheduleTable(placement=Placement.separated(1, 2, encoder_trained=False), num_micro_batches=m, ranks=(tuple(acts),),
+                          sub_mb_parent=tuple(sub.parent.tolist()))
+    plan = plan_from_table(table, step=0, micro_batches=batch.sample_ids, order=range(m), mbs=1, max_seq_len=256, image_sub_batch=1).validate()
+    assert plan.separated and plan.image_ranges([mb.num_images for mb in batch.micro_batches]) == [tuple(x) for x in sub.as_tuples()]
+    with pytest.raises(PlanError, match="does not run separated plans yet"):
+        PlanExecutor(stages, encoder, dim=model.backbone.dim, rank=0).run(batch, plan)

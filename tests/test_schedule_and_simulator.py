@@ -266,3 +266,61 @@ def test_trace_cli(tmp_path):
     assert main(["trace", "--mix", "datamix2", "--samples", "3000", "--model", "13b", "--tp", "4", "--pp", "4",
                  "--out", str(out), "--out", str(tmp_path / "g.json"), "--csv", str(tmp_path / "g.csv")]) == 0
     assert out.stat().st_size > 10_000 and (tmp_path / "g.csv").read_text().startswith("0F0,")
+
+
+def separated_by_hand(trained: bool) -> tuple[ScheduleTable, Latencies]:
+    """Two ranks, encoder chunks E0 (rank 0) and E1 (rank 1), one micro-batch whose images form
+    two sub-microbatches; encoder chunk forward 1 s (backward 1.5 s), backbone stage forward 2 s,
+    backward 3 s; messages: encoder 0.5 s, features 0.25 s, backbone 0.1 s."""
+    enc_b = ["E0B0", "E0B1"] if trained else []
+    rows = [["E0F0", "E0F1", "0F0", "0B0", *enc_b], ["E1F0", "E1F1", "1F0", "1B0", *[a.replace("E0", "E1") for a in enc_b]]]
+    table = ScheduleTable(placement=Placement.separated(2, 2, encoder_trained=trained), num_micro_batches=1,
+                          ranks=tuple(tuple(Action.parse(a) for a in r) for r in rows), sub_mb_parent=(0, 0)).validate()
+    lat = Latencies(np.full((1, 2), 2.0), np.full((1, 2), 3.0), np.full((2, 2), 1.0), np.full(1, 0.1), np.array([[10.0, 20.0]]),
+                    np.full(2, 100.0), encoder_bwd=np.full((2, 2), 1.5 if trained else 0.0), encoder_p2p=np.full(2, 0.5),
+                    feature_p2p=np.full(2, 0.25), encoder_activation_bytes=np.full((2, 2), 1000.0 if trained else 0.0))
+    return table, lat
+
+
+def test_separated_chunks_and_sub_micro_batches_by_hand():
+    """rank 0: E0F0 [0,1] E0F1 [1,2] 0F0 waits for both features: [3.75,5.75]   0B0 [10.95,13.95]
+    rank 1: E1F0 [1.5,2.5] E1F1 [2.5,3.5]       1F0 [5.85,7.85] 1B0 [7.85,10.85]
+    trained, then: rank 1 E1B0 [14.2,15.7] E1B1 [15.7,17.2]; rank 0 E0B0 [16.2,17.7] E0B1 [17.7,19.2]."""
+    table, lat = separated_by_hand(False)
+    res = simulate(table, lat)
+    expect = {"E0F0": (0, 1), "E0F1": (1, 2), "E1F0": (1.5, 2.5), "E1F1": (2.5, 3.5), "0F0": (3.75, 5.75), "1F0": (5.85, 7.85),
+              "1B0": (7.85, 10.85), "0B0": (10.95, 13.95)}
+    for k, v in expect.items():
+        assert res.time_of(k) == pytest.approx(v)
+    assert res.makespan == pytest.approx(13.95)
+    # frozen: nothing is kept for the encoder; both sub-microbatches' features are held from 0F0 to 0B0
+    assert res.peak_bytes.tolist() == pytest.approx([10.0 + 2 * 100.0, 20.0])
+    assert compile_schedule(table).floating == ()  # encoder forwards feed another rank: they do not float
+    table, lat = separated_by_hand(True)
+    res = simulate(table, lat)
+    for k, v in {**expect, "E1B0": (14.2, 15.7), "E1B1": (15.7, 17.2), "E0B0": (16.2, 17.7), "E0B1": (17.7, 19.2)}.items():
+        assert res.time_of(k) == pytest.approx(v)
+    assert res.makespan == pytest.approx(19.2)
+    assert res.peak_bytes.tolist() == pytest.approx([2 * 1000.0 + 10.0 + 2 * 100.0, 2 * 1000.0 + 20.0])
+    assert res.busy.tolist() == pytest.approx([2 + 2 + 3 + 3, 2 + 2 + 3 + 3])
+
+
+def test_placement_lower_bound_holds_for_random_separated_plans():
+    from test_lowering_fifo import random_separated_table
+
+    from pipetune.cost.cost_model import rank_work
+    from pipetune.simulate.lower_bound import placement_lower_bound
+
+    rng = np.random.default_rng(8)
+    for _ in range(40):
+        table = random_separated_table(rng)
+        m, n, S, E = table.num_micro_batches, table.num_sub_micro_batches, table.num_stages, len(table.placement.encoder)
+        lat = Latencies(rng.random((m, S)), rng.random((m, S)), rng.random((n, E)), rng.random(m) * 0.1, encoder_bwd=rng.random((n, E)),
+                        encoder_p2p=rng.random(n) * 0.1, feature_p2p=rng.random(n) * 0.1)
+        res = simulate(table, lat)
+        assert placement_lower_bound(table, lat) <= res.makespan + 1e-12
+        assert res.busy == pytest.approx(rank_work(table.placement, lat))  # a frozen encoder's backward costs are ignored
+        dag = compile_schedule(table)
+        if m > 1 and not dag.one_to_one:
+            with pytest.raises(ValueError, match="permute sub-microbatches only"):
+                evaluate(dag, lat, np.arange(m)[::-1][None])

@@ -108,11 +108,13 @@ class StageCosts:
 
 def rank_work(placement, costs) -> np.ndarray:
     """Busy seconds of every rank under ``placement`` for ``costs`` (``StageCosts`` or the
-    simulator's ``Latencies``: anything with ``fwd``, ``bwd``, ``encoder`` and ``encoder_bwd``)."""
+    simulator's ``Latencies``: anything with ``fwd``, ``bwd``, ``encoder`` and ``encoder_bwd``;
+    the encoder's backward counts only when it is trained)."""
     work = np.zeros(placement.num_ranks)
     np.add.at(work, np.array(placement.backbone), (costs.fwd + costs.bwd).sum(axis=0))
     if placement.encoder:
-        np.add.at(work, np.array(placement.encoder), (costs.encoder + costs.encoder_bwd).sum(axis=0))
+        enc = costs.encoder + (costs.encoder_bwd if placement.encoder_trained else 0.0)
+        np.add.at(work, np.array(placement.encoder), enc.sum(axis=0))
     return work
 
 

@@ -50,7 +50,7 @@ def placement_lower_bound(table: ScheduleTable, lat: Latencies) -> float:
     chain = (lat.fwd + lat.bwd).sum(axis=1)
     if table.num_sub_micro_batches:
         parent = np.array(table.sub_mb_parent)
-        for arr in (lat.encoder, lat.encoder_bwd):
+        for arr in (lat.encoder, lat.encoder_bwd) if table.placement.encoder_trained else (lat.encoder,):
             slowest = np.zeros(table.num_micro_batches)
             np.maximum.at(slowest, parent, arr.sum(axis=1))
             chain = chain + slowest

@@ -52,7 +52,8 @@ class Latencies:
     def __post_init__(self) -> None:
         m = self.fwd.shape[0]
         n = len(self.encoder) if self.encoder is not None else m
-        enc = np.zeros((n, 1)) if self.encoder is None else np.asarray(self.encoder, np.float64).reshape(n, -1)
+        enc = np.zeros((n, 1)) if self.encoder is None else np.asarray(self.encoder, np.float64)
+        enc = enc[:, None] if enc.ndim == 1 else enc
         shapes = {"encoder": enc.shape, "p2p": (m,), "activation_bytes": self.fwd.shape, "image_feature_bytes": (n,),
                   "encoder_bwd": enc.shape, "encoder_p2p": (n,), "feature_p2p": (n,), "encoder_activation_bytes": enc.shape}
         for name, shape in shapes.items():
