@@ -37,7 +37,7 @@ MAX_SEQ_LEN = 512
 
 def predict(cost: CostModel, obs) -> float:
     c = cost.stage_costs(obs.shapes)
-    return float(c.encoder[0] if obs.kind == "encoder" else c.fwd[0, obs.stage] + c.bwd[0, obs.stage])
+    return float(c.encoder[0, 0] if obs.kind == "encoder" else c.fwd[0, obs.stage] + c.bwd[0, obs.stage])
 
 
 def errors(cost: CostModel, obs) -> tuple[float, float]:

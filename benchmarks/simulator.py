@@ -20,10 +20,10 @@ from pipetune.simulate import Latencies, compile_schedule, evaluate, simulate
 def candidates(dag, m: int, C: int, rng) -> tuple[np.ndarray, np.ndarray]:
     orders = np.argsort(rng.random((C, m)), axis=1)
     pos = dag.rank_position()
-    fwd_pos = pos[dag.encoder_slot]
+    fwd_pos = pos[dag.float_slot]
     move = rng.random((C, m)) < 0.5
     target = (rng.random((C, m)) * (fwd_pos + 1)).astype(np.int64)
-    slots = np.where(move, dag.rank_nodes[0][target], dag.encoder_slot)
+    slots = np.where(move, dag.rank_nodes[0][target], dag.float_slot)
     return orders, slots
 
 

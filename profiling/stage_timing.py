@@ -122,5 +122,5 @@ def observe(timer: StageTimer, samples, *, passes: int = 5, warmup: int = 1) -> 
         obs += [Observation(shapes, float(next(med)), stage=s) for s in range(len(timer.stages))]
         enc = float(next(med))
         if mb.num_images and timer.encoder is not None:
-            obs.append(Observation(shapes, enc, kind="encoder"))
+            obs.append(Observation(shapes, enc, kind="encoder", part="fwd"))
     return obs

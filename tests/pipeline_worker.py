@@ -3,7 +3,8 @@
 usage: python pipeline_worker.py SCENARIO DATA_DIR OUT_DIR [OPTIONS_JSON]  (RANK, WORLD_SIZE, MASTER_PORT in env)
 Writes OUT_DIR/rank{r}.json with what the scenario measured. Options: ``strict`` (every message
 with one tag, so gloo matches by order as NCCL does), ``dtype`` (``fp32`` or ``bf16``), ``layout``
-(``even``, ``uneven`` = 3+1 layers, ``two_per_rank`` = four 1-layer stages, V-shaped on 2 ranks).
+(``even``, ``uneven`` = 3+1 layers, ``two_per_rank`` = four 1-layer stages, V-shaped on 2 ranks),
+``trained`` (train the vision encoder: its backward runs as the plan's own ``E0B`` actions).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pipetune.config import load_model_config
 from pipetune.cost import StageLayout
 from pipetune.packing import PackingConfig
 from pipetune.plan.plan import build_plan
-from pipetune.schedule import Action, Op, ScheduleTable, place_encoders
+from pipetune.schedule import Action, Placement, ScheduleTable, place_encoders
 from pipetune.schedule.lowering import Direction, Post, lower
 from torchtitan_patches.data import DataLoaderConfig
 from torchtitan_patches.model.vlm import build_stages, build_vlm
@@ -41,6 +42,8 @@ LAYOUTS = {  # layer ranges, stage -> rank
 def setup(rank: int, world: int, opts: dict | None = None):
     opts = opts or {}
     model = load_model_config("tiny")
+    if opts.get("trained"):
+        model = replace(model, encoder=replace(model.encoder, frozen=False))
     ranges, stage_rank = LAYOUTS[opts.get("layout", "even")] if world == 2 else (list(StageLayout.even(model.backbone.n_layers, world).layer_ranges), tuple(range(world)))
     local = [s for s, r in enumerate(stage_rank) if r == rank]
     encoder, stages = build_stages(model, ranges, local, max_seq_len=4 * MAX_SEQ_LEN, seed=0, attention_backend="sdpa")
@@ -53,27 +56,20 @@ def onto_ranks(table: ScheduleTable, stage_rank: tuple[int, ...]) -> ScheduleTab
     """A one-stage-per-rank table's actions placed on ``stage_rank``'s ranks: each rank takes, in
     turns, the next action of its stages whose inputs are done (stages in index order)."""
     S = table.num_stages
+    placement = Placement.colocated(S, encoder=table.encoder, encoder_trained=table.placement.encoder_trained, stage_rank=stage_rank)
     pos, done = [0] * S, set()
-    ranks: list[list[Action]] = [[] for _ in range(max(stage_rank) + 1)]
-
-    def ready(a: Action) -> bool:
-        if a.op is Op.FORWARD and a.stage > 0:
-            return Action(a.stage - 1, Op.FORWARD, a.mb) in done
-        if a.op is Op.BACKWARD and a.stage < S - 1:
-            return Action(a.stage + 1, Op.BACKWARD, a.mb) in done
-        return True
-
+    ranks: list[list[Action]] = [[] for _ in range(placement.num_ranks)]
     while any(pos[s] < len(table.ranks[s]) for s in range(S)):
         before = sum(pos)
         for r in range(len(ranks)):
             for s in (s for s in range(S) if stage_rank[s] == r):
-                if pos[s] < len(table.ranks[s]) and ready(table.ranks[s][pos[s]]):
+                if pos[s] < len(table.ranks[s]) and set(table.producers(table.ranks[s][pos[s]])) <= done:
                     ranks[r].append(table.ranks[s][pos[s]])
                     done.add(table.ranks[s][pos[s]])
                     pos[s] += 1
                     break
         assert sum(pos) > before, "the schedule cannot be placed on these ranks"
-    return replace(table, stage_rank=stage_rank, ranks=tuple(map(tuple, ranks)), max_in_flight=None).validate()
+    return replace(table, placement=placement, ranks=tuple(map(tuple, ranks)), max_in_flight=None).validate()
 
 
 def loader(model, data, gbs, groups_of):
@@ -87,24 +83,27 @@ def plan_for(model, meta, *, packer: str, mbs: int, order=None, encoder_before=N
     m = len(groups)
     order = list(order) if order is not None else list(range(m))
     plan = build_plan(step=meta.step, micro_batches=groups, order=order, num_stages=len(stage_rank), encoder=True, mbs=mbs,
-                      max_seq_len=MAX_SEQ_LEN)
+                      max_seq_len=MAX_SEQ_LEN, encoder_trained=not model.encoder.frozen)
     table = plan.table()
     if stage_rank != tuple(range(len(stage_rank))):
         table = onto_ranks(table, stage_rank)
     if encoder_before:
         table = place_encoders(table, encoder_before)
-    return replace(plan, ranks=tuple(tuple(str(a) for a in r) for r in table.ranks), stage_rank=table.stage_rank).validate()
+    return replace(plan, ranks=tuple(tuple(str(a) for a in r) for r in table.ranks), placement=table.placement).validate()
 
 
 def batch_for(model, data, gbs, plan):
     return next(iter(loader(model, data, gbs, lambda meta: [list(mb) for mb in plan.micro_batches])))
 
 
-def grads(stages) -> dict[str, torch.Tensor]:
+def grads(stages, encoder=None) -> dict[str, torch.Tensor]:
+    """Gradients by the whole model's parameter names (the encoder's prefixed ``encoder.``)."""
     out = {}
     for stage in stages.values():
         names = whole_model_names(stage)
         out.update({names[n]: p.grad.clone() for n, p in stage.named_parameters() if p.grad is not None})
+    if encoder is not None:
+        out.update({f"encoder.{n}": p.grad.clone() for n, p in encoder.named_parameters() if p.grad is not None})
     return out
 
 
@@ -119,6 +118,7 @@ def equal_grads(rank, world, data, opts):
     compute dtype. Records, per parameter, the norm-wise relative gradient error (the test sets
     the tolerance)."""
     model, stages, ex, stage_rank = setup(rank, world, opts)
+    encoder = ex.encoder
     gbs = 12
     meta = loader(model, data, gbs, None).meta(0)
     plan_a = plan_for(model, meta, packer="original", mbs=1, stage_rank=stage_rank)
@@ -131,18 +131,21 @@ def equal_grads(rank, world, data, opts):
     for name, plan in (("a", plan_a), ("b", plan_b)):
         batch = batch_for(model, data, gbs, plan)
         res = ex.run(batch, plan)
-        results[name] = (res.loss, grads(stages), batch)
+        results[name] = (res.loss, grads(stages, encoder), batch)
         out[f"precomputed_{name}"] = sum(t.precomputed for t in res.timeline)
-        for stage in stages.values():
-            stage.zero_grad(set_to_none=True)
-    encoder, whole = build_vlm(model, max_seq_len=4 * MAX_SEQ_LEN, seed=0, attention_backend="sdpa")
-    ref_loss = reference_step(encoder, whole, results["a"][2], DTYPES[opts.get("dtype", "fp32")])
-    ref = {n: p.grad for n, p in whole.named_parameters() if p.grad is not None}
+        out[f"encoder_backward_{name}"] = sum(t.action.is_encoder and t.action.op.value == "B" for t in res.timeline)
+        for module in (*stages.values(), encoder):
+            if module is not None:
+                module.zero_grad(set_to_none=True)
+    ref_encoder, whole = build_vlm(model, max_seq_len=4 * MAX_SEQ_LEN, seed=0, attention_backend="sdpa")
+    ref_loss = reference_step(ref_encoder, whole, results["a"][2], DTYPES[opts.get("dtype", "fp32")])
+    ref = grads({0: whole}, ref_encoder)
     out["same_weights"] = all(torch.equal(p, dict(whole.named_parameters())[whole_model_names(st)[n]])
                               for st in stages.values() for n, p in st.named_parameters())
     out["worst_rel_a_ref"] = max(rel_err(g, ref[n]) for n, g in results["a"][1].items())
     out["worst_rel_b_ref"] = max(rel_err(results["b"][1][n], ref[n]) for n in results["a"][1])
-    out.update(params=len(results["a"][1]), loss_a=results["a"][0], loss_b=results["b"][0], loss_ref=ref_loss,
+    out.update(params=len(results["a"][1]), encoder_params=sum(n.startswith("encoder.") for n in results["a"][1]),
+               loss_a=results["a"][0], loss_b=results["b"][0], loss_ref=ref_loss,
                same_ids=sorted(sum(results["a"][2].sample_ids, [])) == sorted(sum(results["b"][2].sample_ids, [])))
     return out
 

@@ -51,7 +51,7 @@ def test_stage_costs_by_hand(tiny):
     assert c.bwd[0, 1] == pytest.approx(2 * c.fwd[0, 1])
     layer1 = 100e-3 + 2e-2
     assert c.fwd[1, 0] == pytest.approx(2 * layer1 + 1e-4)  # no images: no projector
-    assert c.encoder.tolist() == pytest.approx([4e-3, 0.0])
+    assert c.encoder[:, 0].tolist() == pytest.approx([4e-3, 0.0])
     assert c.activation_bytes[0].tolist() == pytest.approx([50 * 2 * 10 + 50 * 1 + 2 * 7, 50 * 2 * 10 + 50 * 2])
     assert c.image_feature_bytes.tolist() == [200.0, 0.0]
     assert c.p2p[1] == pytest.approx(1e-4 + 100 * tiny.backbone.dim * 4 / 1e9)
@@ -129,7 +129,7 @@ def test_analytical_small_micro_batches_pay_fixed_costs():
 
 @pytest.mark.parametrize("encoder", ["frozen", "trained", "trained+recompute"])
 def test_calibration_recovers_known_scales(tiny, encoder):
-    """A trained encoder's backward (and recomputed forward) is part of stage 0's backward timing."""
+    """A trained encoder's backward (after its recomputed forward, with recompute) is timed as its own action."""
     from dataclasses import replace
 
     model = tiny if encoder == "frozen" else replace(tiny, encoder=replace(tiny.encoder, frozen=False))
@@ -147,7 +147,9 @@ def test_calibration_recovers_known_scales(tiny, encoder):
         for s in range(2):
             obs.append(Observation(sh, float(c.fwd[0, s] + c.bwd[0, s]), stage=s))
         if sh.images[0]:
-            obs.append(Observation(sh, float(c.encoder[0]), kind="encoder"))
+            obs.append(Observation(sh, float(c.encoder[0, 0]), kind="encoder", part="fwd"))
+            if encoder != "frozen":  # the encoder's backward is an action of its own
+                obs.append(Observation(sh, float(c.encoder_bwd[0, 0]), kind="encoder", part="bwd"))
     cal, report = calibrate(base, CostModel(base, layout, recompute_encoder=recompute), obs)
     # the ridge towards the old factors (see calibration.RIDGE) leaves a small bias, larger for
     # components that are a small part of every timing (the head)

@@ -26,7 +26,7 @@ def candidates(rng, dag, lat, n):
     m = lat.fwd.shape[0]
     orders = np.array([rng.permutation(m) for _ in range(n)])
     moved = fill_gaps(dag, lat, orders, np.full(n, 0.5))
-    return np.vstack([orders, orders]), np.vstack([np.tile(dag.encoder_slot, (n, 1)), moved])
+    return np.vstack([orders, orders]), np.vstack([np.tile(dag.float_slot, (n, 1)), moved])
 
 
 @pytest.mark.parametrize("S,m", [(2, 5), (4, 9)])
@@ -49,7 +49,7 @@ def test_expected_makespan_is_never_below_the_deterministic_one(S, m):
     dag = compile_schedule(one_f_one_b(S, range(m), encoder=True))
     jl = jitter(lat, NOISY, 8, 1)
     for field in ("fwd", "bwd", "encoder", "p2p"):  # the draws' mean durations are the deterministic ones
-        mean = getattr(jl.lat, field).reshape((8, m) + getattr(lat, field).shape[1:]).mean(axis=0)
+        mean = np.mean([getattr(d, field) for d in jl.draws], axis=0)
         np.testing.assert_allclose(mean, getattr(lat, field), rtol=1e-12)
     orders, slots = candidates(rng, dag, lat, 20)
     det = evaluate(dag, lat, orders, slots).makespan
@@ -68,9 +68,7 @@ def test_all_draws_in_one_call_equal_one_draw_at_a_time():
     jl = jitter(lat, NOISY, K, 2)
     spans = draw_makespans(dag, jl, orders, slots)
     for k in range(K):
-        rows = slice(k * m, (k + 1) * m)
-        lat_k = Latencies(*(getattr(jl.lat, f)[rows] for f in ("fwd", "bwd", "encoder", "p2p", "activation_bytes", "image_feature_bytes")))
-        assert np.array_equal(spans[k], evaluate(dag, lat_k, orders, slots).makespan)
+        assert np.array_equal(spans[k], evaluate(dag, jl.draws[k], orders, slots).makespan)
     assert len(np.unique(spans[:, 0])) == K  # the draws differ
 
 
@@ -93,8 +91,10 @@ def test_draws_are_common_to_every_candidate_and_seeded():
     rng = np.random.default_rng(5)
     lat = random_lat(rng, 6, 2)
     a, b, c = jitter(lat, NOISY, 4, (0, 7)), jitter(lat, NOISY, 4, (0, 7)), jitter(lat, NOISY, 4, (0, 8))
-    assert np.array_equal(a.lat.fwd, b.lat.fwd) and not np.array_equal(a.lat.fwd, c.lat.fwd)
+    fwd = [np.stack([d.fwd for d in x.draws]) for x in (a, b, c)]
+    assert np.array_equal(fwd[0], fwd[1]) and not np.array_equal(fwd[0], fwd[2])
     # one factor per (micro-batch, stage) for its forward and backward: their ratio is noise-free
-    np.testing.assert_allclose(a.lat.bwd / a.lat.fwd, np.tile(lat.bwd / lat.fwd, (4, 1)), rtol=1e-12)
+    for d in a.draws:
+        np.testing.assert_allclose(d.bwd / d.fwd, lat.bwd / lat.fwd, rtol=1e-12)
     with pytest.raises(ValueError, match="at least 2 draws"):
         jitter(lat, NOISY, 1, 0)

@@ -12,12 +12,14 @@ groups (NCCL runs ``batch_isend_irecv`` groups on one communicator and stream).
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
-from pipetune.schedule import SCHEDULES, Action, Op, ScheduleError, ScheduleTable, place_encoders
-from pipetune.schedule.lowering import Compute, Direction, Message, Post, Transfer, Wait, _input, _output, lower, lower_all
+from pipetune.packing.sub_batches import SubBatches
+from pipetune.schedule import SCHEDULES, Action, Op, Placement, ScheduleError, ScheduleTable, place_encoders
+from pipetune.schedule.lowering import Compute, Direction, Message, Post, Transfer, Wait, inputs, lower, lower_all, outputs
 
 
 class Deadlock(AssertionError):
@@ -147,57 +149,85 @@ def layout(kind: str, p: int) -> tuple[int, ...]:
     return tuple(range(p)) + tuple(reversed(range(p)))
 
 
+def merge_onto_ranks(rng: np.random.Generator, virtual: ScheduleTable, placement: Placement, lists) -> ScheduleTable:
+    """``lists`` (per-chunk ordered action lists of ``virtual``'s units) merged onto ``placement``'s
+    ranks by a random order that respects every dependency, so the chunks of a rank interleave
+    arbitrarily."""
+    ranks: list[list[Action]] = [[] for _ in range(placement.num_ranks)]
+    done: set[Action] = set()
+    pos = [0] * len(lists)
+    while any(pos[i] < len(lst) for i, lst in enumerate(lists)):
+        ready = [i for i, lst in enumerate(lists) if pos[i] < len(lst) and set(virtual.producers(lst[pos[i]])) <= done]
+        i = int(rng.choice(ready))
+        a = lists[i][pos[i]]
+        ranks[placement.rank_of(a)].append(a)
+        done.add(a)
+        pos[i] += 1
+    return ScheduleTable(placement=placement, num_micro_batches=virtual.num_micro_batches, ranks=tuple(map(tuple, ranks)),
+                         sub_mb_parent=virtual.sub_mb_parent, name="random").validate()
+
+
 def random_table(rng: np.random.Generator, *, kinds=("flat", "interleaved", "v"), encoder: bool | None = None) -> ScheduleTable:
-    """A random executable plan: a schedule over virtual stages (1F1B or GPipe, random micro-batch
-    order), merged onto ranks by a random order that respects every dependency (so several
-    stages of a rank interleave arbitrarily), then encoders pre-computed at random positions."""
+    """A random executable co-located plan: a schedule over virtual stages (1F1B or GPipe, random
+    micro-batch order, a frozen or trained encoder), merged onto ranks (``merge_onto_ranks``),
+    then encoders pre-computed at random positions."""
     p = int(rng.integers(2, 9))
     stage_rank = layout(str(rng.choice(kinds)), p)
     S = len(stage_rank)
     m = int(rng.integers(1, 65)) if rng.random() < 0.3 else int(rng.integers(1, 17))
     encoder = bool(rng.random() < 0.7) if encoder is None else encoder
-    virtual = SCHEDULES[str(rng.choice(["1f1b", "gpipe"]))](S, rng.permutation(m).tolist(), encoder=encoder)
-    ranks: list[list[Action]] = [[] for _ in range(p)]
-    done: set[Action] = set()
-    pos = [0] * S
-    while any(pos[s] < len(virtual.ranks[s]) for s in range(S)):
-        ready = [s for s in range(S) if pos[s] < len(virtual.ranks[s]) and _deps(virtual.ranks[s][pos[s]], S) <= done]
-        s = int(rng.choice(ready))
-        a = virtual.ranks[s][pos[s]]
-        ranks[stage_rank[s]].append(a)
-        done.add(a)
-        pos[s] += 1
-    table = ScheduleTable(num_stages=S, num_micro_batches=m, stage_rank=stage_rank, ranks=tuple(map(tuple, ranks)),
-                          encoder=encoder, name="random").validate()
+    trained = encoder and bool(rng.random() < 0.3)
+    virtual = SCHEDULES[str(rng.choice(["1f1b", "gpipe"]))](S, rng.permutation(m).tolist(), encoder=encoder, encoder_trained=trained)
+    placement = Placement.colocated(S, encoder=encoder, encoder_trained=trained, stage_rank=stage_rank)
+    table = merge_onto_ranks(rng, virtual, placement, [list(r) for r in virtual.ranks])
     if encoder and rng.random() < 0.8:
-        work = [a for a in table.ranks[stage_rank[0]] if a.op is not Op.ENCODER]
-        fwd = {a.mb: k for k, a in enumerate(work) if a.stage == 0 and a.op is Op.FORWARD}
+        work = [a for a in table.ranks[stage_rank[0]] if not (a.is_encoder and a.op is Op.FORWARD)]
+        fwd = {a.unit: k for k, a in enumerate(work) if a.chunk == 0 and a.op is Op.FORWARD and not a.is_encoder}
         table = place_encoders(table, {mb: int(rng.integers(0, k + 1)) for mb, k in fwd.items() if rng.random() < 0.6})
     return table
 
 
-def _deps(a: Action, S: int) -> set[Action]:
-    if a.op is Op.FORWARD:
-        return {Action(a.stage - 1, Op.FORWARD, a.mb)} if a.stage > 0 else set()
-    if a.op is Op.BACKWARD:
-        return {Action(a.stage + 1, Op.BACKWARD, a.mb)} if a.stage < S - 1 else {Action(a.stage, Op.FORWARD, a.mb)}
-    return set()
+def random_separated_table(rng: np.random.Generator) -> ScheduleTable:
+    """A random executable plan of the separated layout (DIP): ``P`` ranks, ``P * K`` encoder chunks
+    (chunk ``k`` on rank ``k mod P``, so each rank holds several), each micro-batch's images in
+    sub-microbatches of ``B`` (some micro-batches without images), a frozen or trained encoder;
+    the actions in a random order that respects every dependency (any interleaving of a rank's
+    chunks and of forwards and backwards)."""
+    P, K = int(rng.integers(2, 7)), int(rng.integers(1, 4))
+    m = int(rng.integers(1, 9))
+    images = rng.integers(0, 7, size=m) * (rng.random(m) < 0.8)
+    sub = SubBatches.split(images, int(rng.integers(1, 5)))
+    placement = Placement.separated(P, P * K, encoder_trained=bool(rng.random() < 0.5))
+    proto = ScheduleTable(placement=placement, num_micro_batches=m, ranks=((),) * P, sub_mb_parent=tuple(sub.parent.tolist()))
+    missing = {a: len(proto.producers(a)) for a in proto.expected_actions()}
+    ready = [a for a, n in missing.items() if n == 0]
+    ranks: list[list[Action]] = [[] for _ in range(P)]
+    while ready:
+        a = ready.pop(int(rng.integers(len(ready))))
+        ranks[placement.rank_of(a)].append(a)
+        for c in proto.consumers(a):
+            missing[c] -= 1
+            if missing[c] == 0:
+                ready.append(c)
+    return replace(proto, ranks=tuple(map(tuple, ranks)), name="random separated").validate()
 
 
 def _old_lower(table: ScheduleTable, rank: int) -> list:
-    """The lowering before this fix, in today's step types: each receive posted one compute action
-    ahead, sends right after their action. Kept as the regression case the checker must catch."""
+    """The lowering before issue #10's fix, in today's step types: each receive posted one compute
+    action ahead, sends right after their action. Kept as the regression case the checker must catch."""
     acts = list(table.ranks[rank])
+    rank_of = table.placement.rank_of
     out: list = []
+
+    def received(b: Action) -> list[Message]:
+        return [n for n in inputs(table, b) if isinstance(n, Message)]
+
     for k, a in enumerate(acts):
         for b in ((a,) if k == 0 else ()) + ((acts[k + 1],) if k + 1 < len(acts) else ()):
-            if isinstance(need := _input(table, b), Message):
-                out.append(Post((Transfer(Direction.RECV, need, table.stage_rank[need.stage]),)))
-        if isinstance(need := _input(table, a), Message):
-            out.append(Wait(need))
+            out += [Post((Transfer(Direction.RECV, need, rank_of(need.src)),)) for need in received(b)]
+        out += [Wait(need) for need in received(a)]
         out.append(Compute(a))
-        if (sent := _output(table, a)) is not None:
-            out.append(Post((Transfer(Direction.SEND, sent, table.stage_rank[sent.to_stage]),)))
+        out += [Post((Transfer(Direction.SEND, sent, rank_of(sent.dst)),)) for sent in outputs(table, a)]
     return out
 
 
@@ -217,7 +247,8 @@ def test_old_lowering_deadlocks_on_two_stage_1f1b():
 
 def test_one_micro_batch_two_stages_each_side_in_order():
     steps = check(SCHEDULES["1f1b"](2, [0]))
-    f, b = Message(Op.FORWARD, 0, 0), Message(Op.BACKWARD, 1, 0)
+    f = Message(Action(0, Op.FORWARD, 0), Action(1, Op.FORWARD, 0))
+    b = Message(Action(1, Op.BACKWARD, 0), Action(0, Op.BACKWARD, 0))
     # rank 0 posts its send and the receive of the gradient together (one batch_isend_irecv)
     assert steps[0] == [Compute(Action(0, Op.FORWARD, 0)), Post((Transfer(Direction.SEND, f, 1), Transfer(Direction.RECV, b, 1))),
                         Wait(b), Compute(Action(0, Op.BACKWARD, 0))]
@@ -225,16 +256,35 @@ def test_one_micro_batch_two_stages_each_side_in_order():
     assert pair_sequences(steps)[(1, 0)] == [(Direction.RECV, f), (Direction.SEND, b)]
 
 
+def test_consumers_invert_producers():
+    rng = np.random.default_rng(5)
+    for table in [random_separated_table(rng) for _ in range(30)] + [random_table(rng) for _ in range(30)]:
+        acts = [a for r in table.ranks for a in r]
+        produced = {(p, a) for a in acts for p in table.producers(a)}
+        consumed = {(a, c) for a in acts for c in table.consumers(a)}
+        assert produced == consumed
+
+
 def test_a_thousand_random_plans_run_on_a_strict_in_order_transport():
+    """Co-located plans (one to eight ranks, several stages per rank, pre-computed and trained
+    encoders) and separated plans (several encoder chunks per rank, sub-microbatches, frozen and
+    trained encoders) on all three transport models."""
     rng = np.random.default_rng(2026)
-    seen = {"multi-stage": 0, "precomputed": 0, "m>32": 0, "p=8": 0}
+    seen = {"multi-chunk ranks": 0, "precomputed": 0, "m>32": 0, "p=8": 0, "trained": 0, "separated": 0, "separated, trained": 0,
+            "split images": 0}
     old_failures = 0
     for _ in range(1000):
-        table = random_table(rng)
+        table = random_separated_table(rng) if rng.random() < 0.3 else random_table(rng)
         check(table)
-        seen["multi-stage"] += table.num_stages > table.num_ranks
-        seen["precomputed"] += any(a.op is Op.ENCODER and table.ranks[0][k + 1] != Action(0, Op.FORWARD, a.mb)
+        sep = table.encoder and not table.placement.colocated_encoder
+        seen["separated"] += sep
+        seen["separated, trained"] += sep and table.placement.encoder_trained
+        seen["split images"] += any(len(k) > 1 for k in table.sub_micro_batches)
+        seen["multi-chunk ranks"] += max(map(table.placement.backbone.count, range(table.num_ranks))) > 1 or (
+            sep and len(table.placement.encoder) > table.num_ranks)
+        seen["precomputed"] += not sep and any(a.is_encoder and a.op is Op.FORWARD and table.ranks[0][k + 1] != Action(0, Op.FORWARD, a.unit)
                                    for k, a in enumerate(table.ranks[0]))
+        seen["trained"] += table.placement.encoder_trained and not sep
         seen["m>32"] += table.num_micro_batches > 32
         seen["p=8"] += table.num_ranks == 8
         if table.num_micro_batches > 1 and old_failures < 50:
@@ -263,12 +313,12 @@ def test_matches_torchs_add_send_recv():
             row = []
             for s in lst:
                 if isinstance(s, Compute):
-                    row.append(_Action(s.action.stage, T.FORWARD if s.action.op is Op.FORWARD else T.FULL_BACKWARD, s.action.mb))
+                    row.append(_Action(s.action.chunk, T.FORWARD if s.action.op is Op.FORWARD else T.FULL_BACKWARD, s.action.unit))
                 elif isinstance(s, Post):
-                    row += [_Action(t.message.stage if t.direction is Direction.SEND else t.message.to_stage,
-                                    kinds[(t.direction, t.message.op)], t.message.mb) for t in s.transfers]
+                    row += [_Action((t.message.src if t.direction is Direction.SEND else t.message.dst).chunk,
+                                    kinds[(t.direction, t.message.src.op)], t.message.unit) for t in s.transfers]
             ours.append(row)
-        compute = {r: [_Action(a.stage, T.FORWARD if a.op is Op.FORWARD else T.FULL_BACKWARD, a.mb) for a in acts]
+        compute = {r: [_Action(a.chunk, T.FORWARD if a.op is Op.FORWARD else T.FULL_BACKWARD, a.unit) for a in acts]
                    for r, acts in enumerate(table.ranks)}
         theirs = _add_send_recv(compute, stage_to_rank=lambda s: table.stage_rank[s], num_stages=table.num_stages)
         assert [theirs[r] for r in range(table.num_ranks)] == ours
@@ -279,6 +329,6 @@ def test_an_unrunnable_table_is_an_error_not_a_hang():
     good = SCHEDULES["gpipe"](3, [0])
     ranks = ((Action(2, Op.FORWARD, 0), Action(0, Op.FORWARD, 0), Action(2, Op.BACKWARD, 0), Action(0, Op.BACKWARD, 0)),
              good.ranks[1])
-    table = ScheduleTable(num_stages=3, num_micro_batches=1, stage_rank=(0, 1, 0), ranks=ranks)
+    table = ScheduleTable(placement=Placement((0, 1, 0)), num_micro_batches=1, ranks=ranks)
     with pytest.raises(ScheduleError, match="cannot run"):
         lower(table, 0)

@@ -70,6 +70,19 @@ def test_reordered_repacked_precomputed_plan_gives_the_baseline_gradients(datami
     assert last["loss_b"] == pytest.approx(last["loss_ref"], rel=1e-5)
 
 
+@pytest.mark.parametrize("layout", ["even", "two_per_rank"])
+def test_trained_encoder_backward_as_its_own_action_gives_the_baseline_gradients(datamix2_dir, tmp_path, layout):
+    """A trained vision encoder: stage 0's backward stops at the image features and each ``E0B``
+    action back-propagates their gradient through the encoder (after an early, pre-computed
+    ``E0F`` too). Every parameter's gradient, the encoder's included, equals the reference's."""
+    r0, r1 = run_ranks("equal_grads", datamix2_dir, tmp_path, strict=True, layout=layout, trained=True)
+    holder = r0  # the encoder sits beside stage 0, on rank 0
+    assert holder["encoder_params"] > 0 and holder["encoder_backward_a"] == holder["m_a"]
+    assert holder["precomputed_b"] >= 2
+    for r in (r0, r1):
+        assert r["worst_rel_a_ref"] < FP32_TOL and r["worst_rel_b_ref"] < FP32_TOL
+
+
 def test_strict_order_catches_a_wrong_message_order(datamix2_dir, tmp_path):
     """Negative control for the strict mode: rank 1 posts two receives in swapped order. Matched by
     tag, gloo hides the bug (gradients still right); with one tag for every message the run fails
@@ -135,7 +148,7 @@ def test_several_stages_on_one_rank_hand_over_locally(datamix2_dir):
     from pipetune.cost import StageLayout
     from pipetune.packing import PackingConfig
     from pipetune.plan.plan import IterationPlan
-    from pipetune.schedule import one_f_one_b
+    from pipetune.schedule import Placement, one_f_one_b
     from torchtitan_patches.data import DataLoaderConfig
     from torchtitan_patches.model.vlm import build_stages, build_vlm
     from torchtitan_patches.pipeline.executor import PlanExecutor
@@ -155,9 +168,9 @@ def test_several_stages_on_one_rank_hand_over_locally(datamix2_dir):
         m = len(batch.micro_batches)
         table = one_f_one_b(4, list(range(m))[::-1], encoder=True)
         merged = tuple(a for r in table.ranks for a in r)
-        plan = IterationPlan(step=0, mode="manual", mbs=1, max_seq_len=256, num_stages=4,
-                             micro_batches=tuple(tuple(x) for x in batch.sample_ids), order=tuple(range(m))[::-1],
-                             ranks=(tuple(str(a) for a in _serial(merged)),), stage_rank=(0, 0, 0, 0), encoder=True,
+        plan = IterationPlan(step=0, mode="manual", mbs=1, max_seq_len=256, micro_batches=tuple(tuple(x) for x in batch.sample_ids),
+                             order=tuple(range(m))[::-1], ranks=(tuple(str(a) for a in _serial(merged)),),
+                             placement=Placement((0, 0, 0, 0), (0,)), sub_mb_parent=tuple(range(m)), image_sub_batch=0,
                              predicted_s=0.0, lower_bound_s=0.0, peak_bytes=(), estimate=False).validate()
         res = PlanExecutor(stages, encoder, dim=model.backbone.dim, rank=0, strict_order=True).run(batch, plan)
         ref_encoder, ref_whole = build_vlm(model, max_seq_len=1024, seed=0, attention_backend="sdpa")
@@ -176,6 +189,33 @@ def _serial(actions):
     """One rank running four stages: every action once, each after what it depends on (GPipe-like)."""
     from pipetune.schedule import Op
 
-    fwd = [a for a in actions if a.op is not Op.BACKWARD]
-    bwd = sorted((a for a in actions if a.op is Op.BACKWARD), key=lambda a: -a.stage)
-    return sorted(fwd, key=lambda a: (a.op is not Op.ENCODER, a.stage)) + bwd
+    fwd = [a for a in actions if a.op is Op.FORWARD]
+    bwd = sorted((a for a in actions if a.op is Op.BACKWARD), key=lambda a: -a.chunk)
+    return sorted(fwd, key=lambda a: (not a.is_encoder, a.chunk)) + bwd
+
+
+def test_separated_plans_are_refused_by_name_until_the_runtime_runs_them(datamix2_dir):
+    """The executor checks a plan before any message: a separated-layout plan (encoder chunks of
+    their own, images in sub-microbatches) is a ``PlanError`` naming the layout, not a hang."""
+    from pipetune.config import load_model_config
+    from pipetune.packing import PackingConfig
+    from pipetune.packing.sub_batches import SubBatches
+    from pipetune.plan.plan import PlanError, plan_from_table
+    from pipetune.schedule import Action, Module, Op, Placement, ScheduleTable
+    from torchtitan_patches.data import DataLoaderConfig
+    from torchtitan_patches.model.vlm import build_stages
+    from torchtitan_patches.pipeline.executor import PlanExecutor
+
+    model = load_model_config("tiny")
+    encoder, stages = build_stages(model, [(0, 4)], [0], max_seq_len=1024, seed=0, attention_backend="sdpa")
+    batch = next(iter(DataLoaderConfig(data=datamix2_dir, gbs=8, max_seq_len=256, packing=PackingConfig(mbs=1, max_seq_len=256)).build(model)))
+    m = len(batch.micro_batches)
+    sub = SubBatches.split([mb.num_images for mb in batch.micro_batches], 1)
+    acts = [Action(c, Op.FORWARD, k, Module.ENCODER) for k in range(sub.count) for c in range(2)]
+    acts += [a for j in range(m) for a in (Action(0, Op.FORWARD, j), Action(0, Op.BACKWARD, j))]
+    table = ScheduleTable(placement=Placement.separated(1, 2, encoder_trained=False), num_micro_batches=m, ranks=(tuple(acts),),
+                          sub_mb_parent=tuple(sub.parent.tolist()))
+    plan = plan_from_table(table, step=0, micro_batches=batch.sample_ids, order=range(m), mbs=1, max_seq_len=256, image_sub_batch=1).validate()
+    assert plan.separated and plan.image_ranges([mb.num_images for mb in batch.micro_batches]) == [tuple(x) for x in sub.as_tuples()]
+    with pytest.raises(PlanError, match="does not run separated plans yet"):
+        PlanExecutor(stages, encoder, dim=model.backbone.dim, rank=0).run(batch, plan)

@@ -95,15 +95,28 @@ def test_json_round_trip_and_rejection(setup13b):
     with pytest.raises(PlanError, match="not a permutation"):
         IterationPlan.from_json(json.dumps(raw))
     raw = json.loads(plan.to_json())
-    raw["version"] = 7
-    with pytest.raises(PlanError, match="version-1"):
+    raw["version"] = 1  # plans before chunk placements and sub-microbatches
+    with pytest.raises(PlanError, match="version-2"):
         IterationPlan.from_json(json.dumps(raw))
-    raw = json.loads(plan.to_json())
-    raw["ranks"][0] = raw["ranks"][0][:-1]
-    with pytest.raises(PlanError, match="missing"):
-        IterationPlan.from_json(json.dumps(raw))
+    for edit, message in (
+        (lambda r: r["ranks"][0].pop(), "missing"),
+        (lambda r: r.pop("placement"), "malformed: KeyError: 'placement'"),
+        (lambda r: r["placement"].update(encoder=[5]), "chunks must sit on ranks 0..R-1"),
+        (lambda r: r["placement"].update(encoder=[3]), "a separated plan needs image_sub_batch >= 1"),
+        (lambda r: r["ranks"][0].__setitem__(0, "0E0"), "not an action: '0E0'"),
+        (lambda r: r.update(sub_mb_parent=r["sub_mb_parent"][:-1]), "one sub-microbatch per micro-batch"),
+        (lambda r: r.update(image_sub_batch=4), "one sub-microbatch per micro-batch"),
+        (lambda r: r.update(peak_bytes=[1.0]), "peak_bytes has 1 entries for 4 ranks"),
+        (lambda r: r["ranks"][0].insert(0, "E0B0"), "a frozen encoder has no backward actions"),
+    ):
+        raw = json.loads(plan.to_json())
+        edit(raw)
+        with pytest.raises(PlanError, match=message):
+            IterationPlan.from_json(json.dumps(raw))
     with pytest.raises(PlanError, match="does not cover the batch"):
         plan.validate([1, 2, 3])
+    with pytest.raises(PlanError, match="not JSON"):
+        IterationPlan.from_json("{")
 
 
 def test_same_seed_same_plans(setup13b):

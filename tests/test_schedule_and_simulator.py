@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe, _PipelineScheduleRuntime
 
-from pipetune.schedule import Action, Op, ScheduleError, ScheduleTable, gpipe, one_f_one_b, place_encoders
+from pipetune.schedule import Action, Op, Placement, ScheduleError, ScheduleTable, gpipe, one_f_one_b, place_encoders
 from pipetune.simulate import Latencies, compile_schedule, evaluate, simulate
 from pipetune.simulate.lower_bound import makespan_lower_bound
 from pipetune.simulate.trace import chrome_trace, write_trace
@@ -115,14 +115,14 @@ def test_precomputed_encoders_fill_gaps_without_overlap_and_after_their_data():
         rank0 = sorted((t for t in res.actions if t.rank == 0), key=lambda t: t.start)
         for x, y in zip(rank0, rank0[1:]):
             assert x.end <= y.start + 1e-12  # one action at a time on rank 0
-        enc = {t.action.mb: t for t in res.actions if t.action.op is Op.ENCODER}
-        fwd0 = {t.action.mb: t for t in res.actions if t.action.op is Op.FORWARD and t.action.stage == 0}
+        enc = {t.action.unit: t for t in res.actions if t.action.is_encoder}
+        fwd0 = {t.action.unit: t for t in res.actions if t.action.op is Op.FORWARD and t.action.chunk == 0 and not t.action.is_encoder}
         assert set(enc) == set(range(m))
         for mb, e in enc.items():
             assert e.start >= 0 and e.end <= fwd0[mb].start + 1e-12
-            assert e.end - e.start == pytest.approx(lat.encoder[mb])
+            assert e.end - e.start == pytest.approx(lat.encoder[mb, 0])
     res = simulate(moved, lat)
-    assert {t.action.mb for t in res.actions if t.precomputed} == {3, 4, 5}
+    assert {t.action.unit for t in res.actions if t.precomputed} == {3, 4, 5}
     # held image features raise rank 0's peak; other ranks are unaffected
     assert res.peak_bytes[0] > simulate(plain, lat).peak_bytes[0]
     assert res.peak_bytes[1:] == pytest.approx(simulate(plain, lat).peak_bytes[1:])
@@ -147,11 +147,11 @@ def test_batch_evaluation_agrees_with_the_detailed_simulator():
     orders, slots, expected, peaks = [], [], [], []
     for _ in range(25):
         order = rng.permutation(m)
-        slot = dag.encoder_slot.copy()
+        slot = dag.float_slot.copy()
         before = {}
         for k in range(m):
             if rng.random() < 0.5:  # move slot k's encoder to a random earlier rank-0 node
-                fwd_pos = pos[dag.encoder_slot[k]]
+                fwd_pos = pos[dag.float_slot[k]]
                 target = int(rng.integers(0, fwd_pos + 1))
                 slot[k] = dag.rank_nodes[0][target]
                 before[int(order[k])] = target
@@ -180,7 +180,7 @@ def test_csv_round_trips_and_loads_in_torch(tmp_path):
     table = one_f_one_b(4, [2, 0, 3, 1, 4], encoder=True)
     text = table.to_csv()
     back = ScheduleTable.from_csv(text, num_stages=4, num_micro_batches=5)
-    assert back.ranks == tuple(tuple(a for a in r if a.op is not Op.ENCODER) for r in table.ranks)
+    assert back.ranks == tuple(tuple(a for a in r if not a.is_encoder) for r in table.ranks)
     assert back.to_csv() == text
     path = tmp_path / "schedule.csv"
     path.write_text(text)
@@ -193,9 +193,9 @@ def test_csv_round_trips_and_loads_in_torch(tmp_path):
     assert "1RECV_F2" in [str(a) for a in runtime.pipeline_order_with_comms[1]]
 
 
-def table_of(rows, S=2, m=2, **kw):
-    return ScheduleTable(num_stages=S, num_micro_batches=m, stage_rank=tuple(range(S)),
-                         ranks=tuple(tuple(Action.parse(a) for a in r) for r in rows), **kw)
+def table_of(rows, S=2, m=2, encoder=False, trained=False, **kw):
+    return ScheduleTable(placement=Placement.colocated(S, encoder=encoder, encoder_trained=trained), num_micro_batches=m,
+                         ranks=tuple(tuple(Action.parse(a) for a in r) for r in rows), sub_mb_parent=tuple(range(m)) if encoder else (), **kw)
 
 
 @pytest.mark.parametrize(
@@ -203,17 +203,28 @@ def table_of(rows, S=2, m=2, **kw):
     [
         ([["0F0", "0F0", "0B0"], ["1F0", "1B0"]], {"m": 1}, "0F0 appears twice"),
         ([["0F0", "0B0"], ["1F0"]], {"m": 1}, "action 1B0 is missing"),
-        ([["0B0", "0F0"], ["1F0", "1B0"]], {"m": 1}, "backward before this rank ran forward 0F0"),
-        ([["1F0", "0B0"], ["0F0", "1B0"]], {"m": 1}, "stage 1 belongs to rank 1"),
+        ([["0B0", "0F0"], ["1F0", "1B0"]], {"m": 1}, "needs 0F0, which this rank has not run before it"),
+        ([["1F0", "0B0"], ["0F0", "1B0"]], {"m": 1}, "chunk 1 is placed on rank 1"),
         ([["0F0", "0F1", "0B0", "0B1"], ["1F0", "1F1", "1B0", "1B1"]], {"max_in_flight": (2, 1)}, "stage 1 holds 2 micro-batches in flight"),
-        ([["0F0", "0E0", "0B0"], ["1F0", "1B0"]], {"m": 1, "encoder": True}, "forward before this rank ran its encoder 0E0"),
+        ([["0F0", "E0F0", "0B0"], ["1F0", "1B0"]], {"m": 1, "encoder": True}, "0F0.*needs E0F0, which this rank has not run"),
+        ([["E0F0", "0F0", "0B0", "E0B0"], ["1F0", "1B0"]], {"m": 1, "encoder": True}, "a frozen encoder has no backward actions"),
+        ([["E0F0", "0F0", "E0B0", "0B0"], ["1F0", "1B0"]], {"m": 1, "encoder": True, "trained": True}, "E0B0.*needs 0B0"),
+        ([["E0F0", "0F0", "0B0"], ["1F0", "1B0"]], {"m": 1, "encoder": True, "trained": True}, "action E0B0 is missing"),
         ([["0F5", "0B5"], ["1F5", "1B5"]], {"m": 1}, "out of range"),
+        ([["E1F0", "0F0", "0B0"], ["1F0", "1B0"]], {"m": 1, "encoder": True}, "out of range"),
     ],
 )
 def test_invalid_tables_are_named(rows, kw, message):
     m = kw.pop("m", 2)
     with pytest.raises(ScheduleError, match=message):
         table_of(rows, m=m, **kw).validate()
+
+
+@pytest.mark.parametrize("text", ["0E3", "E0X1", "F0", "e0F1", "1F", ""])
+def test_action_text_is_parsed_by_one_grammar(text):
+    with pytest.raises(ValueError, match="not an action"):
+        Action.parse(text)
+    assert str(Action.parse("E12B7")) == "E12B7" and Action.parse("E12B7").is_encoder and not Action.parse("12B7").is_encoder
 
 
 def test_deadlock_is_detected():
@@ -255,3 +266,61 @@ def test_trace_cli(tmp_path):
     assert main(["trace", "--mix", "datamix2", "--samples", "3000", "--model", "13b", "--tp", "4", "--pp", "4",
                  "--out", str(out), "--out", str(tmp_path / "g.json"), "--csv", str(tmp_path / "g.csv")]) == 0
     assert out.stat().st_size > 10_000 and (tmp_path / "g.csv").read_text().startswith("0F0,")
+
+
+def separated_by_hand(trained: bool) -> tuple[ScheduleTable, Latencies]:
+    """Two ranks, encoder chunks E0 (rank 0) and E1 (rank 1), one micro-batch whose images form
+    two sub-microbatches; encoder chunk forward 1 s (backward 1.5 s), backbone stage forward 2 s,
+    backward 3 s; messages: encoder 0.5 s, features 0.25 s, backbone 0.1 s."""
+    enc_b = ["E0B0", "E0B1"] if trained else []
+    rows = [["E0F0", "E0F1", "0F0", "0B0", *enc_b], ["E1F0", "E1F1", "1F0", "1B0", *[a.replace("E0", "E1") for a in enc_b]]]
+    table = ScheduleTable(placement=Placement.separated(2, 2, encoder_trained=trained), num_micro_batches=1,
+                          ranks=tuple(tuple(Action.parse(a) for a in r) for r in rows), sub_mb_parent=(0, 0)).validate()
+    lat = Latencies(np.full((1, 2), 2.0), np.full((1, 2), 3.0), np.full((2, 2), 1.0), np.full(1, 0.1), np.array([[10.0, 20.0]]),
+                    np.full(2, 100.0), encoder_bwd=np.full((2, 2), 1.5 if trained else 0.0), encoder_p2p=np.full(2, 0.5),
+                    feature_p2p=np.full(2, 0.25), encoder_activation_bytes=np.full((2, 2), 1000.0 if trained else 0.0))
+    return table, lat
+
+
+def test_separated_chunks_and_sub_micro_batches_by_hand():
+    """rank 0: E0F0 [0,1] E0F1 [1,2] 0F0 waits for both features: [3.75,5.75]   0B0 [10.95,13.95]
+    rank 1: E1F0 [1.5,2.5] E1F1 [2.5,3.5]       1F0 [5.85,7.85] 1B0 [7.85,10.85]
+    trained, then: rank 1 E1B0 [14.2,15.7] E1B1 [15.7,17.2]; rank 0 E0B0 [16.2,17.7] E0B1 [17.7,19.2]."""
+    table, lat = separated_by_hand(False)
+    res = simulate(table, lat)
+    expect = {"E0F0": (0, 1), "E0F1": (1, 2), "E1F0": (1.5, 2.5), "E1F1": (2.5, 3.5), "0F0": (3.75, 5.75), "1F0": (5.85, 7.85),
+              "1B0": (7.85, 10.85), "0B0": (10.95, 13.95)}
+    for k, v in expect.items():
+        assert res.time_of(k) == pytest.approx(v)
+    assert res.makespan == pytest.approx(13.95)
+    # frozen: nothing is kept for the encoder; both sub-microbatches' features are held from 0F0 to 0B0
+    assert res.peak_bytes.tolist() == pytest.approx([10.0 + 2 * 100.0, 20.0])
+    assert compile_schedule(table).floating == ()  # encoder forwards feed another rank: they do not float
+    table, lat = separated_by_hand(True)
+    res = simulate(table, lat)
+    for k, v in {**expect, "E1B0": (14.2, 15.7), "E1B1": (15.7, 17.2), "E0B0": (16.2, 17.7), "E0B1": (17.7, 19.2)}.items():
+        assert res.time_of(k) == pytest.approx(v)
+    assert res.makespan == pytest.approx(19.2)
+    assert res.peak_bytes.tolist() == pytest.approx([2 * 1000.0 + 10.0 + 2 * 100.0, 2 * 1000.0 + 20.0])
+    assert res.busy.tolist() == pytest.approx([2 + 2 + 3 + 3, 2 + 2 + 3 + 3])
+
+
+def test_placement_lower_bound_holds_for_random_separated_plans():
+    from test_lowering_fifo import random_separated_table
+
+    from pipetune.cost.cost_model import rank_work
+    from pipetune.simulate.lower_bound import placement_lower_bound
+
+    rng = np.random.default_rng(8)
+    for _ in range(40):
+        table = random_separated_table(rng)
+        m, n, S, E = table.num_micro_batches, table.num_sub_micro_batches, table.num_stages, len(table.placement.encoder)
+        lat = Latencies(rng.random((m, S)), rng.random((m, S)), rng.random((n, E)), rng.random(m) * 0.1, encoder_bwd=rng.random((n, E)),
+                        encoder_p2p=rng.random(n) * 0.1, feature_p2p=rng.random(n) * 0.1)
+        res = simulate(table, lat)
+        assert placement_lower_bound(table, lat) <= res.makespan + 1e-12
+        assert res.busy == pytest.approx(rank_work(table.placement, lat))  # a frozen encoder's backward costs are ignored
+        dag = compile_schedule(table)
+        if m > 1 and not dag.one_to_one:
+            with pytest.raises(ValueError, match="permute sub-microbatches only"):
+                evaluate(dag, lat, np.arange(m)[::-1][None])

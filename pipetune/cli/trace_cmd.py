@@ -55,7 +55,8 @@ def run(args) -> int:
     )
     costs = cost.stage_costs(MicroBatchShapes.from_packing(meta.table, packing))
     lat = Latencies.from_costs(costs)
-    table = SCHEDULES[args.schedule](args.pp, range(packing.num_micro_batches), encoder=model.encoder is not None)
+    table = SCHEDULES[args.schedule](args.pp, range(packing.num_micro_batches), encoder=model.encoder is not None,
+                                     encoder_trained=cost.encoder_trainable)
     result = simulate(table, lat)
     title = f"{model.name} {args.schedule} PP{args.pp} TP{args.tp} mbs{args.mbs} {args.packer} (step {args.step})"
     for out in args.out:

@@ -41,7 +41,9 @@ PARTS = {"fwd": ("fwd",), "bwd": ("bwd",), "fwd+bwd": ("fwd", "bwd")}
 @dataclass(frozen=True)
 class Observation:
     """A measured latency (seconds) of micro-batch ``shapes`` (a single one): ``part`` of its
-    work on ``stage`` (``kind="stage"``) or its encoder forward (``kind="encoder"``)."""
+    work on backbone ``stage`` (``kind="stage"``), or ``part`` of the encoder's work on its
+    ``shapes.images`` images on encoder chunk ``stage`` (``kind="encoder"``; the chunk's share of
+    the encoder's layers, see ``pipetune.cost.cost_model``)."""
 
     shapes: MicroBatchShapes
     seconds: float
@@ -79,10 +81,13 @@ class Design:
         for obs in observations:
             parts, _ = cost.components(obs.shapes)
             if obs.kind == "encoder":
-                rows.append([parts["encoder"]["fwd"][0, 0] if n == "encoder" else 0.0 for n in UNKNOWNS])
+                seconds = sum(cost.encoder_curve(obs.shapes.images, w)[0][0] for w in PARTS[obs.part])
+                if cost.recompute_encoder and "bwd" in PARTS[obs.part]:
+                    seconds += cost.encoder_curve(obs.shapes.images, "fwd")[0][0]  # the backward re-runs the forward
+                rows.append([seconds * cost.encoder_share[obs.stage] if n == "encoder" else 0.0 for n in UNKNOWNS])
                 continue
             which = PARTS[obs.part]
-            row = [_stage_part(cost, parts, n, which, obs.stage) for n in CURVES]
+            row = [sum(parts[n][w][0, obs.stage] for w in which) if n in parts else 0.0 for n in CURVES]
             rows.append(row + [float("fwd" in which), float("bwd" in which)])
         return cls(np.asarray(rows).reshape(-1, len(UNKNOWNS)), np.asarray([o.seconds for o in observations], dtype=np.float64))
 
@@ -96,18 +101,7 @@ class Design:
 
     def encoder_rows(self) -> np.ndarray:
         """Rows observing an encoder forward (its only non-zero unknown is the encoder scale)."""
-        return (self.X[:, UNKNOWNS.index("encoder")] > 0) & (self.X[:, UNKNOWNS.index("fwd_s")] == 0) & (self.X[:, UNKNOWNS.index("bwd_s")] == 0)
-
-
-def _stage_part(cost: CostModel, parts: dict, name: str, which: tuple[str, ...], stage: int) -> float:
-    """Component ``name``'s unscaled share of a stage timing (as ``CostModel.stage_costs`` adds it):
-    the encoder's forward is timed on its own, but a trained encoder's backward (after its
-    recomputed forward, with ``recompute_encoder``) runs inside stage 0's backward."""
-    if name != "encoder":
-        return float(sum(parts[name][w][0, stage] for w in which))
-    if "bwd" not in which or not cost.encoder_trainable:
-        return 0.0
-    return float(parts["encoder"]["bwd"][0, stage] + (parts["encoder"]["fwd"][0, stage] if cost.recompute_encoder else 0.0))
+        return self.X[:, UNKNOWNS.index("encoder")] > 0
 
 
 def calibrate(table: LatencyTable, cost: CostModel, observations: list[Observation]) -> tuple[LatencyTable, CalibrationReport]:

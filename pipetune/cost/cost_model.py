@@ -1,23 +1,37 @@
-"""Stage latencies of packed micro-batches, read off a latency table (PipeTune App. A.4).
+"""Latencies of packed micro-batches on every chunk, read off a latency table (PipeTune App. A.4).
 
-For micro-batch ``j`` with documents ``l_i`` (``T`` tokens, ``n`` images) on stage ``s`` of
-``L_s`` layers::
+For micro-batch ``j`` with documents ``l_i`` (``T`` tokens) on backbone stage ``s`` of ``L_s``
+layers::
 
-    fwd[j, s] = L_s * (rest(T) + sum_i attention(l_i)) + [s first](embedding(T) + projector(n))
+    fwd[j, s] = L_s * (rest(T) + sum_i attention(l_i)) + [s first](embedding(T) + projector(n_j))
                 + [s last] head(T)                                   (bwd alike, bwd curves)
-    encoder[j] = encoder(n)          # stage 0, before fwd[j, 0]; movable when the ViT is frozen
 
-A trained ViT adds its backward to ``bwd[j, 0]`` and keeps its activations on stage 0 from the
-micro-batch's forward to its backward: ``vit_activation_bytes_per_image`` per image, derived from
-the encoder's shapes (latency tables hold no such entry). With ``recompute_encoder`` only each ViT
-layer's input is kept and the backward re-runs the encoder's forward first (its time is added).
+and for encoder sub-microbatch ``k`` (``pipetune.packing.sub_batches``; co-located: micro-batch
+``k``'s ``n_k`` images; separated: ``B`` images, the padded size) on encoder chunk ``c`` of
+``L_c`` of the encoder's ``L`` layers::
+
+    encoder[k, c] = encoder(images_k) * L_c / L          (encoder_bwd alike; zero when frozen)
+
+The table's ``encoder`` curve is the whole encoder by image count, so a chunk's share is taken
+per layer (the patch embedding and the final merge are charged like any layer: a documented
+approximation; in the co-located layout there is one chunk and nothing is approximated). The
+projector goes with backbone stage 0.
+
+A trained ViT keeps its activations from each chunk's forward to its backward:
+``vit_activation_bytes_per_image`` per image, derived from the encoder's shapes (latency tables
+hold no such entry). With ``recompute_encoder`` only each ViT layer's input is kept and the
+backward re-runs the chunk's forward first (its time is added to ``encoder_bwd``).
 
 Lookups interpolate linearly between grid points. Below the grid they take the first point (a
 call never costs less than the smallest measured one; zero images cost nothing). Above it they
 scale the last point by the component's FLOPs growth (quadratic pair count for attention,
 linear otherwise) and are counted in ``StageCosts.extrapolated``. Every component is multiplied by
-its calibration scale (``LatencyTable.scales``), and each stage call pays the table's fixed
-overhead (``LatencyTable.overhead``, zero unless calibrated).
+its calibration scale (``LatencyTable.scales``), and each backbone stage call pays the table's
+fixed overhead (``LatencyTable.overhead``, zero unless calibrated).
+
+Messages: backbone activations ``tokens x dim``, encoder activations between encoder chunks
+``images x patches x encoder dim``, image features to backbone stage 0 ``images x tokens per image
+x merged dim``, each costing the table's ``p2p`` latency plus bytes over bandwidth.
 """
 
 from __future__ import annotations
@@ -32,6 +46,7 @@ from pipetune.cost.table import Curve, LatencyTable
 from pipetune.data.samples import SampleTable
 from pipetune.packing.flops import attention_pairs
 from pipetune.packing.packing import Packing
+from pipetune.packing.sub_batches import SubBatches
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -73,30 +88,49 @@ class MicroBatchShapes:
 
 @dataclass(frozen=True)
 class StageCosts:
-    """Per micro-batch (rows) and stage (columns): seconds and bytes. ``p2p`` is one message
-    across one stage boundary (forward activation or backward gradient; same size)."""
+    """Seconds and bytes: backbone per micro-batch (rows) and stage (columns); encoder per
+    sub-microbatch (``sub_batches``) and encoder chunk. ``p2p``, ``encoder_p2p`` and
+    ``feature_p2p`` are one message of each kind (see the module doc; a gradient costs as much)."""
 
     fwd: np.ndarray
     bwd: np.ndarray
-    encoder: np.ndarray
-    activation_bytes: np.ndarray
-    image_feature_bytes: np.ndarray
     p2p: np.ndarray
-    extrapolated: int
+    activation_bytes: np.ndarray
+    sub_batches: SubBatches
+    encoder: np.ndarray
+    encoder_bwd: np.ndarray
+    encoder_p2p: np.ndarray
+    feature_p2p: np.ndarray
     encoder_activation_bytes: np.ndarray
+    image_feature_bytes: np.ndarray
+    extrapolated: int
 
 
-def vit_activation_bytes_per_image(model: ModelConfig, tp: int, dtype_bytes: int, *, recompute: bool = False) -> float:
-    """Bytes a trained ViT keeps per image for its backward (FlashAttention, no softmax matrix):
-    per layer and patch the inputs of its matmuls and elementwise ops, ``8 dim + 2 ffn_dim``
-    values split over ``tp`` ranks; with ``recompute``, each layer's input plus one layer's full set."""
+def rank_work(placement, costs) -> np.ndarray:
+    """Busy seconds of every rank under ``placement`` for ``costs`` (``StageCosts`` or the
+    simulator's ``Latencies``: anything with ``fwd``, ``bwd``, ``encoder`` and ``encoder_bwd``;
+    the encoder's backward counts only when it is trained)."""
+    work = np.zeros(placement.num_ranks)
+    np.add.at(work, np.array(placement.backbone), (costs.fwd + costs.bwd).sum(axis=0))
+    if placement.encoder:
+        enc = costs.encoder + (costs.encoder_bwd if placement.encoder_trained else 0.0)
+        np.add.at(work, np.array(placement.encoder), enc.sum(axis=0))
+    return work
+
+
+def vit_activation_bytes_per_image(model: ModelConfig, tp: int, dtype_bytes: int, *, recompute: bool = False, layers: int | None = None) -> float:
+    """Bytes a trained ViT keeps per image for the backward of ``layers`` of its layers (default:
+    all; FlashAttention, no softmax matrix): per layer and patch the inputs of its matmuls and
+    elementwise ops, ``8 dim + 2 ffn_dim`` values split over ``tp`` ranks; with ``recompute``, each
+    layer's input plus one layer's full set."""
     enc = model.encoder
     if enc is None or enc.frozen:
         return 0.0
+    layers = enc.n_layers if layers is None else layers
     per_layer = dtype_bytes * enc.patches_per_image * (8 * enc.dim + 2 * enc.ffn_dim) / tp
     if recompute:
-        return enc.n_layers * dtype_bytes * enc.patches_per_image * enc.dim / tp + per_layer
-    return enc.n_layers * per_layer
+        return layers * dtype_bytes * enc.patches_per_image * enc.dim / tp + per_layer
+    return layers * per_layer
 
 
 def _growth(x: np.ndarray, kind: str) -> np.ndarray:
@@ -116,33 +150,41 @@ def lookup(curve: Curve, x: np.ndarray, which: str) -> tuple[np.ndarray, int]:
 
 
 class CostModel:
-    """Vectorised stage-latency estimates for one model, table and stage layout."""
+    """Vectorised latency estimates for one model, table and layout (co-located or separated)."""
 
     def __init__(self, table: LatencyTable, layout: StageLayout, *, recompute_encoder: bool = False):
-        if layout.num_layers != table.model.backbone.n_layers:
-            raise ValueError(
-                f"stage layout covers {layout.num_layers} layers but model {table.model.name!r} has "
-                f"{table.model.backbone.n_layers}"
-            )
+        model = table.model
+        if layout.num_layers != model.backbone.n_layers:
+            raise ValueError(f"stage layout covers {layout.num_layers} layers but model {model.name!r} has {model.backbone.n_layers}")
+        enc = model.encoder
+        if layout.is_separated and (enc is None or layout.encoder_chunks[-1][1] != enc.n_layers):
+            raise ValueError(f"the separated layout's encoder chunks {list(layout.encoder_chunks)} do not cover model "
+                             f"{model.name!r}'s encoder ({enc.n_layers if enc else 0} layers)")
         self.table = table
         self.layout = layout
         self.layers = np.asarray(layout.layers_per_stage(), dtype=np.float64)
         self.dtype_bytes = DTYPE_BYTES.get(table.dtype, 2)
-        enc = table.model.encoder
         self.encoder_trainable = enc is not None and not enc.frozen
         self.beyond_grid: dict[str, float] = {}  # component -> largest size looked up past its grid
         self.recompute_encoder = recompute_encoder and self.encoder_trainable
-        self.encoder_bytes_per_image = vit_activation_bytes_per_image(
-            table.model, table.tp, self.dtype_bytes, recompute=self.recompute_encoder
-        )
+        self.encoder_bytes_per_image = vit_activation_bytes_per_image(model, table.tp, self.dtype_bytes, recompute=self.recompute_encoder)
+        chunk_layers = [hi - lo for lo, hi in layout.encoder_chunks] or ([enc.n_layers] if enc is not None else [1])
+        self.encoder_layers = np.asarray(chunk_layers, dtype=np.float64)
+        self.encoder_share = self.encoder_layers / self.encoder_layers.sum()
+        self.encoder_bytes_per_image_chunk = np.array([vit_activation_bytes_per_image(
+            model, table.tp, self.dtype_bytes, recompute=self.recompute_encoder, layers=int(n)) for n in chunk_layers])
 
     def with_layout(self, layout: StageLayout) -> "CostModel":
-        """The same table and options on another stage layout."""
+        """The same table and options on another layout."""
         return CostModel(self.table, layout, recompute_encoder=self.recompute_encoder)
 
     @property
     def num_stages(self) -> int:
         return self.layout.num_stages
+
+    def placement(self):
+        """Where this cost model's layout puts the model's chunks."""
+        return self.layout.placement(encoder=self.table.model.encoder is not None, encoder_trained=self.encoder_trainable)
 
     def _curve(self, name: str, x: np.ndarray, which: str) -> tuple[np.ndarray, int]:
         if name not in self.table.curves:
@@ -153,9 +195,9 @@ class CostModel:
         return values, n
 
     def components(self, shapes: MicroBatchShapes) -> tuple[dict[str, dict[str, np.ndarray]], int]:
-        """Unscaled contribution of each table component to each (micro-batch, stage) latency:
-        ``{component: {"fwd": [m, S], "bwd": [m, S]}}``, and how many lookups were extrapolated.
-        The encoder's entry is its own stage-0 work (``[m, S]``, zero off stage 0)."""
+        """Unscaled contribution of each backbone-side table component to each (micro-batch, stage)
+        latency: ``{component: {"fwd": [m, S], "bwd": [m, S]}}``, and how many lookups were
+        extrapolated. The encoder is a module of its own: ``encoder_curve``."""
         m, S = shapes.num_micro_batches, self.num_stages
         out: dict[str, dict[str, np.ndarray]] = {}
         extrapolated = 0
@@ -170,7 +212,6 @@ class CostModel:
                 ("embedding", 0, shapes.tokens),
                 ("projector", 0, shapes.images),
                 ("head", S - 1, shapes.tokens),
-                ("encoder", 0, shapes.images),
             ):
                 v, n = self._curve(name, x, which)
                 extrapolated += n
@@ -178,6 +219,16 @@ class CostModel:
                 col[:, stage] = v
                 out.setdefault(name, {})[which] = col
         return out, extrapolated
+
+    def encoder_curve(self, images: np.ndarray, which: str) -> tuple[np.ndarray, int]:
+        """Unscaled seconds of the whole encoder over ``images`` images (``which``: fwd or bwd)."""
+        return self._curve("encoder", np.asarray(images), which)
+
+    def sub_batches(self, shapes: MicroBatchShapes) -> SubBatches:
+        """The encoder's units for these micro-batches under this layout."""
+        if self.layout.is_separated:
+            return SubBatches.split(shapes.images, self.layout.image_sub_batch)
+        return SubBatches.one_per_micro_batch(shapes.images)
 
     def activation_bytes(self, shapes: MicroBatchShapes) -> np.ndarray:
         """Saved activation bytes per (micro-batch, stage); no latency lookups (memory probes use it)."""
@@ -187,6 +238,9 @@ class CostModel:
         act[:, -1] += shapes.tokens * mem["head_bytes_per_token"]
         return act
 
+    def _message(self, nbytes: np.ndarray) -> np.ndarray:
+        return self.table.p2p["latency_s"] + nbytes / self.table.p2p["bytes_per_s"]
+
     def stage_costs(self, shapes: MicroBatchShapes) -> StageCosts:
         m, S = shapes.num_micro_batches, self.num_stages
         parts, extrapolated = self.components(shapes)
@@ -195,27 +249,36 @@ class CostModel:
         fwd += self.table.fixed("fwd")
         bwd += self.table.fixed("bwd")
         for name, p in parts.items():
-            if name != "encoder":
-                fwd += self.table.scale(name) * p["fwd"]
-                bwd += self.table.scale(name) * p["bwd"]
-        encoder = self.table.scale("encoder") * parts["encoder"]["fwd"][:, 0]
+            fwd += self.table.scale(name) * p["fwd"]
+            bwd += self.table.scale(name) * p["bwd"]
+        model, mem = self.table.model, self.table.memory
+        sub = self.sub_batches(shapes)
+        images = sub.charged
+        E = len(self.encoder_share)
+        scale = self.table.scale("encoder")
+        whole_f, n1 = self.encoder_curve(images, "fwd")
+        whole_b, n2 = self.encoder_curve(images, "bwd")
+        encoder = scale * whole_f[:, None] * self.encoder_share[None, :]
+        encoder_bwd = np.zeros((sub.count, E))
         if self.encoder_trainable:
-            bwd[:, 0] += self.table.scale("encoder") * parts["encoder"]["bwd"][:, 0]
-            if self.recompute_encoder:
-                bwd[:, 0] += encoder
-        mem = self.table.memory
-        act = self.activation_bytes(shapes)
-        enc_act = shapes.images * self.encoder_bytes_per_image
-        act[:, 0] += enc_act
-        msg_bytes = shapes.tokens * self.table.model.backbone.dim * self.dtype_bytes
-        p2p = self.table.p2p["latency_s"] + msg_bytes / self.table.p2p["bytes_per_s"]
+            encoder_bwd = scale * whole_b[:, None] * self.encoder_share[None, :] + (encoder if self.recompute_encoder else 0.0)
+        enc = model.encoder
+        multi = self.placement().num_ranks > 1
+        encoder_p2p = feature_p2p = np.zeros(sub.count)
+        if enc is not None and multi:
+            encoder_p2p = self._message(images * enc.patches_per_image * enc.dim * self.dtype_bytes)
+            feature_p2p = self._message(images * enc.tokens_per_image * enc.merged_dim * self.dtype_bytes)
         return StageCosts(
             fwd=fwd,
             bwd=bwd,
+            p2p=self._message(shapes.tokens * model.backbone.dim * self.dtype_bytes) if S > 1 else np.zeros(m),
+            activation_bytes=self.activation_bytes(shapes),
+            sub_batches=sub,
             encoder=encoder,
-            activation_bytes=act,
-            image_feature_bytes=shapes.images * mem["image_feature_bytes"],
-            p2p=p2p if S > 1 else np.zeros(m),
-            extrapolated=extrapolated,
-            encoder_activation_bytes=enc_act,
+            encoder_bwd=encoder_bwd,
+            encoder_p2p=encoder_p2p,
+            feature_p2p=feature_p2p,
+            encoder_activation_bytes=images[:, None] * self.encoder_bytes_per_image_chunk[None, :],
+            image_feature_bytes=images * mem["image_feature_bytes"],
+            extrapolated=extrapolated + n1 + n2,
         )

@@ -1,4 +1,4 @@
-"""How the backbone's layers are split over pipeline stages."""
+"""How the model's layers are cut into chunks and placed on ranks: the job's layout."""
 
 from __future__ import annotations
 
@@ -6,18 +6,39 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipetune.schedule.table import Placement
+
+
+def _contiguous(r) -> bool:
+    return bool(r) and r[0][0] == 0 and all(a[1] == b[0] for a, b in zip(r, r[1:])) and all(hi > lo for lo, hi in r)
+
 
 @dataclass(frozen=True)
 class StageLayout:
-    """Contiguous layer ranges, one per pipeline stage. Stage 0 also holds the embeddings, the
-    projector and (PipeTune's layout) the vision encoder; the last stage the norm and output head."""
+    """Backbone: contiguous layer ranges, one per pipeline stage (backbone chunk ``s`` on rank
+    ``s``); stage 0 also holds the embeddings and the projector, the last stage the norm and
+    output head.
+
+    Encoder: *co-located* (PipeTune; ``encoder_chunks`` empty): the whole encoder as one chunk on
+    rank 0, one sub-microbatch per micro-batch. *Separated* (DIP): ``encoder_chunks`` layer ranges,
+    a multiple ``K`` of the stage count, chunk ``k`` on rank ``k mod P``, and each micro-batch's
+    images split into sub-microbatches of ``image_sub_batch`` images
+    (``pipetune.packing.sub_batches``).
+    """
 
     layer_ranges: tuple[tuple[int, int], ...]
+    encoder_chunks: tuple[tuple[int, int], ...] = ()
+    image_sub_batch: int = 0
 
     def __post_init__(self) -> None:
-        r = self.layer_ranges
-        if not r or r[0][0] != 0 or any(a[1] != b[0] for a, b in zip(r, r[1:])) or any(hi <= lo for lo, hi in r):
+        r, e = self.layer_ranges, self.encoder_chunks
+        if not _contiguous(r):
             raise ValueError(f"layer ranges {list(r)} are not contiguous, non-empty and starting at layer 0")
+        if e and (not _contiguous(e) or len(e) % len(r)):
+            raise ValueError(f"encoder chunks {list(e)} must be contiguous, non-empty layer ranges from layer 0, "
+                             f"a multiple of the {len(r)} stages")
+        if bool(e) != (self.image_sub_batch > 0):
+            raise ValueError("a separated layout needs both encoder chunks and an image sub-microbatch size >= 1")
 
     @classmethod
     def even(cls, n_layers: int, num_stages: int) -> "StageLayout":
@@ -27,12 +48,7 @@ class StageLayout:
             raise ValueError(f"cannot split {n_layers} layers into {num_stages} pipeline stages")
         base, extra = divmod(n_layers, num_stages)
         order = sorted(range(num_stages), key=lambda s: (s in (0, num_stages - 1), s))
-        sizes = [base + (1 if s in order[:extra] else 0) for s in range(num_stages)]
-        ranges, lo = [], 0
-        for n in sizes:
-            ranges.append((lo, lo + n))
-            lo += n
-        return cls(tuple(ranges))
+        return cls.from_sizes([base + (1 if s in order[:extra] else 0) for s in range(num_stages)])
 
     @classmethod
     def from_sizes(cls, sizes) -> "StageLayout":
@@ -40,8 +56,7 @@ class StageLayout:
         sizes = [int(n) for n in sizes]
         if any(n < 1 for n in sizes):
             raise ValueError(f"every pipeline stage needs at least one layer, got layers per stage {sizes}")
-        ends = np.cumsum(sizes)
-        return cls(tuple((int(e - n), int(e)) for n, e in zip(sizes, ends)))
+        return cls(_ranges(sizes))
 
     @classmethod
     def parse(cls, spec: str, n_layers: int, num_stages: int) -> "StageLayout":
@@ -51,13 +66,22 @@ class StageLayout:
         try:
             sizes = [int(x) for x in spec.split(",")]
         except ValueError:
-            raise ValueError(f"--layout {spec!r}: expected auto, even or layers per stage such as 7,9,8,8") from None
+            raise ValueError(f"--layout {spec!r}: expected auto, even, separated or layers per stage such as 7,9,8,8") from None
         if len(sizes) != num_stages or sum(sizes) != n_layers:
             raise ValueError(
                 f"--layout {spec!r}: needs {num_stages} stages summing to the model's {n_layers} layers, "
                 f"got {len(sizes)} stages summing to {sum(sizes)}"
             )
         return cls.from_sizes(sizes)
+
+    def separated(self, encoder_layers: int, segments: int, image_sub_batch: int) -> "StageLayout":
+        """This backbone split with the encoder's ``encoder_layers`` layers cut into
+        ``segments * num_stages`` chunks as even as possible (earlier chunks take the extra layers)."""
+        n = segments * self.num_stages
+        if not 1 <= n <= encoder_layers:
+            raise ValueError(f"cannot cut the encoder's {encoder_layers} layers into {n} chunks ({segments} segments of {self.num_stages})")
+        base, extra = divmod(encoder_layers, n)
+        return StageLayout(self.layer_ranges, _ranges([base + (k < extra) for k in range(n)]), image_sub_batch)
 
     @property
     def num_stages(self) -> int:
@@ -67,5 +91,25 @@ class StageLayout:
     def num_layers(self) -> int:
         return self.layer_ranges[-1][1]
 
+    @property
+    def is_separated(self) -> bool:
+        return bool(self.encoder_chunks)
+
+    @property
+    def segments(self) -> int:
+        """Encoder segments ``K`` (passes of the encoder over all ranks); 0 when co-located."""
+        return len(self.encoder_chunks) // self.num_stages
+
     def layers_per_stage(self) -> list[int]:
         return [hi - lo for lo, hi in self.layer_ranges]
+
+    def placement(self, *, encoder: bool, encoder_trained: bool) -> Placement:
+        """Where this layout's chunks run (``encoder``: the model has one)."""
+        if self.is_separated and encoder:
+            return Placement.separated(self.num_stages, len(self.encoder_chunks), encoder_trained=encoder_trained)
+        return Placement.colocated(self.num_stages, encoder=encoder, encoder_trained=encoder_trained)
+
+
+def _ranges(sizes) -> tuple[tuple[int, int], ...]:
+    ends = np.cumsum(sizes)
+    return tuple((int(e - n), int(e)) for n, e in zip(sizes, ends))

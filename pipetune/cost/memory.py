@@ -3,9 +3,10 @@
 A trained ViT's activations are data-dependent (images per micro-batch) and are checked on every
 candidate plan's simulated peak (``pipetune.plan.search``), not in the worst case below.
 
-Model states per stage (no ZeRO; tensor parallelism splits everything ``tp`` ways): every trained
+Model states per rank (no ZeRO; tensor parallelism splits everything ``tp`` ways): every trained
 parameter costs ``TRAINED_BYTES_PER_PARAM`` = 16 bytes (BF16 weight and gradient, FP32 master weight
-and two Adam moments); the frozen ViT costs its weights only. Activations come from the latency
+and two Adam moments); the frozen ViT costs its weights only. Each rank holds its backbone stage
+and the encoder chunks the layout places on it (co-located: the whole encoder on rank 0). Activations come from the latency
 table's bytes per token and image. A micro-batch of size ``mbs`` holds at most ``mbs * max_seq_len``
 tokens, all of which may be image tokens; under 1F1B stage ``s`` keeps ``num_stages - s``
 micro-batches in flight. ``reserve`` keeps a fraction of memory free for workspace and fragmentation.
@@ -21,7 +22,7 @@ TRAINED_BYTES_PER_PARAM = 16
 
 
 def model_state_bytes(cost: CostModel, *, frozen_weight_bytes: int = 2) -> np.ndarray:
-    """Bytes of weights, gradients and optimizer state on each stage's GPU."""
+    """Bytes of weights, gradients and optimizer state on each rank's GPU."""
     model, tp = cost.table.model, cost.table.tp
     b = model.backbone
     trained = cost.layers * b.layer_params
@@ -31,11 +32,9 @@ def model_state_bytes(cost: CostModel, *, frozen_weight_bytes: int = 2) -> np.nd
     enc = model.encoder
     if enc is not None:
         trained[0] += model.projector_params
-        vit = enc.n_layers * enc.layer_params + enc.patch_dim * enc.dim + enc.patches_per_image * enc.dim
-        if enc.frozen:
-            frozen[0] += vit
-        else:
-            trained[0] += vit
+        vit = cost.encoder_layers * enc.layer_params
+        vit[0] += enc.patch_dim * enc.dim + enc.patches_per_image * enc.dim
+        np.add.at(frozen if enc.frozen else trained, np.array(cost.placement().encoder), vit)
     return (trained * TRAINED_BYTES_PER_PARAM + frozen * frozen_weight_bytes) / tp
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipetune.config.model import ModelConfig
-from pipetune.cost.cost_model import CostModel, MicroBatchShapes
+from pipetune.cost.cost_model import CostModel, MicroBatchShapes, rank_work
 from pipetune.cost.layout import StageLayout
 from pipetune.cost.memory import max_micro_batch_size
 from pipetune.data.batch import BatchMeta
@@ -110,9 +110,7 @@ class LayoutSearch:
             planner = self.planner_config.build(self.model, cost)
             for b, meta in enumerate(self.sample):
                 plan = planner.plan(meta)
-                c = cost.stage_costs(self.shapes(b, plan.mbs))
-                work = (c.fwd + c.bwd).sum(axis=0)
-                work[0] += c.encoder.sum()
+                work = rank_work(cost.placement(), cost.stage_costs(self.shapes(b, plan.mbs)))
                 spans.append(plan.predicted_s)
                 busy.append(work / plan.predicted_s)
                 peaks.append(plan.peak_bytes)
@@ -130,10 +128,7 @@ class LayoutSearch:
         per_layer = 0.0
         for b in range(len(self.sample)):
             shapes = self.shapes(b, self.top_mbs)
-            c = cost.stage_costs(shapes)
-            w = (c.fwd + c.bwd).sum(axis=0)
-            w[0] += c.encoder.sum()
-            work += w
+            work += rank_work(cost.placement(), cost.stage_costs(shapes))
             parts, _ = cost.components(shapes)
             per_layer += sum(
                 self.cost.table.scale(name) * (parts[name]["fwd"] + parts[name]["bwd"])[:, 0].sum() for name in ("attention", "rest")

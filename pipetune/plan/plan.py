@@ -9,10 +9,10 @@ from pipetune.cost.cost_model import MicroBatchShapes
 from pipetune.data.batch import BatchMeta
 from pipetune.packing.packing import Packing
 from pipetune.schedule.schedules import SCHEDULES, place_encoders
-from pipetune.schedule.table import Action, ScheduleTable
+from pipetune.schedule.table import Action, Placement, ScheduleError, ScheduleTable
 
 PLAN_FORMAT = "pipetune.iteration_plan"
-PLAN_VERSION = 1
+PLAN_VERSION = 2
 
 
 class PlanError(ValueError):
@@ -21,27 +21,35 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True)
 class IterationPlan:
-    """One iteration: micro-batches (sample ids; index = micro-batch id), execution order, and
-    each rank's action list (``0E3`` = encoder of micro-batch 3, possibly pre-computed).
+    """One iteration: micro-batches (sample ids; index = micro-batch id), their order, where every
+    model chunk runs (``placement``), the encoder's sub-microbatches, and each rank's action list
+    (``pipetune.schedule.table``: ``0F3``, ``1B0`` backbone; ``E0F3``, ``E2B1`` encoder chunks).
 
-    ``predicted_s`` / ``lower_bound_s`` come from the simulator: ``predicted_s`` is the expected
-    iteration time under per-action jitter when the planner drew jitter (``PlannerConfig.jitter_draws``
-    with a table that has a variability model), else the deterministic simulation; the bound is
-    always deterministic (and below both). ``estimate`` says whether the latencies behind them were
-    analytical. ``fallback`` marks a plan returned because the search
-    ran out of time.
+    Sub-microbatch ``k`` holds images of micro-batch ``sub_mb_parent[k]``, numbered micro-batch by
+    micro-batch. With ``image_sub_batch == 0`` (co-located layout) sub-microbatch ``k`` is all of
+    micro-batch ``k``'s images; with ``image_sub_batch = B`` (separated layout) the ``i``-th
+    sub-microbatch of a micro-batch holds its images ``i*B .. i*B + B - 1`` (the last one fewer,
+    padded to ``B`` by the runtime): ``image_ranges`` lists them for a batch.
+
+    ``order`` is the micro-batch order the schedule follows (the segment priorities of a
+    separated plan). ``predicted_s`` / ``lower_bound_s`` come from the simulator: ``predicted_s``
+    is the expected iteration time under per-action jitter when the planner drew jitter
+    (``PlannerConfig.jitter_draws`` with a table that has a variability model), else the
+    deterministic simulation; the bound is always deterministic (and below both). ``estimate``
+    says whether the latencies behind them were analytical. ``fallback`` marks a plan returned
+    because the search ran out of time.
     """
 
     step: int
     mode: str
     mbs: int
     max_seq_len: int
-    num_stages: int
     micro_batches: tuple[tuple[int, ...], ...]
     order: tuple[int, ...]
     ranks: tuple[tuple[str, ...], ...]
-    stage_rank: tuple[int, ...]
-    encoder: bool
+    placement: Placement
+    sub_mb_parent: tuple[int, ...]
+    image_sub_batch: int
     predicted_s: float
     lower_bound_s: float
     peak_bytes: tuple[float, ...]
@@ -52,6 +60,23 @@ class IterationPlan:
     @property
     def num_micro_batches(self) -> int:
         return len(self.micro_batches)
+
+    @property
+    def num_stages(self) -> int:
+        return self.placement.num_stages
+
+    @property
+    def stage_rank(self) -> tuple[int, ...]:
+        return self.placement.backbone
+
+    @property
+    def encoder(self) -> bool:
+        return bool(self.placement.encoder)
+
+    @property
+    def separated(self) -> bool:
+        """The encoder runs in chunks of its own (DIP's layout), not beside backbone stage 0."""
+        return self.encoder and not self.placement.colocated_encoder
 
     def sample_ids(self) -> list[int]:
         return [s for mb in self.micro_batches for s in mb]
@@ -64,13 +89,28 @@ class IterationPlan:
 
     def table(self) -> ScheduleTable:
         return ScheduleTable(
-            num_stages=self.num_stages,
+            placement=self.placement,
             num_micro_batches=self.num_micro_batches,
-            stage_rank=self.stage_rank,
             ranks=tuple(tuple(Action.parse(a) for a in r) for r in self.ranks),
-            encoder=self.encoder,
+            sub_mb_parent=self.sub_mb_parent,
             name=self.mode,
         )
+
+    def image_ranges(self, images_per_mb) -> list[tuple[int, int, int]]:
+        """``(micro-batch, first image, images)`` of every sub-microbatch, given each micro-batch's
+        image count; ``PlanError`` when the sub-microbatches do not cover those images exactly."""
+        counts = [int(n) for n in images_per_mb]
+        if len(counts) != self.num_micro_batches:
+            raise PlanError(f"step {self.step}: image counts for {len(counts)} micro-batches, the plan has {self.num_micro_batches}")
+        out = []
+        for j, k in enumerate(_groups(self.sub_mb_parent, self.num_micro_batches)):
+            B = self.image_sub_batch
+            want = 1 if B == 0 else -(-counts[j] // B)
+            if len(k) != want:
+                raise PlanError(f"step {self.step}: micro-batch {j} has {counts[j]} images, so it needs {want} sub-microbatches "
+                                f"({'one per micro-batch' if B == 0 else f'of {B} images'}); the plan gives it {len(k)}")
+            out += [(j, 0, counts[j])] if B == 0 else [(j, i * B, min(B, counts[j] - i * B)) for i in range(len(k))]
+        return out
 
     def validate(self, batch_ids=None) -> "IterationPlan":
         """Check internal consistency (and, given the batch's sample ids, that it covers them once)."""
@@ -86,6 +126,15 @@ class IterationPlan:
             missing = sorted(set(int(i) for i in batch_ids) - set(ids))
             extra = sorted(set(ids) - set(int(i) for i in batch_ids))
             raise PlanError(f"step {self.step}: plan does not cover the batch (missing {missing[:5]}, extra {extra[:5]})")
+        if self.image_sub_batch < 0:
+            raise PlanError(f"step {self.step}: image_sub_batch must be >= 0, got {self.image_sub_batch}")
+        if self.encoder and self.placement.colocated_encoder and (self.image_sub_batch or self.sub_mb_parent != tuple(range(m))):
+            raise PlanError(f"step {self.step}: the co-located layout has one sub-microbatch per micro-batch (sub_mb_parent 0..{m - 1}, "
+                            f"image_sub_batch 0), got sub_mb_parent {list(self.sub_mb_parent)[:8]} and image_sub_batch {self.image_sub_batch}")
+        if self.separated and self.image_sub_batch < 1:
+            raise PlanError(f"step {self.step}: a separated plan needs image_sub_batch >= 1 (images per sub-microbatch)")
+        if len(self.peak_bytes) not in (0, self.placement.num_ranks):
+            raise PlanError(f"step {self.step}: peak_bytes has {len(self.peak_bytes)} entries for {self.placement.num_ranks} ranks")
         try:
             self.table().validate()
         except ValueError as e:
@@ -98,25 +147,76 @@ class IterationPlan:
     @classmethod
     def from_json(cls, text: str, batch_ids=None) -> "IterationPlan":
         """Parse and validate (against the batch's sample ids, when given)."""
-        raw = json.loads(text)
-        if raw.get("format") != PLAN_FORMAT or raw.get("version") != PLAN_VERSION:
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanError(f"iteration plan is not JSON: {e}") from None
+        if not isinstance(raw, dict) or raw.get("format") != PLAN_FORMAT or raw.get("version") != PLAN_VERSION:
             raise PlanError(f"not a version-{PLAN_VERSION} pipetune iteration plan")
         raw.pop("format")
         raw.pop("version")
         try:
+            p = raw["placement"]
             plan = cls(
                 **{
                     **raw,
                     "micro_batches": tuple(tuple(int(x) for x in mb) for mb in raw["micro_batches"]),
                     "order": tuple(int(x) for x in raw["order"]),
                     "ranks": tuple(tuple(r) for r in raw["ranks"]),
-                    "stage_rank": tuple(raw["stage_rank"]),
+                    "placement": Placement(tuple(p["backbone"]), tuple(p["encoder"]), bool(p["encoder_trained"])),
+                    "sub_mb_parent": tuple(int(x) for x in raw["sub_mb_parent"]),
+                    "image_sub_batch": int(raw["image_sub_batch"]),
                     "peak_bytes": tuple(raw["peak_bytes"]),
                 }
             )
-        except (KeyError, TypeError) as e:
-            raise PlanError(f"iteration plan is malformed: {e}") from e
+        except (KeyError, TypeError, ValueError) as e:
+            raise PlanError(f"iteration plan is malformed: {type(e).__name__}: {e}") from None
         return plan.validate(batch_ids)
+
+
+def _groups(parent, m: int) -> list[list[int]]:
+    out: list[list[int]] = [[] for _ in range(m)]
+    for k, j in enumerate(parent):
+        out[j].append(k)
+    return out
+
+
+def plan_from_table(
+    table: ScheduleTable,
+    *,
+    step: int,
+    micro_batches,
+    order,
+    mbs: int,
+    max_seq_len: int,
+    image_sub_batch: int = 0,
+    mode: str = "manual",
+    predicted_s: float = 0.0,
+    lower_bound_s: float = 0.0,
+    peak_bytes: tuple[float, ...] = (),
+    estimate: bool = False,
+    search_s: float = 0.0,
+    fallback: bool = False,
+) -> IterationPlan:
+    """A plan that runs ``table`` on these sample-id micro-batches."""
+    return IterationPlan(
+        step=step,
+        mode=mode,
+        mbs=mbs,
+        max_seq_len=max_seq_len,
+        micro_batches=tuple(tuple(int(x) for x in mb) for mb in micro_batches),
+        order=tuple(int(x) for x in order),
+        ranks=tuple(tuple(str(a) for a in r) for r in table.ranks),
+        placement=table.placement,
+        sub_mb_parent=table.sub_mb_parent,
+        image_sub_batch=image_sub_batch,
+        predicted_s=predicted_s,
+        lower_bound_s=lower_bound_s,
+        peak_bytes=tuple(peak_bytes),
+        estimate=estimate,
+        search_s=search_s,
+        fallback=fallback,
+    )
 
 
 def build_plan(
@@ -128,37 +228,18 @@ def build_plan(
     encoder: bool,
     mbs: int,
     max_seq_len: int,
-    mode: str = "manual",
+    encoder_trained: bool = False,
     schedule: str = "1f1b",
     encoder_before: dict[int, int] | None = None,
-    predicted_s: float = 0.0,
-    lower_bound_s: float = 0.0,
-    peak_bytes: tuple[float, ...] = (),
-    estimate: bool = False,
-    search_s: float = 0.0,
-    fallback: bool = False,
+    **fields,
 ) -> IterationPlan:
-    """A plan from its decisions: sample-id micro-batches, their order, encoder placements
-    (``encoder_before[mb]`` = position in stage 0's rank list, see ``place_encoders``)."""
-    order = [int(x) for x in order]
-    table = SCHEDULES[schedule](num_stages, order, encoder=encoder)
-    if encoder and encoder_before:
-        table = place_encoders(table, encoder_before)
-    return IterationPlan(
-        step=step,
-        mode=mode,
-        mbs=mbs,
-        max_seq_len=max_seq_len,
-        num_stages=num_stages,
-        micro_batches=tuple(tuple(int(x) for x in mb) for mb in micro_batches),
-        order=tuple(order),
-        ranks=tuple(tuple(str(a) for a in r) for r in table.ranks),
-        stage_rank=table.stage_rank,
-        encoder=encoder,
-        predicted_s=predicted_s,
-        lower_bound_s=lower_bound_s,
-        peak_bytes=tuple(peak_bytes),
-        estimate=estimate,
-        search_s=search_s,
-        fallback=fallback,
-    )
+    """A co-located plan from its decisions: sample-id micro-batches, their order, encoder
+    placements (``encoder_before[mb]`` = position in stage 0's rank list, see ``place_encoders``);
+    ``fields``: the other ``plan_from_table`` arguments (mode, predictions, ...)."""
+    try:
+        table = SCHEDULES[schedule](num_stages, order, encoder=encoder, encoder_trained=encoder_trained)
+        if encoder and encoder_before:
+            table = place_encoders(table, encoder_before)
+    except ScheduleError as e:
+        raise PlanError(f"step {step}: {e}") from e
+    return plan_from_table(table, step=step, micro_batches=micro_batches, order=order, mbs=mbs, max_seq_len=max_seq_len, **fields)

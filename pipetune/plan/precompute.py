@@ -1,5 +1,8 @@
 """Encoder pre-computation slots: move encoder forwards of later micro-batches into stage 0's idle gaps.
 
+Co-located layout only: the encoder forwards are the schedule's floating actions
+(``CompiledSchedule.floating``), one per micro-batch slot, on the rank of stage 0.
+
 Stage 0 idles whenever its next action waits for a message (in 1F1B, mostly for gradients coming
 back). Starting from an order's timeline without pre-computation, we walk stage 0's actions in
 time order and fill each idle gap with the encoders of the micro-batches that come next, as long
@@ -19,12 +22,12 @@ from pipetune.simulate.simulator import Latencies, timelines
 
 def fill_gaps(dag: CompiledSchedule, lat: Latencies, orders: np.ndarray, overflows: np.ndarray, *, passes: int = 2) -> np.ndarray:
     """Encoder slots (node before which each slot's encoder runs), one row per (order, overflow)."""
-    rank0 = dag.rank_nodes[dag.table.stage_rank[0]].tolist()
-    fwd_node = dag.encoder_slot
+    rank0 = dag.rank_nodes[dag.table.placement.encoder[0]].tolist()
+    fwd_node = dag.float_slot
     pos = {n: k for k, n in enumerate(rank0)}
     C = len(orders)
     slots = np.tile(fwd_node, (C, 1))
-    enc = lat.encoder[orders]
+    enc = lat.encoder.sum(axis=1)[orders]
     active = np.ones(C, bool)
     for _ in range(passes):
         start, end, pre = timelines(dag, lat, orders, slots)

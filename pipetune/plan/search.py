@@ -176,7 +176,9 @@ class Planner:
     def _dag(self, m: int) -> CompiledSchedule:
         key = (m, self.encoder)
         if key not in self._dags:
-            self._dags[key] = compile_schedule(SCHEDULES[self.config.schedule](self.cost.num_stages, range(m), encoder=self.encoder))
+            table = SCHEDULES[self.config.schedule](self.cost.num_stages, range(m), encoder=self.encoder,
+                                                    encoder_trained=self.cost.encoder_trainable)
+            self._dags[key] = compile_schedule(table)
         return self._dags[key]
 
     def _candidate(self, meta: BatchMeta, mbs: int, packer: PackerKind) -> _Candidate:
@@ -191,7 +193,7 @@ class Planner:
         noisy = jitter(lat, variability, draws, (self.config.seed, meta.step)) if draws and variability else None
         span, fits = self._evaluate(dag, lat, noisy, identity[None])
         c = _Candidate(mbs, packing, lat, dag, float(span[0]), makespan_lower_bound(lat), bool(fits[0]), noisy)
-        c.best_s, c.order, c.slots = (c.base_s if c.fits else np.inf), identity, dag.encoder_slot.copy()
+        c.best_s, c.order, c.slots = (c.base_s if c.fits else np.inf), identity, dag.float_slot.copy()
         return c
 
     def _fits(self, peaks: np.ndarray) -> np.ndarray:
@@ -211,7 +213,7 @@ class Planner:
         span, fits = self._evaluate(c.dag, c.lat, c.noisy, orders)
         span = np.where(fits, span, np.inf)
         keep = np.argsort(span, kind="stable")[: self.config.top_orders]
-        cands, slots, spans = orders[keep], np.tile(c.dag.encoder_slot, (len(keep), 1)), span[keep]
+        cands, slots, spans = orders[keep], np.tile(c.dag.float_slot, (len(keep), 1)), span[keep]
         if self.encoder and self.config.precompute and not self.cost.encoder_trainable:
             moved_orders = np.repeat(cands, len(PRECOMPUTE_OVERFLOWS), axis=0)
             overflows = np.tile(PRECOMPUTE_OVERFLOWS, len(keep))
@@ -270,7 +272,7 @@ class Planner:
     def _to_plan(self, meta: BatchMeta, c: _Candidate, search_s: float, *, lower_bound_s: float, fallback: bool = False) -> IterationPlan:
         order = [int(x) for x in c.order]
         pos = c.dag.rank_position()
-        moved = {order[k]: int(pos[s]) for k, s in enumerate(c.slots) if s != c.dag.encoder_slot[k]}
+        moved = {order[k]: int(pos[s]) for k, s in enumerate(c.slots) if s != c.dag.float_slot[k]}
         peak = evaluate(c.dag, c.lat, c.order[None], c.slots[None], memory=True).peak_bytes[0]
         ids = meta.table.ids
         return build_plan(
@@ -282,6 +284,7 @@ class Planner:
             micro_batches=[ids[g] for g in c.packing.groups()],
             order=order,
             encoder=self.encoder,
+            encoder_trained=self.cost.encoder_trainable,
             schedule=self.config.schedule,
             encoder_before=moved,
             predicted_s=c.best_s if np.isfinite(c.best_s) else c.base_s,

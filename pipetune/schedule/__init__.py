@@ -1,6 +1,7 @@
-"""Pipeline schedules as per-rank action tables (1F1B, GPipe) and encoder placement."""
+"""Pipeline schedules as per-rank action tables over model chunks (1F1B, GPipe, encoder placement)."""
 
 from pipetune.schedule.schedules import SCHEDULES, gpipe, one_f_one_b, place_encoders
-from pipetune.schedule.table import Action, Op, ScheduleError, ScheduleTable
+from pipetune.schedule.table import Action, Module, Op, Placement, ScheduleError, ScheduleTable
 
-__all__ = ["SCHEDULES", "Action", "Op", "ScheduleError", "ScheduleTable", "gpipe", "one_f_one_b", "place_encoders"]
+__all__ = ["SCHEDULES", "Action", "Module", "Op", "Placement", "ScheduleError", "ScheduleTable", "gpipe", "one_f_one_b",
+           "place_encoders"]

@@ -6,10 +6,13 @@ ranks, the same sequence of messages on both sides (the k-th message one side po
 the k-th the peer posts from it), with no circular wait; tags then only label messages.
 
 This is torch.distributed.pipelining's ``_add_send_recv`` pass (``schedules.py``), re-implemented
-because the planning core never imports torch, and extended with our encoder actions: all ranks'
-compute actions are replayed in lockstep rounds (rank 0 first in each round); an action runs once
-its input is there, and when it produces a message, its SEND goes into the sender's list and the
-matching RECV into the receiver's list at that same moment. Every pair's messages are therefore
+because the planning core never imports torch, and extended to the chunk graph of
+``pipetune.schedule.table`` (encoder chunks, sub-microbatches; an action may consume and produce
+several messages, e.g. backbone chunk 0's forward takes the image features of every
+sub-microbatch of its micro-batch): all ranks' compute actions are replayed in lockstep rounds
+(rank 0 first in each round); an action runs once all its inputs are there, and for every message
+it produces, its SEND goes into the sender's list and the matching RECV into the receiver's list
+at that same moment. Every pair's messages are therefore
 posted in one global order on both sides, and that order is a serial execution of the whole
 plan, which is why no circular wait can arise, even with rendezvous sends. Receives are posted as
 early as that order allows (the message then arrives while the rank computes) and waited on right
@@ -27,24 +30,45 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import NamedTuple
 
-from pipetune.schedule.table import Action, Op, ScheduleError, ScheduleTable
+from pipetune.schedule.table import Action, ScheduleError, ScheduleTable
 
 
-@dataclass(frozen=True)
-class Message:
-    """The activation (``op`` F) or gradient (``op`` B) that stage ``stage`` sends for micro-batch ``mb``."""
+class MessageKind(Enum):
+    """What a message carries, which sets its size: backbone hidden states (tokens x dim), encoder
+    hidden states between encoder chunks (images x patches x encoder dim), or image features
+    from the last encoder chunk to backbone chunk 0 (images x tokens per image x merged dim).
+    Gradients travel back with the size of the activations they belong to."""
 
-    op: Op
-    stage: int
-    mb: int
+    ACTIVATION = "activation"
+    ENCODER_ACTIVATION = "encoder activation"
+    FEATURES = "features"
+
+
+class Message(NamedTuple):
+    """The activations (``src`` a forward) or gradients (``src`` a backward) that ``src`` hands
+    to ``dst`` on another rank."""
+
+    src: Action
+    dst: Action
 
     @property
-    def to_stage(self) -> int:
-        return self.stage + 1 if self.op is Op.FORWARD else self.stage - 1
+    def kind(self) -> MessageKind:
+        if self.src.module is not self.dst.module:
+            return MessageKind.FEATURES
+        return MessageKind.ENCODER_ACTIVATION if self.src.is_encoder else MessageKind.ACTIVATION
+
+    @property
+    def unit(self) -> int:
+        """The unit whose data it carries: the sub-microbatch for image features (a backbone
+        action exchanges one message per sub-microbatch of its micro-batch), else the sender's."""
+        if self.kind is MessageKind.FEATURES:
+            return self.dst.unit if self.dst.is_encoder else self.src.unit
+        return self.src.unit
 
     def __str__(self) -> str:
-        return f"{self.stage}{self.op.value}{self.mb}->{self.to_stage}"
+        return f"{self.src}->{self.dst}"
 
 
 class Direction(Enum):
@@ -66,7 +90,7 @@ class Transfer:
 
 @dataclass(frozen=True)
 class Compute:
-    """Run ``action`` (encoder, forward or backward)."""
+    """Run ``action``."""
 
     action: Action
 
@@ -88,6 +112,19 @@ class Wait:
 Step = Compute | Post | Wait
 
 
+def inputs(table: ScheduleTable, a: Action) -> list[Message | Action]:
+    """What ``a`` consumes: messages from other ranks, and actions of its own rank that hand their
+    output over locally."""
+    rank = table.placement.rank_of(a)
+    return [p if table.placement.rank_of(p) == rank else Message(p, a) for p in table.producers(a)]
+
+
+def outputs(table: ScheduleTable, a: Action) -> list[Message]:
+    """The messages ``a`` sends to actions on other ranks."""
+    rank = table.placement.rank_of(a)
+    return [Message(a, c) for c in table.consumers(a) if table.placement.rank_of(c) != rank]
+
+
 def lower_all(table: ScheduleTable) -> list[list[Step]]:
     """Every rank's lowered step list for ``table`` (validated first); raises ``ScheduleError``
     when the table cannot run at all (an action waits for one that never comes first)."""
@@ -102,14 +139,12 @@ def lower_all(table: ScheduleTable) -> list[list[Step]]:
             if pos[r] == len(table.ranks[r]):
                 continue
             a = table.ranks[r][pos[r]]
-            need = _input(table, a)
-            if need is not None and need not in have[r]:
+            if any(need not in have[r] for need in inputs(table, a)):
                 continue
             emitted[r].append(a)
             have[r].add(a)
-            out = _output(table, a)
-            if out is not None:
-                dst = table.stage_rank[out.to_stage]
+            for out in outputs(table, a):
+                dst = table.placement.rank_of(out.dst)
                 emitted[r].append(Transfer(Direction.SEND, out, dst))
                 emitted[dst].append(Transfer(Direction.RECV, out, r))
                 have[dst].add(out)
@@ -129,7 +164,7 @@ def lower(table: ScheduleTable, rank: int) -> list[Step]:
 
 
 def _steps(table: ScheduleTable, emitted: list[Action | Transfer]) -> list[Step]:
-    """Runs of transfers -> one ``Post`` each; a ``Wait`` before every action consuming a message."""
+    """Runs of transfers -> one ``Post`` each; a ``Wait`` for every message an action consumes, before it."""
     out: list[Step] = []
     run: list[Transfer] = []
     for e in emitted:
@@ -139,35 +174,8 @@ def _steps(table: ScheduleTable, emitted: list[Action | Transfer]) -> list[Step]
         if run:
             out.append(Post(tuple(run)))
             run = []
-        need = _input(table, e)
-        if isinstance(need, Message):
-            out.append(Wait(need))
+        out += [Wait(need) for need in inputs(table, e) if isinstance(need, Message)]
         out.append(Compute(e))
     if run:
         out.append(Post(tuple(run)))
     return out
-
-
-def _input(table: ScheduleTable, a: Action) -> Message | Action | None:
-    """What ``a`` consumes from another stage: a message from another rank, or the action of a
-    stage on the same rank that hands it over locally."""
-    if a.op is Op.FORWARD and a.stage > 0:
-        src = a.stage - 1
-    elif a.op is Op.BACKWARD and a.stage < table.num_stages - 1:
-        src = a.stage + 1
-    else:
-        return None
-    if table.stage_rank[src] == table.stage_rank[a.stage]:
-        return Action(src, a.op, a.mb)
-    return Message(a.op, src, a.mb)
-
-
-def _output(table: ScheduleTable, a: Action) -> Message | None:
-    """The message ``a`` sends to a stage on another rank, if any."""
-    if a.op is Op.FORWARD and a.stage < table.num_stages - 1:
-        dst = a.stage + 1
-    elif a.op is Op.BACKWARD and a.stage > 0:
-        dst = a.stage - 1
-    else:
-        return None
-    return Message(a.op, a.stage, a.mb) if table.stage_rank[dst] != table.stage_rank[a.stage] else None

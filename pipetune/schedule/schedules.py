@@ -1,17 +1,21 @@
-"""Schedule generators: pure functions from (stages, micro-batch order) to a ``ScheduleTable``.
+"""Co-located schedule generators: pure functions from (stages, micro-batch order) to a ``ScheduleTable``.
 
 ``order`` is the execution order of micro-batches (a permutation of ``range(m)``): the k-th
-micro-batch to enter the pipeline is ``order[k]``. Encoder actions, when the model has an encoder,
-sit immediately before their stage-0 forward; ``place_encoders`` moves them earlier
+micro-batch to enter the pipeline is ``order[k]``. With an encoder, the layout is PipeTune's: one
+encoder chunk beside backbone chunk 0, sub-microbatch ``j`` = the images of micro-batch ``j``; its
+forward ``E0F{j}`` sits immediately before ``0F{j}`` and, when the encoder is trained, its
+backward ``E0B{j}`` immediately after ``0B{j}``. ``place_encoders`` moves encoder forwards earlier
 (pre-computation). Generated tables are valid by construction (the tests check it);
-``ScheduleTable.validate`` and ``compile_schedule`` check any table, generated or not.
+``ScheduleTable.validate`` and ``compile_schedule`` check any table, generated or not. The
+separated layout's tables come from ``pipetune.schedule.interleave``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
-from pipetune.schedule.table import Action, Op, ScheduleError, ScheduleTable
+from pipetune.schedule.table import Action, Module, Op, Placement, ScheduleError, ScheduleTable
 
 
 def _check_order(order: Sequence[int]) -> list[int]:
@@ -23,23 +27,36 @@ def _check_order(order: Sequence[int]) -> list[int]:
     return order
 
 
-def _with_encoder(actions: list[Action], stage: int, encoder: bool) -> list[Action]:
-    if not (encoder and stage == 0):
+def _with_encoder(actions: list[Action], stage: int, placement: Placement) -> list[Action]:
+    if not (placement.encoder and stage == 0):
         return actions
     out = []
     for a in actions:
         if a.op is Op.FORWARD:
-            out.append(Action(0, Op.ENCODER, a.mb))
+            out.append(Action(0, Op.FORWARD, a.unit, Module.ENCODER))
         out.append(a)
+        if a.op is Op.BACKWARD and placement.encoder_trained:
+            out.append(Action(0, Op.BACKWARD, a.unit, Module.ENCODER))
     return out
 
 
-def one_f_one_b(num_stages: int, order: Sequence[int], *, encoder: bool = False) -> ScheduleTable:
+def _table(per_stage: list[list[Action]], m: int, placement: Placement, name: str, max_in_flight=None) -> ScheduleTable:
+    return ScheduleTable(
+        placement=placement,
+        num_micro_batches=m,
+        ranks=tuple(tuple(_with_encoder(acts, s, placement)) for s, acts in enumerate(per_stage)),
+        sub_mb_parent=tuple(range(m)) if placement.encoder else (),
+        max_in_flight=max_in_flight,
+        name=name,
+    )
+
+
+def one_f_one_b(num_stages: int, order: Sequence[int], *, encoder: bool = False, encoder_trained: bool = False) -> ScheduleTable:
     """1F1B: stage s runs ``num_stages - s`` warm-up forwards, then alternates one backward and
     one forward, then drains the backwards (the order of torch's ``Schedule1F1B``)."""
     order = _check_order(order)
     m = len(order)
-    ranks = []
+    per_stage = []
     for s in range(num_stages):
         warmup = min(m, num_stages - s)
         acts = [Action(s, Op.FORWARD, mb) for mb in order[:warmup]]
@@ -47,63 +64,46 @@ def one_f_one_b(num_stages: int, order: Sequence[int], *, encoder: bool = False)
             acts.append(Action(s, Op.BACKWARD, order[k]))
             if warmup + k < m:
                 acts.append(Action(s, Op.FORWARD, order[warmup + k]))
-        ranks.append(tuple(_with_encoder(acts, s, encoder)))
-    return ScheduleTable(
-        num_stages=num_stages,
-        num_micro_batches=m,
-        stage_rank=tuple(range(num_stages)),
-        ranks=tuple(ranks),
-        encoder=encoder,
-        max_in_flight=tuple(num_stages - s for s in range(num_stages)),
-        name="1F1B",
-    )
+        per_stage.append(acts)
+    placement = Placement.colocated(num_stages, encoder=encoder, encoder_trained=encoder_trained)
+    return _table(per_stage, m, placement, "1F1B", tuple(num_stages - s for s in range(num_stages)))
 
 
-def gpipe(num_stages: int, order: Sequence[int], *, encoder: bool = False) -> ScheduleTable:
+def gpipe(num_stages: int, order: Sequence[int], *, encoder: bool = False, encoder_trained: bool = False) -> ScheduleTable:
     """GPipe: every forward, then every backward, in the same micro-batch order."""
     order = _check_order(order)
-    ranks = []
-    for s in range(num_stages):
-        acts = [Action(s, Op.FORWARD, mb) for mb in order] + [Action(s, Op.BACKWARD, mb) for mb in order]
-        ranks.append(tuple(_with_encoder(acts, s, encoder)))
-    return ScheduleTable(
-        num_stages=num_stages,
-        num_micro_batches=len(order),
-        stage_rank=tuple(range(num_stages)),
-        ranks=tuple(ranks),
-        encoder=encoder,
-        name="GPipe",
-    )
+    per_stage = [[Action(s, Op.FORWARD, mb) for mb in order] + [Action(s, Op.BACKWARD, mb) for mb in order] for s in range(num_stages)]
+    placement = Placement.colocated(num_stages, encoder=encoder, encoder_trained=encoder_trained)
+    return _table(per_stage, len(order), placement, "GPipe")
 
 
 SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe}
 
 
 def place_encoders(table: ScheduleTable, before: dict[int, int]) -> ScheduleTable:
-    """Pre-compute encoders: ``before[mb] = k`` runs ``0E{mb}`` before the k-th non-encoder action
-    of stage 0's rank (it must still precede ``0F{mb}``); others stay right before their forward.
-    Encoders moved to the same action run in forward order, ahead of that action's own encoder."""
-    if not table.encoder:
+    """Pre-compute encoders (co-located layout): ``before[k] = i`` runs ``E0F{k}`` before the
+    i-th action of its rank that is not an encoder forward (it must still precede ``0F`` of its
+    micro-batch); the others stay right before that forward. Encoders moved to the same action run
+    in forward order, ahead of that action's own encoder."""
+    p = table.placement
+    if not p.encoder:
         raise ScheduleError("this schedule has no encoder actions to place")
-    rank0 = table.stage_rank[0]
-    work = [a for a in table.ranks[rank0] if a.op is not Op.ENCODER]
+    if not p.colocated_encoder:
+        raise ScheduleError("encoder pre-computation moves encoder forwards on the rank of backbone chunk 0; "
+                            "this placement spreads the encoder over chunks of its own")
+    rank = p.encoder[0]
+    is_enc_fwd = lambda a: a.is_encoder and a.op is Op.FORWARD  # noqa: E731
+    work = [a for a in table.ranks[rank] if not is_enc_fwd(a)]
     slots: list[list[Action]] = [[] for _ in range(len(work) + 1)]
-    fwd_pos = {a.mb: k for k, a in enumerate(work) if a.stage == 0 and a.op is Op.FORWARD}
-    for mb, k in sorted(fwd_pos.items(), key=lambda kv: kv[1]):
-        target = before.get(mb, k)
+    fwd_pos = {a.unit: k for k, a in enumerate(work) if a.chunk == 0 and a.op is Op.FORWARD and not a.is_encoder}
+    sub_pos = {k: fwd_pos[j] for k, j in enumerate(table.sub_mb_parent)}
+    for sub, k in sorted(sub_pos.items(), key=lambda kv: kv[1]):
+        target = before.get(sub, k)
         if not 0 <= target <= k:
-            raise ScheduleError(f"encoder of micro-batch {mb} must run before its forward (position {k}), not at {target}")
-        slots[target].append(Action(0, Op.ENCODER, mb))
-    for k in range(len(work)):  # moved encoders first, the slot's own one just before its forward
-        slots[k].sort(key=lambda e: fwd_pos[e.mb] == k)
+            raise ScheduleError(f"encoder of sub-microbatch {sub} must run before its forward (position {k}), not at {target}")
+        slots[target].append(Action(0, Op.FORWARD, sub, Module.ENCODER))
+    for k in range(len(work)):  # moved encoders first, the slot's own ones just before their forward
+        slots[k].sort(key=lambda e: sub_pos[e.unit] == k)
     ranks = list(table.ranks)
-    ranks[rank0] = tuple(a for k, w in enumerate(work) for a in (*slots[k], w))
-    return ScheduleTable(
-        num_stages=table.num_stages,
-        num_micro_batches=table.num_micro_batches,
-        stage_rank=table.stage_rank,
-        ranks=tuple(ranks),
-        encoder=True,
-        max_in_flight=table.max_in_flight,
-        name=table.name,
-    ).validate()
+    ranks[rank] = tuple(a for k, w in enumerate(work) for a in (*slots[k], w))
+    return replace(table, ranks=tuple(ranks)).validate()

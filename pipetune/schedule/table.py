@@ -1,11 +1,32 @@
-"""Pipeline schedules as tables: for every rank, its ordered list of compute actions.
+"""Pipeline schedules as tables: for every rank, its ordered list of compute actions on model chunks.
 
-An action is ``(stage, op, micro-batch)``, written like torch.distributed.pipelining's ``_Action``
-(``1F3``: stage 1 forward of micro-batch 3; ``0B0``). We add ``E``, the vision-encoder forward of a
-micro-batch, which runs on the rank of stage 0 before that micro-batch's ``0F`` (earlier when
-pre-computed). Stages and ranks are distinct: ``stage_rank`` maps each stage to the rank that holds
-it, so a rank may hold several stages (DIP's modality segments); PipeTune's layout is stage s on
-rank s. A table only orders work; latencies come from the cost model and times from the simulator.
+A model is a chain of modality modules (``Module``): the vision encoder feeds the backbone. Each
+module is cut into *chunks*, contiguous layer ranges numbered along the module (encoder chunk ``k``
+feeds encoder chunk ``k + 1``; the last encoder chunk feeds backbone chunk 0, which holds the
+embeddings and the projector; the last backbone chunk holds the head and the loss). A
+``Placement`` puts every chunk on a rank, so a rank may hold several chunks of either module.
+
+Work comes in *units*: the backbone's are the iteration's micro-batches ``0..m-1``; the encoder's
+are image sub-microbatches ``0..n-1``, each holding images of exactly one micro-batch
+(``ScheduleTable.sub_mb_parent``). An action is ``(chunk, F|B, unit)``. Its inputs:
+
+* ``F(c, u)`` needs ``F(c-1, u)`` of its module; backbone ``F(0, j)`` needs the last encoder
+  chunk's ``F`` of every sub-microbatch of ``j``; encoder ``F(0, k)`` needs nothing (pixels come
+  with the batch every rank holds);
+* ``B(c, u)`` needs ``F(c, u)`` (its saved activations) and ``B(c+1, u)``; the last encoder
+  chunk's ``B(k)`` needs backbone ``B(0, parent(k))`` (the gradient of the image features).
+
+A frozen encoder has no ``B`` actions. An input produced on another rank is a message.
+
+Layouts are placements: PipeTune's co-located layout is one encoder chunk on the rank of backbone
+chunk 0 with backbone chunk ``s`` on rank ``s`` and sub-microbatch ``j`` = all images of
+micro-batch ``j``; DIP's separated layout spreads ``P * K`` encoder chunks over ``P`` ranks and
+splits each micro-batch's images into fixed-size sub-microbatches.
+
+Text form: backbone actions keep torch.distributed.pipelining's ``_Action`` form (``1F3``: chunk 1
+forward of micro-batch 3), so backbone-only tables load in torch (``to_csv``); encoder actions are
+prefixed with ``E`` (``E0F3``: encoder chunk 0 forward of sub-microbatch 3). ``Action.parse`` reads
+both. A table only orders work; latencies come from the cost model and times from the simulator.
 """
 
 from __future__ import annotations
@@ -15,31 +36,44 @@ import io
 import re
 from dataclasses import dataclass
 from enum import Enum
+from functools import cached_property
+from typing import NamedTuple
 
-ACTION_RE = re.compile(r"^(\d+)([FBE])(\d+)$")
+ACTION_RE = re.compile(r"^(E?)(\d+)([FB])(\d+)$")
+
+
+class Module(str, Enum):
+    BACKBONE = ""
+    ENCODER = "E"
 
 
 class Op(str, Enum):
     FORWARD = "F"
     BACKWARD = "B"
-    ENCODER = "E"
 
 
-@dataclass(frozen=True)
-class Action:
-    stage: int
+class Action(NamedTuple):
+    """``op`` of ``module``'s chunk ``chunk`` on unit ``unit`` (micro-batch or sub-microbatch).
+    A named tuple: schedules hash and compare thousands of them per plan."""
+
+    chunk: int
     op: Op
-    mb: int
+    unit: int
+    module: Module = Module.BACKBONE
 
     def __str__(self) -> str:
-        return f"{self.stage}{self.op.value}{self.mb}"
+        return f"{self.module.value}{self.chunk}{self.op.value}{self.unit}"
 
     @classmethod
     def parse(cls, text: str) -> "Action":
-        m = ACTION_RE.match(text.strip())
+        m = ACTION_RE.match(text.strip()) if isinstance(text, str) else None
         if not m:
-            raise ValueError(f"not an action: {text!r} (expected like 0F3, 1B0 or 0E2)")
-        return cls(int(m.group(1)), Op(m.group(2)), int(m.group(3)))
+            raise ValueError(f"not an action: {text!r} (expected like 0F3 or 1B0 for the backbone, E0F2 or E3B1 for encoder chunks)")
+        return cls(int(m.group(2)), Op(m.group(3)), int(m.group(4)), Module(m.group(1)))
+
+    @property
+    def is_encoder(self) -> bool:
+        return self.module is Module.ENCODER
 
 
 class ScheduleError(ValueError):
@@ -47,18 +81,75 @@ class ScheduleError(ValueError):
 
 
 @dataclass(frozen=True)
-class ScheduleTable:
-    """Per-rank ordered actions for ``num_stages`` stages and ``num_micro_batches`` micro-batches.
+class Placement:
+    """The rank of every chunk: ``backbone[c]`` and ``encoder[c]`` (empty without an encoder).
+    ``encoder_trained``: the encoder is trained, so its chunks have backward actions."""
 
-    ``max_in_flight[s]``, when set, bounds forwards minus backwards on stage ``s`` at any point of
-    its rank's list (1F1B's activation-memory guarantee: ``num_stages - s``).
+    backbone: tuple[int, ...]
+    encoder: tuple[int, ...] = ()
+    encoder_trained: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "backbone", tuple(int(r) for r in self.backbone))
+        object.__setattr__(self, "encoder", tuple(int(r) for r in self.encoder))
+        ranks = self.backbone + self.encoder
+        if not self.backbone or min(ranks) < 0 or set(ranks) != set(range(max(ranks) + 1)):
+            raise ScheduleError(f"placement {self}: chunks must sit on ranks 0..R-1, every rank holding at least one, "
+                                "and there must be at least one backbone chunk")
+        if self.encoder_trained and not self.encoder:
+            raise ScheduleError("placement: a trained encoder needs encoder chunks")
+
+    @classmethod
+    def colocated(cls, num_stages: int, *, encoder: bool = False, encoder_trained: bool = False,
+                  stage_rank: tuple[int, ...] | None = None) -> "Placement":
+        """PipeTune's layout: backbone chunk ``s`` on ``stage_rank[s]`` (default rank ``s``) and the
+        whole encoder as one chunk beside backbone chunk 0."""
+        backbone = tuple(stage_rank) if stage_rank is not None else tuple(range(num_stages))
+        return cls(backbone, (backbone[0],) if encoder else (), encoder_trained and encoder)
+
+    @classmethod
+    def separated(cls, num_ranks: int, encoder_chunks: int, *, encoder_trained: bool) -> "Placement":
+        """DIP's layout: backbone chunk ``s`` on rank ``s``; encoder chunk ``k`` on rank ``k mod P``,
+        so each of the encoder's ``encoder_chunks / P`` segments passes every rank once."""
+        if encoder_chunks < 1 or encoder_chunks % num_ranks:
+            raise ScheduleError(f"a separated layout needs a positive multiple of {num_ranks} encoder chunks, got {encoder_chunks}")
+        return cls(tuple(range(num_ranks)), tuple(k % num_ranks for k in range(encoder_chunks)), encoder_trained)
+
+    @property
+    def num_ranks(self) -> int:
+        return max(self.backbone + self.encoder) + 1
+
+    @property
+    def num_stages(self) -> int:
+        """Backbone chunks."""
+        return len(self.backbone)
+
+    @property
+    def colocated_encoder(self) -> bool:
+        """One encoder chunk on the rank of backbone chunk 0 (PipeTune's layout)."""
+        return len(self.encoder) == 1 and self.encoder[0] == self.backbone[0]
+
+    def chunks(self, module: Module) -> tuple[int, ...]:
+        return self.encoder if module is Module.ENCODER else self.backbone
+
+    def rank_of(self, a: Action) -> int:
+        return self.chunks(a.module)[a.chunk]
+
+
+@dataclass(frozen=True)
+class ScheduleTable:
+    """Per-rank ordered actions of ``placement``'s chunks over ``num_micro_batches`` micro-batches
+    and ``len(sub_mb_parent)`` encoder sub-microbatches (``sub_mb_parent[k]``: the micro-batch
+    whose images sub-microbatch ``k`` holds; empty without an encoder).
+
+    ``max_in_flight[s]``, when set, bounds forwards minus backwards of backbone chunk ``s`` at any
+    point of its rank's list (1F1B's activation-memory guarantee: ``num_stages - s``).
     """
 
-    num_stages: int
+    placement: Placement
     num_micro_batches: int
-    stage_rank: tuple[int, ...]
     ranks: tuple[tuple[Action, ...], ...]
-    encoder: bool = False
+    sub_mb_parent: tuple[int, ...] = ()
     max_in_flight: tuple[int, ...] | None = None
     name: str = ""
 
@@ -66,44 +157,132 @@ class ScheduleTable:
     def num_ranks(self) -> int:
         return len(self.ranks)
 
+    @property
+    def num_stages(self) -> int:
+        return self.placement.num_stages
+
+    @property
+    def stage_rank(self) -> tuple[int, ...]:
+        return self.placement.backbone
+
+    @property
+    def encoder(self) -> bool:
+        return bool(self.placement.encoder)
+
+    @property
+    def num_sub_micro_batches(self) -> int:
+        return len(self.sub_mb_parent)
+
+    @cached_property
+    def sub_micro_batches(self) -> tuple[tuple[int, ...], ...]:
+        """For each micro-batch, its sub-microbatches in order."""
+        out: list[list[int]] = [[] for _ in range(self.num_micro_batches)]
+        for k, j in enumerate(self.sub_mb_parent):
+            if 0 <= j < self.num_micro_batches:
+                out[j].append(k)
+        return tuple(map(tuple, out))
+
+    def units(self, module: Module) -> int:
+        return self.num_sub_micro_batches if module is Module.ENCODER else self.num_micro_batches
+
+    def producers(self, a: Action) -> tuple[Action, ...]:
+        """The actions whose outputs ``a`` consumes (see the module doc)."""
+        last = len(self.placement.chunks(a.module)) - 1
+        if a.op is Op.FORWARD:
+            if a.chunk > 0:
+                return (Action(a.chunk - 1, Op.FORWARD, a.unit, a.module),)
+            if a.is_encoder or not self.encoder:
+                return ()
+            e = len(self.placement.encoder) - 1
+            return tuple(Action(e, Op.FORWARD, k, Module.ENCODER) for k in self.sub_micro_batches[a.unit])
+        own = Action(a.chunk, Op.FORWARD, a.unit, a.module)
+        if a.chunk < last:
+            return own, Action(a.chunk + 1, Op.BACKWARD, a.unit, a.module)
+        if a.is_encoder:
+            return own, Action(0, Op.BACKWARD, self.sub_mb_parent[a.unit])
+        return (own,)
+
+    def consumers(self, a: Action) -> tuple[Action, ...]:
+        """The actions that consume ``a``'s outputs (inverse of ``producers``)."""
+        last = len(self.placement.chunks(a.module)) - 1
+        trained = self.placement.encoder_trained or not a.is_encoder
+        if a.op is Op.FORWARD:
+            nxt: tuple[Action, ...]
+            if a.chunk < last:
+                nxt = (Action(a.chunk + 1, Op.FORWARD, a.unit, a.module),)
+            elif a.is_encoder:
+                nxt = (Action(0, Op.FORWARD, self.sub_mb_parent[a.unit]),)
+            else:
+                nxt = ()
+            return nxt + ((Action(a.chunk, Op.BACKWARD, a.unit, a.module),) if trained else ())
+        if a.chunk > 0:
+            return (Action(a.chunk - 1, Op.BACKWARD, a.unit, a.module),)
+        if not a.is_encoder and self.placement.encoder_trained:
+            e = len(self.placement.encoder) - 1
+            return tuple(Action(e, Op.BACKWARD, k, Module.ENCODER) for k in self.sub_micro_batches[a.unit])
+        return ()
+
+    def floats(self, a: Action) -> bool:
+        """``a`` needs no input and feeds other chunks on its own rank only: it can run at any
+        point of its rank's list before its consumers (a co-located encoder's forward, i.e. encoder
+        pre-computation). The simulator attaches such actions to the next action of their rank
+        instead of giving them nodes."""
+        rank = self.placement.rank_of(a)
+        consumers = self.consumers(a)
+        return (not self.producers(a) and all(self.placement.rank_of(c) == rank for c in consumers)
+                and any((c.module, c.chunk) != (a.module, a.chunk) for c in consumers))
+
+    def expected_actions(self) -> list[Action]:
+        """Every action the table must hold, once each."""
+        out = []
+        for module in (Module.ENCODER, Module.BACKBONE):
+            ops = (Op.FORWARD, Op.BACKWARD) if module is Module.BACKBONE or self.placement.encoder_trained else (Op.FORWARD,)
+            for c in range(len(self.placement.chunks(module))):
+                out += [Action(c, op, u, module) for op in ops for u in range(self.units(module))]
+        return out
+
     def validate(self) -> "ScheduleTable":
         """Check that the table can execute; raise ``ScheduleError`` naming the first problem."""
-        S, m = self.num_stages, self.num_micro_batches
-        if len(self.stage_rank) != S or any(not 0 <= r < self.num_ranks for r in self.stage_rank):
-            raise ScheduleError(f"stage_rank {self.stage_rank} must map {S} stages to ranks 0..{self.num_ranks - 1}")
-        seen: dict[tuple[int, Op, int], int] = {}
+        p, m = self.placement, self.num_micro_batches
+        if len(self.ranks) != p.num_ranks:
+            raise ScheduleError(f"the table has {len(self.ranks)} rank lists but its placement uses {p.num_ranks} ranks")
+        if m < 1:
+            raise ScheduleError("a schedule needs at least one micro-batch")
+        if self.sub_mb_parent and not p.encoder:
+            raise ScheduleError("sub-microbatches need encoder chunks")
+        bad = [k for k, j in enumerate(self.sub_mb_parent) if not 0 <= j < m]
+        if bad:
+            raise ScheduleError(f"sub-microbatch {bad[0]} belongs to micro-batch {self.sub_mb_parent[bad[0]]}, not one of 0..{m - 1}")
+        if list(self.sub_mb_parent) != sorted(self.sub_mb_parent):
+            raise ScheduleError(f"sub-microbatches must be numbered micro-batch by micro-batch, got parents {list(self.sub_mb_parent)}")
+        seen: set[Action] = set()
         for rank, actions in enumerate(self.ranks):
-            done: set[tuple[int, Op, int]] = set()
+            done: set[Action] = set()
             for pos, a in enumerate(actions):
                 where = f"rank {rank}, position {pos} ({a})"
-                if not (0 <= a.stage < S and 0 <= a.mb < m):
-                    raise ScheduleError(f"{where}: stage or micro-batch out of range ({S} stages, {m} micro-batches)")
-                if self.stage_rank[a.stage] != rank:
-                    raise ScheduleError(f"{where}: stage {a.stage} belongs to rank {self.stage_rank[a.stage]}")
-                key = (a.stage, a.op, a.mb)
-                if key in seen:
+                chunks = p.chunks(a.module)
+                if not (0 <= a.chunk < len(chunks) and 0 <= a.unit < self.units(a.module)):
+                    raise ScheduleError(f"{where}: chunk or unit out of range ({p.num_stages} backbone chunks, {len(p.encoder)} encoder "
+                                        f"chunks, {m} micro-batches, {self.num_sub_micro_batches} sub-microbatches)")
+                if a.is_encoder and a.op is Op.BACKWARD and not p.encoder_trained:
+                    raise ScheduleError(f"{where}: a frozen encoder has no backward actions")
+                if chunks[a.chunk] != rank:
+                    raise ScheduleError(f"{where}: {'encoder ' if a.is_encoder else ''}chunk {a.chunk} is placed on rank {chunks[a.chunk]}")
+                if a in seen:
                     raise ScheduleError(f"{where}: {a} appears twice")
-                seen[key] = rank
-                if a.op is Op.ENCODER and (not self.encoder or a.stage != 0):
-                    raise ScheduleError(f"{where}: encoder actions belong to stage 0 of a schedule with an encoder")
-                if a.op is Op.BACKWARD and (a.stage, Op.FORWARD, a.mb) not in done:
-                    raise ScheduleError(f"{where}: backward before this rank ran forward {a.stage}F{a.mb}")
-                if a.op is Op.FORWARD and a.stage == 0 and self.encoder and (0, Op.ENCODER, a.mb) not in done:
-                    raise ScheduleError(f"{where}: forward before this rank ran its encoder 0E{a.mb}")
-                done.add(key)
-        ops = [Op.FORWARD, Op.BACKWARD] + ([Op.ENCODER] if self.encoder else [])
-        for s in range(S):
-            for op in ops:
-                if op is Op.ENCODER and s != 0:
-                    continue
-                for mb in range(m):
-                    if (s, op, mb) not in seen:
-                        raise ScheduleError(f"action {s}{op.value}{mb} is missing")
+                seen.add(a)
+                for need in self.producers(a):
+                    if p.rank_of(need) == rank and need not in done:
+                        raise ScheduleError(f"{where}: needs {need}, which this rank has not run before it")
+                done.add(a)
+        missing = [a for a in self.expected_actions() if a not in seen]
+        if missing:
+            raise ScheduleError(f"action {missing[0]} is missing")
         if self.max_in_flight is not None:
-            for s in range(S):
+            for s in range(p.num_stages):
                 live = 0
-                for a in self.ranks[self.stage_rank[s]]:
-                    if a.stage == s and a.op is not Op.ENCODER:
+                for a in self.ranks[p.backbone[s]]:
+                    if a.chunk == s and not a.is_encoder:
                         live += 1 if a.op is Op.FORWARD else -1
                         if live > self.max_in_flight[s]:
                             raise ScheduleError(
@@ -113,26 +292,27 @@ class ScheduleTable:
 
     def to_csv(self, *, compute_only: bool = True) -> str:
         """One row per rank, one action per cell: the format of torch's ``_load_csv``
-        (``compute_only`` leaves out our encoder actions, which torch does not know)."""
+        (``compute_only`` leaves out encoder actions, which torch does not know)."""
         buf = io.StringIO()
         writer = csv.writer(buf, lineterminator="\n")
         for actions in self.ranks:
-            writer.writerow([str(a) for a in actions if not (compute_only and a.op is Op.ENCODER)])
+            writer.writerow([str(a) for a in actions if not (compute_only and a.is_encoder)])
         return buf.getvalue()
 
     @classmethod
     def from_csv(cls, text: str, *, num_stages: int, num_micro_batches: int, name: str = "csv") -> "ScheduleTable":
+        """A backbone-only table in torch's CSV form (the chunk placement read off the rows)."""
         rows = [[Action.parse(c) for c in row if c.strip()] for row in csv.reader(io.StringIO(text))]
+        if any(a.is_encoder for r in rows for a in r):
+            raise ScheduleError("a torch schedule CSV holds backbone actions only")
         stage_rank = [-1] * num_stages
         for rank, row in enumerate(rows):
             for a in row:
-                if 0 <= a.stage < num_stages:
-                    stage_rank[a.stage] = rank
+                if 0 <= a.chunk < num_stages:
+                    stage_rank[a.chunk] = rank
         return cls(
-            num_stages=num_stages,
+            placement=Placement(tuple(stage_rank)),
             num_micro_batches=num_micro_batches,
-            stage_rank=tuple(stage_rank),
             ranks=tuple(tuple(r) for r in rows),
-            encoder=any(a.op is Op.ENCODER for r in rows for a in r),
             name=name,
         ).validate()

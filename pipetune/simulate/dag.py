@@ -1,10 +1,16 @@
-"""A schedule table compiled into a DAG (PipeTune App. A.5): node = (micro-batch slot, stage, F/B).
+"""A schedule table compiled into a DAG (PipeTune App. A.5, generalised to chunks of modality modules).
 
-Edges: a rank runs its nodes in table order; ``F(s, i)`` waits for ``F(s-1, i)`` plus a message
-when the stages sit on different ranks; ``B(s, i)`` waits for ``F(s, i)`` and for ``B(s+1, i)``
-plus a message. Encoder actions are not nodes: each is attached, as extra work, to the stage-0
-rank node it runs before (``encoder_slot``), which is how pre-computation is expressed without
-changing the DAG's shape, so many placements can be evaluated on one compiled DAG.
+Nodes are the table's actions, except *floating* ones (``ScheduleTable.floats``: no input, outputs
+used on their own rank only, such as a co-located encoder's forward). A floating action is
+attached, as extra work, to the next node of its rank (its *slot*), which is how pre-computation is
+expressed without changing the DAG's shape: many placements are evaluated on one compiled DAG.
+
+Edges: a rank runs its nodes in table order; every node waits for its (non-floating) producers
+(``ScheduleTable.producers``), plus a message when the producer sits on another rank. Memory is a
+list of buffers, each allocated at one node (or a floating action's slot) and freed at another,
+all on one rank: a forward's saved activations until its backward; image features on the rank of
+backbone chunk 0 from the encoder forward that makes them there (or from backbone chunk 0's forward
+that receives them) until backbone chunk 0's backward.
 
 Nodes are numbered in a topological order that respects every edge and each rank's order, so one
 forward pass over node indices times the whole schedule.
@@ -13,38 +19,79 @@ forward pass over node indices times the whole schedule.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
+from scipy.sparse import csr_matrix
 
-from pipetune.schedule.table import Op, ScheduleError, ScheduleTable
+from pipetune.schedule.lowering import Message, MessageKind
+from pipetune.schedule.table import Action, Module, Op, ScheduleError, ScheduleTable
 
-OP_F, OP_B = 0, 1
+KINDS = ((Module.BACKBONE, Op.FORWARD), (Module.BACKBONE, Op.BACKWARD), (Module.ENCODER, Op.FORWARD), (Module.ENCODER, Op.BACKWARD))
+KIND = {k: i for i, k in enumerate(KINDS)}
+MESSAGE_KINDS = tuple(MessageKind)
+BUF_ACTIVATION, BUF_ENCODER_ACTIVATION, BUF_FEATURES = 0, 1, 2
+
+
+def kind_of(a: Action) -> int:
+    return KIND[(a.module, a.op)]
 
 
 @dataclass(frozen=True)
 class CompiledSchedule:
-    """Node arrays in topological order (index = node id).
+    """Arrays over nodes (index = node id, topological order), messages, floating actions and buffers.
 
-    ``dep``/``dep_comm``: up to two producer nodes per node (-1: none) and whether a message
-    separates them. ``rank_prev``: previous node on the same rank (-1 for a rank's first node).
-    ``rank_pos``: position of the node among its rank's nodes. ``encoder_slot[mb]``: the node
-    before which ``0E{mb}`` runs (``-1`` without encoder).
+    ``kind``/``chunk``/``unit``/``rank``: what each node runs (``kind`` indexes ``KINDS``).
+    ``edges[n]``: ``(producer node, message index or -1 for a same-rank hand-over)`` pairs.
+    ``msg_kind``/``msg_unit``: each message's ``MessageKind`` index and the unit sizing it.
+    ``rank_prev``: previous node on the same rank (-1 for a rank's first node).
+    ``floating``: the floating actions (by module, chunk, unit); ``float_slot[f]``: the node
+    before which the table runs floating action ``f``; ``float_first_use[f]``: its first consumer.
+    ``buf_*``: memory buffers; ``buf_float[b] >= 0`` means allocated at that floating action's slot.
+    ``one_to_one``: no encoder, or sub-microbatch ``k`` is micro-batch ``k``'s images, so a micro-batch order
+    permutes both kinds of units (see ``pipetune.simulate.simulator.evaluate``).
     """
 
     table: ScheduleTable
-    op: np.ndarray
-    stage: np.ndarray
-    mb: np.ndarray
+    kind: np.ndarray
+    chunk: np.ndarray
+    unit: np.ndarray
     rank: np.ndarray
-    dep: np.ndarray
-    dep_comm: np.ndarray
+    edges: tuple[tuple[tuple[int, int], ...], ...]
+    msg_kind: np.ndarray
+    msg_unit: np.ndarray
     rank_prev: np.ndarray
     rank_nodes: tuple[np.ndarray, ...]
-    encoder_slot: np.ndarray
+    floating: tuple[Action, ...]
+    float_slot: np.ndarray
+    float_first_use: np.ndarray
+    buf_kind: np.ndarray
+    buf_chunk: np.ndarray
+    buf_unit: np.ndarray
+    buf_alloc: np.ndarray
+    buf_float: np.ndarray
+    buf_free: np.ndarray
+    one_to_one: bool
 
     @property
     def num_nodes(self) -> int:
-        return len(self.op)
+        return len(self.kind)
+
+    @cached_property
+    def float_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Kind, chunk and unit of every floating action."""
+        return (np.array([kind_of(a) for a in self.floating], np.int64), np.array([a.chunk for a in self.floating], np.int64),
+                np.array([a.unit for a in self.floating], np.int64))
+
+    @cached_property
+    def buffer_matrices(self) -> tuple[csr_matrix, csr_matrix]:
+        """``[nodes, buffers]`` 0/1 matrices: which node allocates each buffer that is not
+        allocated at a floating action's slot, and which node frees each buffer."""
+        shape = (self.num_nodes, len(self.buf_kind))
+        fixed = np.flatnonzero(self.buf_float < 0)
+        alloc = csr_matrix((np.ones(len(fixed)), (self.buf_alloc[fixed], fixed)), shape=shape)
+        free = csr_matrix((np.ones(len(self.buf_free)), (self.buf_free, np.arange(len(self.buf_free)))), shape=shape)
+        return alloc, free
 
     def rank_position(self) -> np.ndarray:
         """Position of each node within its rank's node list."""
@@ -53,62 +100,111 @@ class CompiledSchedule:
             pos[nodes] = np.arange(len(nodes))
         return pos
 
-
-def _key(a) -> tuple[int, int, int]:
-    return (OP_F if a.op is Op.FORWARD else OP_B, a.stage, a.mb)
+    def action(self, n: int) -> Action:
+        module, op = KINDS[self.kind[n]]
+        return Action(int(self.chunk[n]), op, int(self.unit[n]), module)
 
 
 def compile_schedule(table: ScheduleTable) -> CompiledSchedule:
-    """Validate ``table`` and order its compute actions topologically (``ScheduleError`` on deadlock)."""
+    """Validate ``table`` and order its non-floating actions topologically (``ScheduleError`` on deadlock)."""
     table.validate()
-    work = [[_key(a) for a in acts if a.op is not Op.ENCODER] for acts in table.ranks]
-    S = table.num_stages
-    done: dict[tuple[int, int, int], int] = {}
+    p = table.placement
+    floating = sorted({a for acts in table.ranks for a in acts if table.floats(a)}, key=lambda a: (a.module != Module.ENCODER, a.chunk, a.unit))
+    is_float = set(floating)
+    work = [[a for a in acts if a not in is_float] for acts in table.ranks]
+    done: dict[Action, int] = {}
     ptr = [0] * len(work)
-    order = []
+    order: list[tuple[Action, int, list[Action]]] = []
     while True:
         progressed = False
         for r, acts in enumerate(work):
             while ptr[r] < len(acts):
-                op, s, mb = acts[ptr[r]]
-                deps = [(OP_F, s - 1, mb)] if op == OP_F and s > 0 else []
-                if op == OP_B:
-                    deps = [(OP_F, s, mb)] + ([(OP_B, s + 1, mb)] if s < S - 1 else [])
+                a = acts[ptr[r]]
+                deps = [q for q in table.producers(a) if q not in is_float]
                 if any(d not in done for d in deps):
                     break
-                done[(op, s, mb)] = len(order)
-                order.append((op, s, mb, r, deps))
+                done[a] = len(order)
+                order.append((a, r, deps))
                 ptr[r] += 1
                 progressed = True
-        if all(p == len(a) for p, a in zip(ptr, work)):
+        if all(q == len(a) for q, a in zip(ptr, work)):
             break
         if not progressed:
-            stuck = ", ".join(
-                f"rank {r} at {s}{'FB'[op]}{mb}" for r in range(len(work)) if ptr[r] < len(work[r]) for op, s, mb in [work[r][ptr[r]]]
-            )
+            stuck = ", ".join(f"rank {r} at {work[r][ptr[r]]}" for r in range(len(work)) if ptr[r] < len(work[r]))
             raise ScheduleError(f"schedule deadlocks: {stuck}")
-    n = len(order)
-    op = np.array([o[0] for o in order], np.int8)
-    stage = np.array([o[1] for o in order], np.int64)
-    mb = np.array([o[2] for o in order], np.int64)
-    rank = np.array([o[3] for o in order], np.int64)
-    dep = np.full((n, 2), -1, np.int64)
-    dep_comm = np.zeros((n, 2), bool)
-    for i, (_, _, _, r, deps) in enumerate(order):
-        for j, d in enumerate(deps):
-            dep[i, j] = done[d]
-            dep_comm[i, j] = table.stage_rank[d[1]] != r
-    rank_nodes = tuple(np.array([done[k] for k in acts], np.int64) for acts in work)
-    rank_prev = np.full(n, -1, np.int64)
+    msg_kind, msg_unit, edges = [], [], []
+    for a, r, deps in order:
+        mine = []
+        for d in deps:
+            if p.rank_of(d) == r:
+                mine.append((done[d], -1))
+            else:
+                msg = Message(d, a)
+                mine.append((done[d], len(msg_kind)))
+                msg_kind.append(MESSAGE_KINDS.index(msg.kind))
+                msg_unit.append(msg.unit)
+        edges.append(tuple(mine))
+    rank_nodes = tuple(np.array([done[a] for a in acts], np.int64) for acts in work)
+    rank_prev = np.full(len(order), -1, np.int64)
     for nodes in rank_nodes:
         rank_prev[nodes[1:]] = nodes[:-1]
-    encoder_slot = np.full(table.num_micro_batches, -1, np.int64)
-    if table.encoder:
-        r0 = table.stage_rank[0]
-        k = 0
-        for a in table.ranks[r0]:
-            if a.op is Op.ENCODER:
-                encoder_slot[a.mb] = rank_nodes[r0][k]
+    slot_of: dict[Action, int] = {}
+    for acts in table.ranks:
+        pending = []
+        for a in acts:
+            if a in is_float:
+                pending.append(a)
             else:
-                k += 1
-    return CompiledSchedule(table, op, stage, mb, rank, dep, dep_comm, rank_prev, rank_nodes, encoder_slot)
+                slot_of.update((f, done[a]) for f in pending)
+                pending = []
+        if pending:
+            raise ScheduleError(f"{pending[0]} runs after every action that consumes it")
+    float_slot = np.array([slot_of[f] for f in floating], np.int64)
+    float_first_use = np.array([min(done[c] for c in table.consumers(f)) for f in floating], np.int64)
+    bufs = _buffers(table, done, slot_of, {f: i for i, f in enumerate(floating)})
+    arr = lambda xs, k: np.array([x[k] for x in xs], np.int64)  # noqa: E731
+    return CompiledSchedule(
+        table=table,
+        kind=np.array([kind_of(a) for a, _, _ in order], np.int8),
+        chunk=np.array([a.chunk for a, _, _ in order], np.int64),
+        unit=np.array([a.unit for a, _, _ in order], np.int64),
+        rank=np.array([r for _, r, _ in order], np.int64),
+        edges=tuple(edges),
+        msg_kind=np.array(msg_kind, np.int8),
+        msg_unit=np.array(msg_unit, np.int64),
+        rank_prev=rank_prev,
+        rank_nodes=rank_nodes,
+        floating=tuple(floating),
+        float_slot=float_slot,
+        float_first_use=float_first_use,
+        buf_kind=arr(bufs, 0),
+        buf_chunk=arr(bufs, 1),
+        buf_unit=arr(bufs, 2),
+        buf_alloc=arr(bufs, 3),
+        buf_float=arr(bufs, 4),
+        buf_free=arr(bufs, 5),
+        one_to_one=not table.encoder or table.sub_mb_parent == tuple(range(table.num_micro_batches)),
+    )
+
+
+def _buffers(table: ScheduleTable, node: dict, slot_of: dict, float_index: dict) -> list[tuple[int, int, int, int, int, int]]:
+    """``(kind, chunk, unit, alloc node, floating index or -1, free node)`` of every memory buffer."""
+    p = table.placement
+
+    def at(a: Action) -> tuple[int, int]:
+        return (slot_of[a], float_index[a]) if a in float_index else (node[a], -1)
+
+    out = []
+    for s in range(p.num_stages):
+        for j in range(table.num_micro_batches):
+            out.append((BUF_ACTIVATION, s, j, *at(Action(s, Op.FORWARD, j)), node[Action(s, Op.BACKWARD, j)]))
+    last = len(p.encoder) - 1
+    for k, j in enumerate(table.sub_mb_parent):
+        if p.encoder_trained:
+            for c in range(len(p.encoder)):
+                f = Action(c, Op.FORWARD, k, Module.ENCODER)
+                out.append((BUF_ENCODER_ACTIVATION, c, k, *at(f), node[Action(c, Op.BACKWARD, k, Module.ENCODER)]))
+        made = Action(last, Op.FORWARD, k, Module.ENCODER)
+        alloc = at(made) if p.encoder[last] == p.backbone[0] else at(Action(0, Op.FORWARD, j))
+        out.append((BUF_FEATURES, 0, k, *alloc, node[Action(0, Op.BACKWARD, j)]))
+    return out

@@ -1,11 +1,12 @@
 """Time a compiled schedule: start/end of every action, makespan, idle time and memory per rank.
 
 Model: each rank runs its actions one at a time in table order; an action starts when its rank is
-free and its inputs have arrived (a message across ranks costs the micro-batch's ``p2p`` time,
-and sends do not occupy the sender). Encoder forwards attached to a stage-0 node run back to back
-on that rank just before it. Memory per rank follows the rank's own action order, so it does not
-depend on timing: a forward holds its activations until its backward ends, and an encoder's image
-features are held from the encoder until the backward of stage 0 (the projector keeps them).
+free and its inputs have arrived (a message across ranks costs its ``*p2p`` time, by what it
+carries, and sends do not occupy the sender). Floating actions (a co-located encoder's forwards)
+run back to back on their rank just before the node they are attached to. Memory per rank follows
+the rank's own action order, so it does not depend on timing: every buffer of the compiled
+schedule (activations until their backward, image features until backbone chunk 0's backward) is
+added at its allocating node, the peak taken, and freed buffers removed.
 
 Everything is vectorised over ``C`` candidates (the last axis of the internal arrays), so the
 planner times thousands of orders and pre-compute placements per call; ``simulate`` is the
@@ -14,38 +15,66 @@ one-candidate case with per-action detail.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipetune.schedule.table import Action, Op, ScheduleTable
-from pipetune.simulate.dag import OP_F, CompiledSchedule, compile_schedule
+from pipetune.schedule.table import Action, ScheduleTable
+from pipetune.schedule.lowering import MessageKind
+from pipetune.simulate.dag import KINDS, MESSAGE_KINDS, CompiledSchedule, compile_schedule
 
 CHUNK = 512  # candidates per pass: [nodes x CHUNK] arrays stay in cache
 
 
 @dataclass(frozen=True)
 class Latencies:
-    """Per micro-batch (rows, as numbered in the schedule) and stage (columns), in seconds/bytes.
+    """Seconds and bytes per unit (rows) and chunk (columns).
 
-    ``encoder``/``image_feature_bytes`` may be zero when the model has no encoder.
+    Backbone, per micro-batch ``[m, S]`` (``p2p``: one activation message, ``[m]``); encoder, per
+    sub-microbatch and encoder chunk ``[n, E]`` (a vector is one chunk; ``encoder_bwd`` zero when
+    frozen; ``encoder_p2p``: one message between encoder chunks; ``feature_p2p``: one
+    sub-microbatch's image features to backbone chunk 0; ``image_feature_bytes``: those features
+    held there). Left out, encoder arrays are zeros with one chunk and ``n = m``, and ``p2p`` and
+    ``activation_bytes`` zeros.
     """
 
     fwd: np.ndarray
     bwd: np.ndarray
-    encoder: np.ndarray
-    p2p: np.ndarray
-    activation_bytes: np.ndarray
-    image_feature_bytes: np.ndarray
+    encoder: np.ndarray | None = None
+    p2p: np.ndarray | None = None
+    activation_bytes: np.ndarray | None = None
+    image_feature_bytes: np.ndarray | None = None
+    encoder_bwd: np.ndarray | None = field(default=None, kw_only=True)
+    encoder_p2p: np.ndarray | None = field(default=None, kw_only=True)
+    feature_p2p: np.ndarray | None = field(default=None, kw_only=True)
+    encoder_activation_bytes: np.ndarray | None = field(default=None, kw_only=True)
+
+    def __post_init__(self) -> None:
+        m = self.fwd.shape[0]
+        n = len(self.encoder) if self.encoder is not None else m
+        enc = np.zeros((n, 1)) if self.encoder is None else np.asarray(self.encoder, np.float64)
+        enc = enc[:, None] if enc.ndim == 1 else enc
+        shapes = {"encoder": enc.shape, "p2p": (m,), "activation_bytes": self.fwd.shape, "image_feature_bytes": (n,),
+                  "encoder_bwd": enc.shape, "encoder_p2p": (n,), "feature_p2p": (n,), "encoder_activation_bytes": enc.shape}
+        for name, shape in shapes.items():
+            given = getattr(self, name)
+            object.__setattr__(self, name, np.zeros(shape) if given is None else np.asarray(given, np.float64).reshape(shape))
 
     @classmethod
     def from_costs(cls, costs) -> "Latencies":
         """From ``pipetune.cost.StageCosts``."""
-        return cls(costs.fwd, costs.bwd, costs.encoder, costs.p2p, costs.activation_bytes, costs.image_feature_bytes)
+        return cls(costs.fwd, costs.bwd, costs.encoder, costs.p2p, costs.activation_bytes, costs.image_feature_bytes,
+                   encoder_bwd=costs.encoder_bwd, encoder_p2p=costs.encoder_p2p, feature_p2p=costs.feature_p2p,
+                   encoder_activation_bytes=costs.encoder_activation_bytes)
 
     @classmethod
     def uniform(cls, m: int, S: int, t_f: float, t_b: float, *, t_e: float = 0.0, p2p: float = 0.0) -> "Latencies":
-        return cls(np.full((m, S), t_f), np.full((m, S), t_b), np.full(m, t_e), np.full(m, p2p), np.zeros((m, S)), np.zeros(m))
+        return cls(np.full((m, S), t_f), np.full((m, S), t_b), np.full(m, t_e), np.full(m, p2p))
+
+    @property
+    def num_sub_micro_batches(self) -> int:
+        return self.encoder.shape[0]
 
 
 def _per_node(slots: np.ndarray, values: np.ndarray, N: int) -> np.ndarray:
@@ -56,56 +85,111 @@ def _per_node(slots: np.ndarray, values: np.ndarray, N: int) -> np.ndarray:
     return np.bincount(flat, weights=values[has], minlength=N * C).reshape(N, C)
 
 
-def _run(dag: CompiledSchedule, fwd, bwd, p2p, enc, slots):
-    """Core pass. Shapes: fwd/bwd ``[C, m, S]``, p2p/enc ``[C, m]``, slots ``[C, m]`` (node before
-    which each encoder runs, -1 for none). Returns start, end, pre (encoder work) as ``[N, C]``."""
-    C = fwd.shape[0]
-    N = dag.num_nodes
-    dur = np.ascontiguousarray(np.where(dag.op[None, :] == OP_F, fwd[:, dag.mb, dag.stage], bwd[:, dag.mb, dag.stage]).T)
-    comm = np.ascontiguousarray(p2p[:, dag.mb].T)
-    pre = _per_node(slots, enc, N)
+@dataclass(frozen=True)
+class _Gathered:
+    """One block of candidates' numbers, laid out for the DAG: durations ``[N, C]``, message costs
+    ``[messages, C]``, floating-action durations and buffer bytes ``[C, *]``."""
+
+    dur: np.ndarray
+    comm: np.ndarray
+    float_dur: np.ndarray
+    buf_bytes: np.ndarray
+
+
+def _gather(dag: CompiledSchedule, lat: Latencies, orders: np.ndarray) -> _Gathered:
+    """``orders[c, k]``: the micro-batch in slot ``k`` (and, for one-to-one encoder units, the
+    sub-microbatch in slot ``k``)."""
+    C = len(orders)
+    subs = orders if dag.one_to_one else np.broadcast_to(np.arange(lat.num_sub_micro_batches), (C, lat.num_sub_micro_batches))
+    by_kind = (lat.fwd, lat.bwd, lat.encoder, lat.encoder_bwd)
+    perm = (orders, orders, subs, subs)
+    dur = np.empty((dag.num_nodes, C))
+    for k in range(len(KINDS)):
+        idx = np.flatnonzero(dag.kind == k)
+        if len(idx):
+            dur[idx] = by_kind[k][perm[k][:, dag.unit[idx]], dag.chunk[idx]].T
+    comm = np.empty((len(dag.msg_kind), C))
+    for k, kind in enumerate(MESSAGE_KINDS):
+        idx = np.flatnonzero(dag.msg_kind == k)
+        if len(idx):
+            arr, p = (lat.p2p, orders) if kind is MessageKind.ACTIVATION else (
+                (lat.encoder_p2p, subs) if kind is MessageKind.ENCODER_ACTIVATION else (lat.feature_p2p, subs))
+            comm[idx] = arr[p[:, dag.msg_unit[idx]]].T
+    float_dur = np.empty((C, len(dag.floating)))
+    f_kind, f_chunk, f_unit = dag.float_arrays
+    for k in np.unique(f_kind).tolist():
+        idx = np.flatnonzero(f_kind == k)
+        float_dur[:, idx] = by_kind[k][perm[k][:, f_unit[idx]], f_chunk[idx]]
+    buf_bytes = np.empty((C, len(dag.buf_kind)))
+    for kind, (arr, p) in enumerate(((lat.activation_bytes, orders), (lat.encoder_activation_bytes, subs), (lat.image_feature_bytes, subs))):
+        idx = np.flatnonzero(dag.buf_kind == kind)
+        if len(idx):
+            buf_bytes[:, idx] = arr[p[:, dag.buf_unit[idx]], dag.buf_chunk[idx]] if arr.ndim == 2 else arr[p[:, dag.buf_unit[idx]]]
+    return _Gathered(dur, comm, float_dur, buf_bytes)
+
+
+def _run(dag: CompiledSchedule, g: _Gathered, slots: np.ndarray):
+    """Core pass; ``slots[c, f]``: node before which floating action ``f`` runs.
+    Returns start, end, pre (floating work) as ``[N, C]``."""
+    N, C = g.dur.shape
+    pre = _per_node(slots, g.float_dur, N)
     start = np.empty((N, C))
     end = np.empty((N, C))
     zero = np.zeros(C)
     prev = dag.rank_prev.tolist()
-    deps = dag.dep.tolist()
-    comms = dag.dep_comm.tolist()
-    for n in range(N):
+    comm, dur = g.comm, g.dur
+    for n, deps in enumerate(dag.edges):
         t = (end[prev[n]] if prev[n] >= 0 else zero) + pre[n]
-        for d, c in zip(deps[n], comms[n]):
-            if d >= 0:
-                t = np.maximum(t, end[d] + comm[n] if c else end[d])
+        for d, e in deps:
+            t = np.maximum(t, end[d] + comm[e] if e >= 0 else end[d])
         start[n] = t
         end[n] = t + dur[n]
     return start, end, pre
 
 
-def _peak_memory(dag: CompiledSchedule, act, feat, slots) -> np.ndarray:
-    """Peak bytes per rank ``[C, R]``: act ``[C, m, S]``, feat ``[C, m]``, slots ``[C, m]``."""
-    C = act.shape[0]
-    held_feat = _per_node(slots, feat, dag.num_nodes)
-    node_act = np.ascontiguousarray(act[:, dag.mb, dag.stage].T)
-    freed_feat = np.where((dag.stage == 0)[:, None] & (slots >= 0).T[dag.mb], feat.T[dag.mb], 0.0)
+def _peak_memory(dag: CompiledSchedule, g: _Gathered, slots: np.ndarray) -> np.ndarray:
+    """Peak bytes per rank ``[C, R]``."""
+    C = g.buf_bytes.shape[0]
+    fixed, freed = dag.buffer_matrices
+    alloc = fixed @ g.buf_bytes.T
+    moving = np.flatnonzero(dag.buf_float >= 0)
+    if len(moving):
+        alloc += _per_node(slots[:, dag.buf_float[moving]], g.buf_bytes[:, moving], dag.num_nodes)
+    free = freed @ g.buf_bytes.T
     peaks = np.zeros((C, len(dag.rank_nodes)))
     for r, nodes in enumerate(dag.rank_nodes):
         mem = np.zeros(C)
         peak = np.zeros(C)
         for n in nodes.tolist():
-            mem = mem + held_feat[n]
-            if dag.op[n] == OP_F:
-                mem = mem + node_act[n]
-                peak = np.maximum(peak, mem)
-            else:
-                peak = np.maximum(peak, mem)
-                mem = mem - node_act[n] - freed_feat[n]
+            mem = mem + alloc[n]
+            peak = np.maximum(peak, mem)
+            mem = mem - free[n]
         peaks[:, r] = peak
     return peaks
 
 
-def timelines(dag: CompiledSchedule, lat: Latencies, orders: np.ndarray, encoder_slots: np.ndarray) -> tuple[np.ndarray, ...]:
-    """Start, end and encoder work before every node, ``[N, C]`` each, for ``C`` candidates."""
-    o = np.atleast_2d(np.asarray(orders, dtype=np.int64))
-    return _run(dag, lat.fwd[o], lat.bwd[o], lat.p2p[o], lat.encoder[o], np.atleast_2d(encoder_slots))
+def _check_shapes(dag: CompiledSchedule, lat: Latencies) -> None:
+    t = dag.table
+    m, S = lat.fwd.shape
+    n, E = lat.encoder.shape
+    if m != t.num_micro_batches or S != t.num_stages or (t.encoder and (n != t.num_sub_micro_batches or E != len(t.placement.encoder))):
+        raise ValueError(f"latencies are for {m} micro-batches x {S} backbone chunks and {n} sub-microbatches x {E} encoder chunks; "
+                         f"the schedule has {t.num_micro_batches} x {t.num_stages} and {t.num_sub_micro_batches} x "
+                         f"{len(t.placement.encoder)}")
+
+
+def _orders(dag: CompiledSchedule, orders) -> np.ndarray:
+    orders = np.atleast_2d(np.asarray(orders, dtype=np.int64))
+    if not dag.one_to_one and len(orders) and (orders != np.arange(orders.shape[1])).any():
+        raise ValueError("micro-batch orders permute sub-microbatches only when each is one micro-batch's images "
+                         "(the co-located layout); compile a table per order instead")
+    return orders
+
+
+def timelines(dag: CompiledSchedule, lat: Latencies, orders: np.ndarray, float_slots: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Start, end and floating work before every node, ``[N, C]`` each, for ``C`` candidates."""
+    o = _orders(dag, orders)
+    return _run(dag, _gather(dag, lat, o), np.atleast_2d(float_slots))
 
 
 @dataclass(frozen=True)
@@ -118,27 +202,52 @@ def evaluate(
     dag: CompiledSchedule,
     lat: Latencies,
     orders: np.ndarray,
-    encoder_slots: np.ndarray | None = None,
+    float_slots: np.ndarray | None = None,
     *,
     memory: bool = False,
 ) -> BatchResult:
     """Makespan (and optionally peak memory per rank) of ``C`` candidates on one compiled schedule.
 
     ``dag`` must be compiled from a schedule in slot space (order ``0..m-1``). ``orders[c]`` puts
-    micro-batch ``orders[c, k]`` into slot ``k``; ``encoder_slots[c, k]`` is the node before which
-    slot ``k``'s encoder runs (default: the schedule's own placement).
+    micro-batch ``orders[c, k]`` into slot ``k`` (rows of ``lat``; in the co-located layout the
+    encoder's sub-microbatch ``k`` moves with it); ``float_slots[c, f]`` is the node before which
+    floating action ``f`` (``dag.floating``; co-located: slot ``f``'s encoder forward) runs
+    (default: the schedule's own placement).
     """
-    orders = np.atleast_2d(np.asarray(orders, dtype=np.int64))
-    if encoder_slots is None:
-        encoder_slots = np.broadcast_to(dag.encoder_slot, orders.shape)
+    _check_shapes(dag, lat)
+    orders = _orders(dag, orders)
+    if float_slots is None:
+        float_slots = np.broadcast_to(dag.float_slot, (len(orders), len(dag.float_slot)))
     spans, peaks = [], []
     for lo in range(0, len(orders), CHUNK):
-        o, slots = orders[lo : lo + CHUNK], encoder_slots[lo : lo + CHUNK]
-        _, end, _ = _run(dag, lat.fwd[o], lat.bwd[o], lat.p2p[o], lat.encoder[o], slots)
+        o, slots = orders[lo : lo + CHUNK], float_slots[lo : lo + CHUNK]
+        g = _gather(dag, lat, o)
+        _, end, _ = _run(dag, g, slots)
         spans.append(end.max(axis=0))
         if memory:
-            peaks.append(_peak_memory(dag, lat.activation_bytes[o], lat.image_feature_bytes[o], slots))
+            peaks.append(_peak_memory(dag, g, slots))
     return BatchResult(np.concatenate(spans), np.concatenate(peaks) if memory else None)
+
+
+def makespans_over(dag: CompiledSchedule, lats: Sequence[Latencies], orders: np.ndarray, float_slots: np.ndarray | None = None) -> np.ndarray:
+    """Makespan of ``C`` candidates under each of several latencies of one batch (e.g. jitter
+    draws), ``[len(lats), C]``: every (latencies, candidate) pair shares the vectorised axis of one
+    pass. Arguments as ``evaluate``'s."""
+    for lat in lats:
+        _check_shapes(dag, lat)
+    orders = _orders(dag, orders)
+    if float_slots is None:
+        float_slots = np.broadcast_to(dag.float_slot, (len(orders), len(dag.float_slot)))
+    K, step = len(lats), max(1, CHUNK // len(lats))
+    out = []
+    for lo in range(0, len(orders), step):
+        o, slots = orders[lo : lo + step], float_slots[lo : lo + step]
+        gs = [_gather(dag, lat, o) for lat in lats]
+        g = _Gathered(np.hstack([x.dur for x in gs]), np.hstack([x.comm for x in gs]), np.vstack([x.float_dur for x in gs]),
+                      np.vstack([x.buf_bytes for x in gs]))
+        _, end, _ = _run(dag, g, np.vstack([slots] * K))
+        out.append(end.max(axis=0).reshape(K, len(o)))
+    return np.hstack(out)
 
 
 @dataclass(frozen=True)
@@ -171,33 +280,34 @@ class SimResult:
 
 
 def simulate(table: ScheduleTable, lat: Latencies) -> SimResult:
-    """Time ``table`` (micro-batches numbered as in ``lat``) with per-action detail."""
+    """Time ``table`` (units numbered as in ``lat``) with per-action detail."""
     dag = compile_schedule(table)
-    m, S = lat.fwd.shape
-    if m != table.num_micro_batches or S != table.num_stages:
-        raise ValueError(f"latencies are for {m} micro-batches x {S} stages, the schedule has "
-                         f"{table.num_micro_batches} x {table.num_stages}")
-    slots = dag.encoder_slot[None, :]
-    args = (lat.fwd[None], lat.bwd[None], lat.p2p[None], lat.encoder[None], slots)
-    start, end, pre = _run(dag, *args)
-    start, end, pre = start[:, 0], end[:, 0], pre[:, 0]
-    timed = []
-    for n in range(dag.num_nodes):
-        op = Op.FORWARD if dag.op[n] == OP_F else Op.BACKWARD
-        timed.append(TimedAction(int(dag.rank[n]), Action(int(dag.stage[n]), op, int(dag.mb[n])), float(start[n]), float(end[n])))
-    if table.encoder:
-        fwd_node = {int(dag.mb[n]): n for n in range(dag.num_nodes) if dag.op[n] == OP_F and dag.stage[n] == 0}
-        for n in sorted(set(dag.encoder_slot.tolist()) - {-1}):
-            prev = dag.rank_prev[n]
-            t = float(end[prev]) if prev >= 0 else 0.0
-            for mb in sorted(np.flatnonzero(dag.encoder_slot == n), key=lambda i: (fwd_node[i] == n, fwd_node[i])):
-                e = float(lat.encoder[mb])
-                timed.append(TimedAction(int(dag.rank[n]), Action(0, Op.ENCODER, int(mb)), t, t + e, precomputed=n != fwd_node[mb]))
-                t += e
+    _check_shapes(dag, lat)
+    identity = np.arange(table.num_micro_batches)[None]
+    g = _gather(dag, lat, identity)
+    slots = dag.float_slot[None, :]
+    start, end, pre = (x[:, 0] for x in _run(dag, g, slots))
+    timed = [TimedAction(int(dag.rank[n]), dag.action(n), float(start[n]), float(end[n])) for n in range(dag.num_nodes)]
+    index = {a: f for f, a in enumerate(dag.floating)}
+    for r, acts in enumerate(table.ranks):  # floating actions: back to back before their slot, in table order
+        waiting: list = []
+        for a in acts:
+            if a in index:
+                waiting.append(a)
+                continue
+            if waiting:
+                slot = int(dag.float_slot[index[waiting[0]]])
+                prev = dag.rank_prev[slot]
+                t = float(end[prev]) if prev >= 0 else 0.0
+                for f in waiting:
+                    d = float(g.float_dur[0, index[f]])
+                    timed.append(TimedAction(r, f, t, t + d, precomputed=slot != dag.float_first_use[index[f]]))
+                    t += d
+                waiting = []
     makespan = float(end.max())
     busy = np.array([float((end[nodes] - start[nodes]).sum() + pre[nodes].sum()) for nodes in dag.rank_nodes])
     idle = makespan - busy
-    peaks = _peak_memory(dag, lat.activation_bytes[None], lat.image_feature_bytes[None], slots)[0]
+    peaks = _peak_memory(dag, g, slots)[0]
     return SimResult(
         table=table,
         actions=tuple(sorted(timed, key=lambda t: (t.rank, t.start, t.end))),

@@ -17,14 +17,18 @@ COLOURS = {
     "backward": "#DD8452",
     "encoder": "#55A868",
     "precomputed encoder": "#8C8C8C",
+    "encoder backward": "#C44E52",
     "idle": "#F2F2F2",
 }
 
 
 def kind_of(t: TimedAction) -> str:
-    if t.action.op is Op.ENCODER:
-        return "precomputed encoder" if t.precomputed else "encoder"
-    return "forward" if t.action.op is Op.FORWARD else "backward"
+    """Legend entry of an action: backbone forward / backward, encoder forward (pre-computed or
+    not) or encoder backward, on any chunk."""
+    a = t.action
+    if a.is_encoder:
+        return "encoder backward" if a.op is Op.BACKWARD else ("precomputed encoder" if t.precomputed else "encoder")
+    return "forward" if a.op is Op.FORWARD else "backward"
 
 
 def chrome_trace(actions: list[TimedAction], *, title: str = "pipeline") -> dict:
@@ -41,7 +45,8 @@ def chrome_trace(actions: list[TimedAction], *, title: str = "pipeline") -> dict
             "tid": t.rank,
             "ts": t.start * 1e6,
             "dur": (t.end - t.start) * 1e6,
-            "args": {"stage": t.action.stage, "micro_batch": t.action.mb},
+            "args": {"module": "encoder" if t.action.is_encoder else "backbone", "chunk": t.action.chunk,
+                     ("sub_micro_batch" if t.action.is_encoder else "micro_batch"): t.action.unit},
         })
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
@@ -75,14 +80,14 @@ def gantt_png(actions: list[TimedAction], path: str | Path, *, title: str = "pip
         width = t.end - t.start
         ax.barh(t.rank, width, left=t.start, height=0.8, color=COLOURS[kind_of(t)], edgecolor="white", linewidth=0.5)
         if width > end / 90:
-            ax.text(t.start + width / 2, t.rank, str(t.action.mb), ha="center", va="center", fontsize=7, color="white")
+            ax.text(t.start + width / 2, t.rank, str(t.action.unit), ha="center", va="center", fontsize=7, color="white")
     ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
     ax.invert_yaxis()
     ax.set_xlim(0, end)
     ax.set_xlabel("time (s)")
     ax.set_title(title)
     ax.legend(handles=[Patch(color=c, label=k) for k, c in COLOURS.items()], loc="upper center",
-              bbox_to_anchor=(0.5, -0.35 if len(ranks) < 4 else -0.18), ncol=5, frameon=False)
+              bbox_to_anchor=(0.5, -0.35 if len(ranks) < 4 else -0.18), ncol=6, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

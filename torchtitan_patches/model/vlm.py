@@ -57,6 +57,11 @@ class VisionEncoder(nn.Module):
         if not self.pos_embed.is_meta:  # built directly (the profiler), not through build_stages
             self.init_weights(0)
 
+    @property
+    def trained(self) -> bool:
+        """Whether training updates the encoder (the executor then runs its backward actions)."""
+        return any(p.requires_grad for p in self.parameters())
+
     def init_weights(self, seed: int) -> None:
         dev = self.pos_embed.device
         _seeded_init(seed, "encoder.patch_embed", self.patch_embed.reset_parameters, dev)

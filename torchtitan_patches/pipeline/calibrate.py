@@ -21,20 +21,24 @@ from pipetune.simulate.simulator import Latencies, SimResult, TimedAction, simul
 
 
 def timeline_observations(timeline: list[TimedAction], plan: IterationPlan, meta: BatchMeta) -> list[Observation]:
-    """Per micro-batch and stage, its forward + backward time; per micro-batch with images, its
-    encoder time. Forward and backward are summed because where the bookkeeping between them is
-    charged is arbitrary; their sum is not."""
+    """Per micro-batch and backbone stage, its forward + backward time; per encoder action on
+    images, its time (forward or backward, on its chunk, at the sub-microbatch's charged image
+    count). A stage's forward and backward are summed because where the bookkeeping between them
+    is charged is arbitrary; their sum is not."""
     shapes = plan.shapes(meta)
     work: dict[tuple[int, int], float] = {}
     out = []
     for t in timeline:
         a = t.action
-        if a.op is Op.ENCODER:
-            one = shapes.take([a.mb])
+        if a.is_encoder:
+            j = plan.sub_mb_parent[a.unit]
+            one = shapes.take([j])
+            images = plan.image_sub_batch or int(one.images[0])
             if one.images[0]:
-                out.append(Observation(one, t.end - t.start, kind="encoder"))
+                out.append(Observation(replace(one, images=np.array([images])), t.end - t.start, stage=a.chunk, kind="encoder",
+                                       part="fwd" if a.op is Op.FORWARD else "bwd"))
         else:
-            work[(a.stage, a.mb)] = work.get((a.stage, a.mb), 0.0) + t.end - t.start
+            work[(a.chunk, a.unit)] = work.get((a.chunk, a.unit), 0.0) + t.end - t.start
     out += [Observation(shapes.take([mb]), sec, stage=s) for (s, mb), sec in sorted(work.items())]
     return out
 

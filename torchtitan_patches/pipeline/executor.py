@@ -16,9 +16,14 @@ execution order), every micro-batch here may have its own length and the order i
 * losses are keyed by micro-batch index; each is ``sum of token losses / global label-token
   count``, and gradients accumulate unscaled (``scale_grads=False``), so any packing, order or
   micro-batch count yields the same gradients as the baseline; losses are read once per step;
-* ``E`` actions run the vision encoder wherever the plan put them (pre-computation) and hand its
+* encoder actions (the co-located layout: one encoder chunk beside stage 0, ``E0F{j}`` encoding
+  micro-batch ``j``'s images) run wherever the plan put them (pre-computation) and hand their
   output to stage 0's forward of that micro-batch: without gradients when the encoder is frozen
-  (PipeTune's setting), otherwise with its graph kept until stage 0's backward of that micro-batch;
+  (PipeTune's setting, no graph kept); when it is trained, stage 0's forward takes a detached
+  copy, so stage 0's backward stops at the image features and leaves their gradient, and the
+  plan's own ``E0B{j}`` back-propagates it through the encoder;
+* plans of the separated layout (encoder chunks of their own on every rank, DIP) are refused with
+  a ``PlanError`` for now: executing them needs per-chunk encoder modules, which come later;
 * a stage is any module with ``is_first`` / ``is_last`` and the keyword interface of
   ``BackboneStage`` (pipetune's model, or ``torchtitan_patches.titan.stages.TitanStage`` around a
   TorchTitan model part); the last stage's output goes through ``loss_fn`` (default: token
@@ -34,6 +39,7 @@ CPU, in the simulator's semantics (idle time is time spent waiting for messages)
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from contextlib import nullcontext
@@ -44,8 +50,8 @@ import torch
 import torch.distributed as dist
 
 from pipetune.plan.plan import IterationPlan, PlanError
-from pipetune.schedule.lowering import Compute, Direction, Message, Post, Wait, lower
-from pipetune.schedule.table import Action, Op
+from pipetune.schedule.lowering import Compute, Direction, Message, MessageKind, Post, Wait, inputs, lower
+from pipetune.schedule.table import Action, Module, Op, ScheduleTable
 from pipetune.simulate.simulator import TimedAction
 from profiling.timing import Clock
 from torchtitan_patches.data.micro_batch import GlobalBatch, PackedMicroBatch
@@ -78,7 +84,10 @@ class StepResult:
 
 
 def _tag(m: Message) -> int:
-    return (2 * m.stage + int(m.op is Op.BACKWARD)) * MAX_MICRO_BATCHES + m.mb
+    """A tag both sides derive from the message alone: what it carries, from which chunk, which
+    direction, for which unit."""
+    kind = list(MessageKind).index(m.kind)
+    return ((3 * m.src.chunk + kind) * 2 + int(m.src.op is Op.BACKWARD)) * MAX_MICRO_BATCHES + m.unit
 
 
 def content_digest(mb: PackedMicroBatch) -> str:
@@ -93,7 +102,9 @@ class PlanExecutor:
     """Executes plans for the stages ``stages`` (stage index -> module, already on ``device``)
     held by ``rank``.
 
-    ``encoder`` must be given on the rank of stage 0 when the model has one. ``group`` is the
+    ``encoder`` must be given on the rank of stage 0 when the model has one: a module with a
+    ``trained`` property (``VisionEncoder``, TorchTitan's ``TitanEncoder``) returning the image
+    features, or a dataclass of tensors holding them. ``group`` is the
     pipeline process group (default: the world); ``control_group`` carries the per-step digest
     exchange (default: ``group``; on NCCL pass a gloo group). ``device`` defaults to the stages'.
     """
@@ -122,7 +133,7 @@ class PlanExecutor:
         self.compute_dtype = compute_dtype
         self.strict_order = strict_order
         self.loss_fn = loss_fn or (lambda logits, labels, normaliser: token_loss_sum(logits, labels) / normaliser)
-        self.encoder_trained = encoder is not None and any(p.requires_grad for p in encoder.parameters())
+        self.encoder_trained = encoder is not None and encoder.trained
         self.clock = Clock(self.device)
 
     def _autocast(self):
@@ -132,8 +143,8 @@ class PlanExecutor:
 
     def _digests(self, batch: GlobalBatch, plan: IterationPlan) -> tuple[str, list[str]]:
         shapes = [(mb.num_tokens, mb.num_images) for mb in batch.micro_batches]
-        blob = repr((plan.step, plan.ranks, plan.micro_batches, plan.stage_rank, batch.step, shapes, batch.num_label_tokens,
-                     str(self.compute_dtype), self.strict_order))
+        blob = repr((plan.step, plan.ranks, plan.micro_batches, plan.placement, plan.sub_mb_parent, plan.image_sub_batch, batch.step,
+                     shapes, batch.num_label_tokens, str(self.compute_dtype), self.strict_order))
         return hashlib.sha256(blob.encode()).hexdigest(), [content_digest(mb) for mb in batch.micro_batches]
 
     def check_consistent(self, batch: GlobalBatch, plan: IterationPlan, digests: tuple[str, list[str]]) -> None:
@@ -153,16 +164,27 @@ class PlanExecutor:
                     f"{batch.micro_batches[k].sample_ids.tolist()[:8]}) holds other token ids or labels on rank {r} than on rank 0 "
                     f"({len(bad)} of {len(d[1])} micro-batches differ); every rank must read the same data set with the same seed")
 
+    def _check_runnable(self, batch: GlobalBatch, plan: IterationPlan) -> None:
+        if plan.separated:
+            raise PlanError(f"step {plan.step}: this plan runs the encoder in chunks of its own on every rank (the separated layout); "
+                            "the executor does not run separated plans yet: plan with the co-located layout (--layout even, auto or "
+                            "explicit) to train")
+        if plan.encoder and self.encoder is not None and plan.placement.encoder_trained != self.encoder_trained:
+            raise PlanError(f"step {plan.step}: the plan was made for a {'trained' if plan.placement.encoder_trained else 'frozen'} "
+                            f"vision encoder, but this rank's encoder is {'trained' if self.encoder_trained else 'frozen'}")
+        plan.image_ranges([mb.num_images for mb in batch.micro_batches])
+
     def run(self, batch: GlobalBatch, plan: IterationPlan) -> StepResult:
         t0 = time.perf_counter()
         if batch.sample_ids != [list(mb) for mb in plan.micro_batches]:
             raise PlanMismatchError(f"rank {self.rank}: batch {batch.step} was not packed as plan {plan.step} says")
+        self._check_runnable(batch, plan)
         digests = self._digests(batch, plan)
         steps = lower(plan.table(), self.rank)
         overhead = time.perf_counter() - t0
         self.check_consistent(batch, plan, digests)
         timeline = self.clock.timeline()
-        st = _StepState(batch, plan, StepResult(start=timeline.start(), overhead_s=overhead), self._on_device(batch, plan))
+        st = _StepState(batch, plan, plan.table(), StepResult(start=timeline.start(), overhead_s=overhead), self._on_device(batch, plan))
         done: list[Action] = []
         for step in steps:
             match step:
@@ -186,13 +208,15 @@ class PlanExecutor:
         return st.res
 
     def _compute(self, st: "_StepState", a: Action) -> None:
-        match a.op:
-            case Op.ENCODER:
-                self._encode(st, a.mb)
-            case Op.FORWARD:
-                self._forward(st, a.stage, a.mb)
-            case Op.BACKWARD:
-                self._backward(st, a.stage, a.mb)
+        match (a.module, a.op):
+            case (Module.ENCODER, Op.FORWARD):
+                self._encode(st, a.unit)
+            case (Module.ENCODER, Op.BACKWARD):
+                self._encode_backward(st, a.unit)
+            case (Module.BACKBONE, Op.FORWARD):
+                self._forward(st, a)
+            case (Module.BACKBONE, Op.BACKWARD):
+                self._backward(st, a)
 
     def _on_device(self, batch: GlobalBatch, plan: IterationPlan) -> list[dict]:
         """Per micro-batch, the tensors this rank's stages use, moved to the device (non-blocking),
@@ -221,7 +245,7 @@ class PlanExecutor:
                 tensor = st.outbox.pop(m)
                 ops.append(dist.P2POp(dist.isend, tensor, t.peer, group=self.group, tag=0 if self.strict_order else _tag(m)))
             else:
-                tensor = torch.empty(1, st.batch.micro_batches[m.mb].num_tokens, self.dim, dtype=self.compute_dtype, device=self.device)
+                tensor = torch.empty(1, st.batch.micro_batches[m.unit].num_tokens, self.dim, dtype=self.compute_dtype, device=self.device)
                 ops.append(dist.P2POp(dist.irecv, tensor, t.peer, group=self.group, tag=0 if self.strict_order else _tag(m)))
                 recv_bufs.append((m, tensor))
         works = dist.batch_isend_irecv(ops)
@@ -235,32 +259,52 @@ class PlanExecutor:
                 m, buf = next(recv_at)
                 st.recvs[m] = (work, buf)
 
-    def _encode(self, st: "_StepState", i: int) -> None:
-        pixels = st.dev[i]["pixel_values"]
+    def _encode(self, st: "_StepState", k: int) -> None:
+        """Sub-microbatch ``k`` (co-located: all of micro-batch ``k``'s images)."""
+        pixels = st.dev[st.plan.sub_mb_parent[k]]["pixel_values"]
         with torch.set_grad_enabled(self.encoder_trained), self._autocast():
-            st.features[i] = self.encoder(pixels) if pixels.shape[0] else None
+            st.features[k] = self.encoder(pixels) if pixels.shape[0] else None
 
-    def _input(self, st: "_StepState", op: Op, s: int, i: int) -> torch.Tensor:
-        """What stage ``s`` consumes for micro-batch ``i``: a local hand-over or a received message."""
-        src = s - 1 if op is Op.FORWARD else s + 1
-        key = Message(op, src, i)
-        return st.local.pop(key) if key in st.local else st.recvs.pop(key)[1]
+    def _image_features(self, st: "_StepState", j: int):
+        """Micro-batch ``j``'s encoder output for stage 0's forward. A trained encoder's output is
+        handed over detached, so stage 0's backward leaves the features' gradient for ``E0B``."""
+        (k,) = st.table.sub_micro_batches[j]
+        out = st.features.pop(k)
+        if out is None or not self.encoder_trained:
+            return out
+        leaf = _detached(out)
+        st.encoded[k] = (out, leaf)
+        return leaf
 
-    def _output(self, st: "_StepState", op: Op, s: int, i: int, tensor: torch.Tensor) -> None:
-        dst = s + 1 if op is Op.FORWARD else s - 1
-        target = st.local if st.plan.stage_rank[dst] == self.rank else st.outbox
-        target[Message(op, s, i)] = tensor
+    def _encode_backward(self, st: "_StepState", k: int) -> None:
+        out, leaf = st.encoded.pop(k, (None, None))
+        pairs = [(t, g.grad) for t, g in zip(_tensors(out), _tensors(leaf)) if g.grad is not None]
+        if pairs:
+            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
 
-    def _forward(self, st: "_StepState", s: int, i: int) -> None:
+    def _input(self, st: "_StepState", a: Action) -> torch.Tensor:
+        """What backbone action ``a`` consumes from another stage: a local hand-over or a received message."""
+        (need,) = [n for n in inputs(st.table, a) if not (isinstance(n, Action) and (n.is_encoder or n.chunk == a.chunk))]
+        return st.recvs.pop(need)[1] if isinstance(need, Message) else st.local.pop(Message(need, a))
+
+    def _output(self, st: "_StepState", a: Action, tensor: torch.Tensor) -> None:
+        """Hand ``a``'s output to the next backbone stage (locally or as a message)."""
+        for c in st.table.consumers(a):
+            if not c.is_encoder and c.chunk != a.chunk:
+                target = st.local if st.table.placement.rank_of(c) == self.rank else st.outbox
+                target[Message(a, c)] = tensor
+
+    def _forward(self, st: "_StepState", a: Action) -> None:
+        s, i = a.chunk, a.unit
         d = st.dev[i]
         stage = self.stages[s]
         kwargs = {"positions": d["positions"], "masks": d["masks"]}
         if stage.is_first:
             x = d["tokens"]
             if st.plan.encoder:
-                kwargs.update(image_features=st.features.pop(i), image_token_index=d["image_token_index"])
+                kwargs.update(image_features=self._image_features(st, i), image_token_index=d["image_token_index"])
         else:
-            x = self._input(st, Op.FORWARD, s, i).requires_grad_(True)
+            x = self._input(st, a).requires_grad_(True)
         with self._autocast():
             # the residual stream stays fp32 as in the unsplit model; only messages are rounded
             y = stage(x if stage.is_first else x.float(), **kwargs)
@@ -269,27 +313,48 @@ class PlanExecutor:
             st.losses[i] = y.detach()
         else:
             y = y.to(self.compute_dtype)  # the message dtype every rank knows
-            self._output(st, Op.FORWARD, s, i, y.detach())
+            self._output(st, a, y.detach())
         st.saved[(s, i)] = (x, y)
 
-    def _backward(self, st: "_StepState", s: int, i: int) -> None:
-        x, y = st.saved.pop((s, i))
+    def _backward(self, st: "_StepState", a: Action) -> None:
+        s = a.chunk
+        x, y = st.saved.pop((s, a.unit))
         if self.stages[s].is_last:
             y.backward()
         else:
-            torch.autograd.backward(y, self._input(st, Op.BACKWARD, s, i))
+            torch.autograd.backward(y, self._input(st, a))
         if s > 0:
-            self._output(st, Op.BACKWARD, s, i, x.grad)
+            self._output(st, a, x.grad)
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    """The tensors of an encoder output: itself, or the tensor fields of a dataclass (TorchTitan's
+    ``EncodedImages``), in field order."""
+    if value is None:
+        return []
+    if isinstance(value, torch.Tensor):
+        return [value]
+    return [getattr(value, f.name) for f in dataclasses.fields(value) if isinstance(getattr(value, f.name), torch.Tensor)]
+
+
+def _detached(value):
+    """``value`` with every tensor that carries a graph replaced by a leaf collecting its gradient."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().requires_grad_(value.requires_grad)
+    return dataclasses.replace(value, **{f.name: _detached(getattr(value, f.name)) for f in dataclasses.fields(value)
+                                         if isinstance(getattr(value, f.name), torch.Tensor)})
 
 
 @dataclass
 class _StepState:
     """What one step keeps between actions: device tensors per micro-batch, posted receives,
     pending sends, outputs waiting to be sent, saved activations for backward, same-rank
-    hand-overs between stages, encoder features waiting for their forward, losses."""
+    hand-overs between stages, encoder features waiting for their forward, a trained encoder's
+    outputs and their detached copies waiting for its backward, losses."""
 
     batch: GlobalBatch
     plan: IterationPlan
+    table: ScheduleTable
     res: StepResult
     dev: list[dict]
     recvs: dict = field(default_factory=dict)
@@ -298,14 +363,16 @@ class _StepState:
     saved: dict = field(default_factory=dict)
     local: dict = field(default_factory=dict)
     features: dict = field(default_factory=dict)
+    encoded: dict = field(default_factory=dict)
     losses: dict = field(default_factory=dict)
 
 
 def _precomputed(plan: IterationPlan, rank: int) -> set[Action]:
-    """Encoder actions of ``rank`` that do not sit right before their own stage-0 forward."""
+    """Encoder forwards of ``rank`` that do not sit right before the stage-0 forward that consumes them."""
     acts = [Action.parse(a) for a in plan.ranks[rank]]
     return {
         a
         for k, a in enumerate(acts)
-        if a.op is Op.ENCODER and not (k + 1 < len(acts) and acts[k + 1] == Action(0, Op.FORWARD, a.mb))
+        if a.is_encoder and a.op is Op.FORWARD
+        and not (k + 1 < len(acts) and acts[k + 1] == Action(0, Op.FORWARD, plan.sub_mb_parent[a.unit]))
     }

@@ -18,7 +18,8 @@ from torchtitan_patches.model.vlm import BackboneStage, VisionEncoder, token_los
 def reference_step(encoder: VisionEncoder | None, whole: BackboneStage, batch: GlobalBatch,
                    compute_dtype: torch.dtype = torch.float32) -> float:
     """Forward + backward of every micro-batch (under autocast to ``compute_dtype`` unless fp32, as
-    the executor runs); returns the batch loss, leaves gradients in ``.grad``."""
+    the executor runs; through the encoder too when it is trained); returns the batch loss, leaves
+    gradients in ``.grad``."""
     device = next(whole.parameters()).device
     cast = nullcontext() if compute_dtype == torch.float32 else torch.autocast(device.type, dtype=compute_dtype)
     total = torch.zeros((), device=device)
@@ -27,7 +28,7 @@ def reference_step(encoder: VisionEncoder | None, whole: BackboneStage, batch: G
         feats = None
         with cast:
             if encoder is not None and mb.num_images:
-                with torch.no_grad():
+                with torch.set_grad_enabled(any(p.requires_grad for p in encoder.parameters())):
                     feats = encoder(mb.pixel_values)
             logits = whole(mb.tokens[None], positions=mb.positions[None], masks=varlen_metadata(mb.cu_seqlens.cpu(), device),
                            image_features=feats, image_token_index=mb.image_token_index)
