@@ -76,11 +76,11 @@ def fit_steps(base: CostModel, steps: Sequence[MeasuredStep]) -> tuple[CostModel
     gains nothing, so simulating typical times comes out short (by 2-4 % on the CPU test machine).
     A common factor leaves the ranking of plans as it was."""
     table, report = calibrate_design(base.table, Design.stack([step.design for step in steps]))
-    cost = CostModel(table, base.layout)
+    cost = CostModel(table, base.layout, recompute_encoder=base.recompute_encoder)
     factor = float(np.median([step.measured_s / simulate_plan(cost, step.plan, step.meta).makespan for step in steps]))
     table = replace(table, scales={n: factor * table.scale(n) for n in CURVES},
                     overhead={k: factor * v for k, v in table.overhead.items()})
-    return CostModel(table, base.layout), replace(report, makespan_factor=factor)
+    return CostModel(table, base.layout, recompute_encoder=base.recompute_encoder), replace(report, makespan_factor=factor)
 
 
 def _plan_key(step: MeasuredStep) -> tuple:
