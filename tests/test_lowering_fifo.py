@@ -276,7 +276,7 @@ def test_a_thousand_random_plans_run_on_a_strict_in_order_transport():
     for _ in range(1000):
         table = random_separated_table(rng) if rng.random() < 0.3 else random_table(rng)
         check(table)
-        sep = table.encoder and not table.placement.colocated_encoder
+        sep = table.separated
         seen["separated"] += sep
         seen["separated, trained"] += sep and table.placement.encoder_trained
         seen["split images"] += any(len(k) > 1 for k in table.sub_micro_batches)

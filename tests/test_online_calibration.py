@@ -167,3 +167,30 @@ def test_makespan_factor_measured_against_the_expected_time():
     for step in steps:
         online, online_report = cal.update(step)
     assert online_report.makespan_factor == report.makespan_factor and online.table == cost.table
+
+
+def test_separated_plans_calibrate_encoder_chunks_forward_and_backward():
+    """A separated plan's timeline (encoder chunk forwards and backwards on every rank, at the
+    padded sub-microbatch size) gives encoder observations per chunk, and fitting them recovers the
+    machine's encoder speed."""
+    model = load_model_config("dip_5b_8b")
+    layout = StageLayout.even(32, 4).separated(model.encoder.n_layers, 1, 8)
+    base = CostModel(analytical_table(model, load_hardware("h100"), tp=4), layout, recompute_encoder=True)
+    truth = CostModel(replace(base.table, scales={"encoder": 1.3}), layout, recompute_encoder=True)
+    data = make_mix("datamix3", 3000, 0)
+    stream = BatchStream(num_rows=len(data), gbs=32)
+    metas = [batch_meta(data, stream, s, tokens_per_image=model.tokens_per_image, max_seq_len=4096) for s in range(2)]
+    planner = PlannerConfig(max_seq_len=4096, memory_bytes=80e9).build(model, base)
+    steps = []
+    for meta in metas:
+        plan = planner.plan(meta)
+        timeline = measured(plan, meta, truth)
+        obs = timeline_observations(timeline, plan, meta)
+        enc = [o for o in obs if o.kind == "encoder"]
+        assert {o.part for o in enc} == {"fwd", "bwd"} and {o.stage for o in enc} == {0, 1, 2, 3}
+        assert all(o.shapes.images[0] == 8 for o in enc)  # charged at the padded size
+        steps.append(MeasuredStep.from_timelines(base, [timeline], plan, meta, simulate_plan(truth, plan, meta).makespan))
+    from torchtitan_patches.pipeline.calibrate import fit_steps
+
+    fitted, _ = fit_steps(base, steps)
+    assert fitted.table.scale("encoder") == pytest.approx(1.3, rel=0.02) and fitted.recompute_encoder

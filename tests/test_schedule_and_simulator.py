@@ -324,3 +324,14 @@ def test_placement_lower_bound_holds_for_random_separated_plans():
         if m > 1 and not dag.one_to_one:
             with pytest.raises(ValueError, match="permute sub-microbatches only"):
                 evaluate(dag, lat, np.arange(m)[::-1][None])
+
+
+def test_pictures_of_separated_plans_show_encoder_chunks_and_backwards(tmp_path):
+    table, lat = separated_by_hand(True)
+    actions = list(simulate(table, lat).actions)
+    events = [e for e in chrome_trace(actions)["traceEvents"] if e["ph"] == "X"]
+    assert len(events) == len(table.expected_actions())
+    assert {e["cat"] for e in events} == {"forward", "backward", "encoder", "encoder backward"}
+    assert {(e["args"]["module"], e["args"]["chunk"]) for e in events if e["cat"] == "encoder"} == {("encoder", 0), ("encoder", 1)}
+    write_trace(actions, tmp_path / "s.png")
+    assert (tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -19,7 +19,8 @@ from pipetune.cost import CostModel, StageLayout
 
 
 def add_layout_args(p, *, default: str) -> None:
-    p.add_argument("--layout", default=default, help="backbone layers per stage: auto (searched), even, or e.g. 6,10,9,7")
+    p.add_argument("--layout", default=default, help="backbone layers per stage: auto (searched), even, or e.g. 6,10,9,7; or "
+                   "separated: the vision encoder in chunks of its own on every rank (DIP)")
     p.add_argument("--layout-sample", type=positive_int, default=8, help="sampled batches the layout search scores layouts on")
     p.add_argument("--recompute-encoder", action="store_true", help="recompute a trained ViT's activations in the backward")
     p.add_argument("--memory-gib", type=positive_float, help="GPU memory per rank (default: the --hardware preset's)")
@@ -30,12 +31,14 @@ def memory_from_args(args) -> float:
 
 
 def cost_and_layout_from_args(args, model, data):
-    """The job's cost model on the layout ``--layout`` asks for, and the search result (``None``
-    unless ``auto``)."""
+    """The job's cost model on the layout ``--layout`` asks for (co-located; ``plan`` handles
+    ``separated`` itself), and the search result (``None`` unless ``auto``)."""
     from pipetune.plan.layout import LayoutSearch, sample_batches
 
     base = cost_model_from_args(args, model)
     cost = CostModel(base.table, base.layout, recompute_encoder=args.recompute_encoder)
+    if args.layout == "separated":
+        raise ValueError("--layout separated is for `pipetune plan`, which compares it with the co-located layouts")
     if args.layout != "auto":
         return cost.with_layout(StageLayout.parse(args.layout, model.backbone.n_layers, args.pp)), None
     sample = sample_batches(

@@ -7,6 +7,7 @@ from pipetune.cli.common import (
     add_cost_args,
     add_data_args,
     add_model_args,
+    cost_model_from_args,
     emit_json,
     model_from_args,
     positive_int,
@@ -31,6 +32,8 @@ def register(sub) -> None:
 def run(args) -> int:
     model = model_from_args(args)
     data = table_from_args(args)
+    if args.layout == "separated":
+        return _separated(args, model, data)
     cost, search = cost_and_layout_from_args(args, model, data)
     memory = memory_from_args(args)
     summary = compare_modes(
@@ -98,3 +101,61 @@ def _data_parallel(args, model, cost, data, memory) -> dict:
     planner = PlannerConfig(mode=Mode.PIPETUNE, max_seq_len=args.max_seq_len, memory_bytes=memory, seed=args.data_seed).build(model, cost)
     return compare_dp(model, planner, data, dp=args.dp, gbs=args.gbs, max_seq_len=args.max_seq_len, iters=args.iters,
                       seed=args.data_seed, overlong=args.overlong)
+
+
+def _separated(args, model, data) -> int:
+    """``--layout separated``: the co-located layouts (even and searched split) beside the
+    separated one (DIP), each planned in ``pipetune`` mode on the same iterations."""
+    import numpy as np
+
+    from pipetune.cost import CostModel
+    from pipetune.plan.layout_compare import compare_layouts
+
+    if args.dp > 1:
+        raise ValueError("--layout separated compares layouts on one pipeline; leave out --dp")
+    if model.encoder is None:
+        raise ValueError(f"--layout separated needs a model with a vision encoder; {model.name!r} has none")
+    base = cost_model_from_args(args, model)
+    cost = CostModel(base.table, base.layout, recompute_encoder=args.recompute_encoder)
+    runs, part = compare_layouts(model, cost, data, gbs=args.gbs, max_seq_len=args.max_seq_len, memory_bytes=memory_from_args(args),
+                                 iters=args.iters, sample=args.layout_sample, seed=args.data_seed, overlong=args.overlong)
+    best = min((float(r.summary.iter_s.mean()) for r in runs if r.summary is not None and r.name != "separated"), default=float("inf"))
+    rows = {}
+    for r in runs:
+        row = {"backbone_layers_per_stage": r.layout.layers_per_stage(), "error": r.error or None}
+        if r.layout.is_separated:
+            row["encoder_layers_per_chunk"] = [hi - lo for lo, hi in r.layout.encoder_chunks]
+        if r.summary is not None:
+            s = r.summary
+            row.update(mean_iter_s=float(s.iter_s.mean()), lower_bound_s=float(s.lower_bound_s.mean()),
+                       search_ms_p50=float(np.percentile(s.search_s, 50) * 1e3), search_ms_max=float(s.search_s.max() * 1e3),
+                       mbs_counts={str(k): v for k, v in sorted(s.mbs.items())})
+            if r.name == "separated" and np.isfinite(best):
+                row["cut_vs_best_colocated"] = 1 - row["mean_iter_s"] / best
+        rows[r.name] = row
+    partition = {"image_sub_batch": part.image_sub_batch, "segments": part.segments, "encoder_chunks": len(part.layout.encoder_chunks),
+                 "encoder_s_per_sub_micro_batch": part.encoder_s, "backbone_s_per_micro_batch": part.backbone_s}
+    source = "analytical estimate" if cost.table.estimate else f"latency table ({cost.table.device})"
+    if args.json:
+        emit_json({"config": {"model": model.name, "tp": args.tp, "pp": args.pp, "gbs": args.gbs, "max_seq_len": args.max_seq_len,
+                              "iters": args.iters, "latencies": source, "recompute_encoder": cost.recompute_encoder},
+                   "partition": partition, **rows})
+        return 0
+    print(f"{model.name} TP{args.tp} PP{args.pp} GBS {args.gbs} max_seq_len {args.max_seq_len}, {args.iters} iterations; "
+          f"latencies: {source}; pipetune mode on every layout")
+    print(f"separated layout: {part.image_sub_batch} images per sub-microbatch (95 % of the encoder's best throughput), "
+          f"{part.segments} encoder segment(s) = {len(part.layout.encoder_chunks)} encoder chunks "
+          f"(encoder {part.encoder_s * 1e3:.0f} ms per sub-microbatch vs backbone {part.backbone_s * 1e3:.0f} ms per micro-batch)")
+    print(f"{'layout':10} {'backbone layers':>16} {'mean iter (s)':>13} {'vs best co-located':>19} {'search p50 / max (ms)':>22}")
+    for name, row in rows.items():
+        if row["error"]:
+            print(f"{name:10} {','.join(map(str, row['backbone_layers_per_stage'])):>16}  no plan fits: {row['error']}")
+            continue
+        cut = f"{row['cut_vs_best_colocated']:.1%} cut" if "cut_vs_best_colocated" in row else "-"
+        print(f"{name:10} {','.join(map(str, row['backbone_layers_per_stage'])):>16} {row['mean_iter_s']:13.3f} {cut:>19} "
+              f"{row['search_ms_p50']:10.1f} / {row['search_ms_max']:.1f}")
+    sep = rows.get("separated", {})
+    if "cut_vs_best_colocated" in sep:
+        verdict = "separated wins" if sep["cut_vs_best_colocated"] > 0 else "co-located wins"
+        print(f"{verdict}: separated vs best co-located {-sep['cut_vs_best_colocated']:+.1%} iteration time")
+    return 0

@@ -63,6 +63,9 @@ class StageLayout:
         """``even`` or comma-separated layers per stage (``7,9,8,8``), checked against the model."""
         if spec == "even":
             return cls.even(n_layers, num_stages)
+        if spec == "separated":
+            raise ValueError("--layout separated is chosen by the partitioner (`pipetune plan --layout separated` compares it with the "
+                             "co-located layouts); the runtime does not run separated plans yet")
         try:
             sizes = [int(x) for x in spec.split(",")]
         except ValueError:

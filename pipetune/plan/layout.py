@@ -92,11 +92,8 @@ class LayoutSearch:
     def shapes(self, b: int, mbs: int) -> MicroBatchShapes:
         """Sampled batch ``b`` balance-packed at ``mbs`` (as the planner packs it)."""
         if (b, mbs) not in self._shapes:
-            meta, cfg = self.sample[b], self.planner_config
-            packing = PackingConfig(packer=PackerKind.BALANCED, mbs=mbs, max_seq_len=cfg.max_seq_len, seed=cfg.seed).build(self.model)(
-                meta.table.lengths, meta.step
-            )
-            self._shapes[b, mbs] = MicroBatchShapes.from_packing(meta.table, packing)
+            cfg = self.planner_config
+            self._shapes[b, mbs] = balanced_shapes(self.model, self.sample[b], mbs, max_seq_len=cfg.max_seq_len, seed=cfg.seed)
         return self._shapes[b, mbs]
 
     def score(self, layout: StageLayout) -> LayoutScore:
@@ -168,6 +165,12 @@ class LayoutSearch:
                 "lower --max-seq-len, recompute the encoder (--recompute-encoder) or add memory"
             )
         return LayoutSearchResult(best, even, len(self._scores), time.perf_counter() - t0)
+
+
+def balanced_shapes(model: ModelConfig, meta: BatchMeta, mbs: int, *, max_seq_len: int, seed: int) -> MicroBatchShapes:
+    """``meta``'s batch balance-packed at ``mbs``, as the planner packs it."""
+    packing = PackingConfig(packer=PackerKind.BALANCED, mbs=mbs, max_seq_len=max_seq_len, seed=seed).build(model)(meta.table.lengths, meta.step)
+    return MicroBatchShapes.from_packing(meta.table, packing)
 
 
 def sample_batches(data, model: ModelConfig, *, gbs: int, max_seq_len: int, count: int, seed: int, overlong="truncate") -> list[BatchMeta]:

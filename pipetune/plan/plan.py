@@ -9,7 +9,7 @@ from pipetune.cost.cost_model import MicroBatchShapes
 from pipetune.data.batch import BatchMeta
 from pipetune.packing.packing import Packing
 from pipetune.schedule.schedules import SCHEDULES, place_encoders
-from pipetune.schedule.table import Action, Placement, ScheduleError, ScheduleTable
+from pipetune.schedule.table import Action, Placed, Placement, ScheduleError, ScheduleTable
 
 PLAN_FORMAT = "pipetune.iteration_plan"
 PLAN_VERSION = 2
@@ -20,7 +20,7 @@ class PlanError(ValueError):
 
 
 @dataclass(frozen=True)
-class IterationPlan:
+class IterationPlan(Placed):
     """One iteration: micro-batches (sample ids; index = micro-batch id), their order, where every
     model chunk runs (``placement``), the encoder's sub-microbatches, and each rank's action list
     (``pipetune.schedule.table``: ``0F3``, ``1B0`` backbone; ``E0F3``, ``E2B1`` encoder chunks).
@@ -60,23 +60,6 @@ class IterationPlan:
     @property
     def num_micro_batches(self) -> int:
         return len(self.micro_batches)
-
-    @property
-    def num_stages(self) -> int:
-        return self.placement.num_stages
-
-    @property
-    def stage_rank(self) -> tuple[int, ...]:
-        return self.placement.backbone
-
-    @property
-    def encoder(self) -> bool:
-        return bool(self.placement.encoder)
-
-    @property
-    def separated(self) -> bool:
-        """The encoder runs in chunks of its own (DIP's layout), not beside backbone stage 0."""
-        return self.encoder and not self.placement.colocated_encoder
 
     def sample_ids(self) -> list[int]:
         return [s for mb in self.micro_batches for s in mb]

@@ -106,6 +106,14 @@ class PlannerConfig:
             raise ValueError(f"jitter_draws must be 0 (deterministic) or >= 2, got {self.jitter_draws}")
 
     def build(self, model: ModelConfig, cost: CostModel) -> "Planner":
+        """The planner for ``cost``'s layout: co-located (``Planner``) or separated (``SeparatedPlanner``)."""
+        if cost.layout.is_separated:
+            from pipetune.plan.separated import SeparatedPlanner
+
+            if self.jitter_draws:
+                raise ValueError("jitter_draws: the separated layout's planner scores deterministic times only; use jitter_draws=0")
+
+            return SeparatedPlanner(self, model, cost)
         return Planner(self, model, cost)
 
 
@@ -118,20 +126,27 @@ class _Candidate:
     base_s: float
     lower_bound_s: float
     fits: bool
-    noisy: JitteredLatencies | None
+    noisy: JitteredLatencies | None = None  # jitter draws (co-located planner only)
     best_s: float = np.inf
     order: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    schedule: object = None  # the separated planner's best table (``Interleaved``)
 
 
 class Planner:
-    """Plans iterations for one model, cost model and configuration.
+    """Plans iterations for one model, cost model and configuration (co-located layout; the
+    separated layout's ``SeparatedPlanner`` overrides how a candidate is scheduled and improved).
 
     ``set_cost`` swaps in a recalibrated cost model between plans (thread-safe: a plan is made
     with one cost model throughout).
     """
 
+    separated = False
+
     def __init__(self, config: PlannerConfig, model: ModelConfig, cost: CostModel):
+        if cost.layout.is_separated != self.separated:
+            raise ValueError(f"{type(self).__name__} plans the {'separated' if self.separated else 'co-located'} layout; "
+                             "build planners with PlannerConfig.build, which picks the one for the layout")
         self.config = config
         self.model = model
         self.cost = cost

@@ -12,9 +12,9 @@ several messages, e.g. backbone chunk 0's forward takes the image features of ev
 sub-microbatch of its micro-batch): all ranks' compute actions are replayed in lockstep rounds
 (rank 0 first in each round); an action runs once all its inputs are there, and for every message
 it produces, its SEND goes into the sender's list and the matching RECV into the receiver's list
-at that same moment. Every pair's messages are therefore
-posted in one global order on both sides, and that order is a serial execution of the whole
-plan, which is why no circular wait can arise, even with rendezvous sends. Receives are posted as
+at that same moment. Every pair's messages are therefore posted in one global order on both
+sides, and that order is a serial execution of the whole plan, which is why no circular wait can
+arise, even with rendezvous sends. Receives are posted as
 early as that order allows (the message then arrives while the rank computes) and waited on right
 before the action that consumes them. We do not apply torch's ``_defer_recv_ops``: it moves a
 higher rank's RECV after its SENDs to the same peer, which is safe only where sends are buffered,

@@ -52,6 +52,14 @@ class Op(str, Enum):
     BACKWARD = "B"
 
 
+class Buffer(Enum):
+    """What a memory buffer holds (``ScheduleTable.buffers``), which sets its size."""
+
+    ACTIVATION = 0
+    ENCODER_ACTIVATION = 1
+    FEATURES = 2
+
+
 class Action(NamedTuple):
     """``op`` of ``module``'s chunk ``chunk`` on unit ``unit`` (micro-batch or sub-microbatch).
     A named tuple: schedules hash and compare thousands of them per plan."""
@@ -136,8 +144,32 @@ class Placement:
         return self.chunks(a.module)[a.chunk]
 
 
+class Placed:
+    """Shorthands for anything with a ``placement`` (schedule tables, iteration plans)."""
+
+    placement: Placement
+
+    @property
+    def num_stages(self) -> int:
+        return self.placement.num_stages
+
+    @property
+    def stage_rank(self) -> tuple[int, ...]:
+        """The rank of each backbone chunk (stage)."""
+        return self.placement.backbone
+
+    @property
+    def encoder(self) -> bool:
+        return bool(self.placement.encoder)
+
+    @property
+    def separated(self) -> bool:
+        """The encoder runs in chunks of its own (DIP's layout), not beside backbone stage 0."""
+        return self.encoder and not self.placement.colocated_encoder
+
+
 @dataclass(frozen=True)
-class ScheduleTable:
+class ScheduleTable(Placed):
     """Per-rank ordered actions of ``placement``'s chunks over ``num_micro_batches`` micro-batches
     and ``len(sub_mb_parent)`` encoder sub-microbatches (``sub_mb_parent[k]``: the micro-batch
     whose images sub-microbatch ``k`` holds; empty without an encoder).
@@ -156,18 +188,6 @@ class ScheduleTable:
     @property
     def num_ranks(self) -> int:
         return len(self.ranks)
-
-    @property
-    def num_stages(self) -> int:
-        return self.placement.num_stages
-
-    @property
-    def stage_rank(self) -> tuple[int, ...]:
-        return self.placement.backbone
-
-    @property
-    def encoder(self) -> bool:
-        return bool(self.placement.encoder)
 
     @property
     def num_sub_micro_batches(self) -> int:
@@ -231,6 +251,24 @@ class ScheduleTable:
         consumers = self.consumers(a)
         return (not self.producers(a) and all(self.placement.rank_of(c) == rank for c in consumers)
                 and any((c.module, c.chunk) != (a.module, a.chunk) for c in consumers))
+
+    def buffers(self) -> list[tuple["Buffer", int, int, Action, Action]]:
+        """Memory each action keeps alive, as ``(kind, chunk, unit, allocating action, freeing
+        action)``, both actions on one rank: a forward's saved activations (a trained encoder's
+        too) until its backward; a sub-microbatch's image features on the rank of backbone chunk 0,
+        from the encoder forward that makes them there (co-located) or from backbone chunk 0's
+        forward that receives them, until backbone chunk 0's backward (the projector keeps them)."""
+        p = self.placement
+        out = [(Buffer.ACTIVATION, s, j, Action(s, Op.FORWARD, j), Action(s, Op.BACKWARD, j))
+               for s in range(p.num_stages) for j in range(self.num_micro_batches)]
+        last = len(p.encoder) - 1
+        for k, j in enumerate(self.sub_mb_parent):
+            if p.encoder_trained:
+                out += [(Buffer.ENCODER_ACTIVATION, c, k, Action(c, Op.FORWARD, k, Module.ENCODER), Action(c, Op.BACKWARD, k, Module.ENCODER))
+                        for c in range(len(p.encoder))]
+            made = Action(last, Op.FORWARD, k, Module.ENCODER) if p.encoder[last] == p.backbone[0] else Action(0, Op.FORWARD, j)
+            out.append((Buffer.FEATURES, 0, k, made, Action(0, Op.BACKWARD, j)))
+        return out
 
     def expected_actions(self) -> list[Action]:
         """Every action the table must hold, once each."""

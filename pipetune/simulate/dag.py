@@ -30,7 +30,6 @@ from pipetune.schedule.table import Action, Module, Op, ScheduleError, ScheduleT
 KINDS = ((Module.BACKBONE, Op.FORWARD), (Module.BACKBONE, Op.BACKWARD), (Module.ENCODER, Op.FORWARD), (Module.ENCODER, Op.BACKWARD))
 KIND = {k: i for i, k in enumerate(KINDS)}
 MESSAGE_KINDS = tuple(MessageKind)
-BUF_ACTIVATION, BUF_ENCODER_ACTIVATION, BUF_FEATURES = 0, 1, 2
 
 
 def kind_of(a: Action) -> int:
@@ -189,22 +188,8 @@ def compile_schedule(table: ScheduleTable) -> CompiledSchedule:
 
 def _buffers(table: ScheduleTable, node: dict, slot_of: dict, float_index: dict) -> list[tuple[int, int, int, int, int, int]]:
     """``(kind, chunk, unit, alloc node, floating index or -1, free node)`` of every memory buffer."""
-    p = table.placement
 
     def at(a: Action) -> tuple[int, int]:
         return (slot_of[a], float_index[a]) if a in float_index else (node[a], -1)
 
-    out = []
-    for s in range(p.num_stages):
-        for j in range(table.num_micro_batches):
-            out.append((BUF_ACTIVATION, s, j, *at(Action(s, Op.FORWARD, j)), node[Action(s, Op.BACKWARD, j)]))
-    last = len(p.encoder) - 1
-    for k, j in enumerate(table.sub_mb_parent):
-        if p.encoder_trained:
-            for c in range(len(p.encoder)):
-                f = Action(c, Op.FORWARD, k, Module.ENCODER)
-                out.append((BUF_ENCODER_ACTIVATION, c, k, *at(f), node[Action(c, Op.BACKWARD, k, Module.ENCODER)]))
-        made = Action(last, Op.FORWARD, k, Module.ENCODER)
-        alloc = at(made) if p.encoder[last] == p.backbone[0] else at(Action(0, Op.FORWARD, j))
-        out.append((BUF_FEATURES, 0, k, *alloc, node[Action(0, Op.BACKWARD, j)]))
-    return out
+    return [(kind.value, c, u, *at(alloc), node[free]) for kind, c, u, alloc, free in table.buffers()]

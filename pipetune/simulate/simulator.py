@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipetune.schedule.table import Action, ScheduleTable
+from pipetune.schedule.table import Action, Buffer, Module, Op, ScheduleTable
 from pipetune.schedule.lowering import MessageKind
 from pipetune.simulate.dag import KINDS, MESSAGE_KINDS, CompiledSchedule, compile_schedule
 
@@ -96,13 +96,31 @@ class _Gathered:
     buf_bytes: np.ndarray
 
 
+def durations(lat: Latencies, module: Module, op: Op) -> np.ndarray:
+    """Seconds of ``module``'s ``op`` actions, ``[units, chunks]``."""
+    if module is Module.ENCODER:
+        return lat.encoder if op is Op.FORWARD else lat.encoder_bwd
+    return lat.fwd if op is Op.FORWARD else lat.bwd
+
+
+def message_costs(lat: Latencies, kind: MessageKind) -> np.ndarray:
+    """Seconds of one message of ``kind`` per unit (see ``Message.unit``)."""
+    return {MessageKind.ACTIVATION: lat.p2p, MessageKind.ENCODER_ACTIVATION: lat.encoder_p2p, MessageKind.FEATURES: lat.feature_p2p}[kind]
+
+
+def buffer_bytes(lat: Latencies, kind: Buffer) -> np.ndarray:
+    """Bytes of one buffer of ``kind`` per unit (``[units, chunks]``; image features ``[units]``)."""
+    return {Buffer.ACTIVATION: lat.activation_bytes, Buffer.ENCODER_ACTIVATION: lat.encoder_activation_bytes,
+            Buffer.FEATURES: lat.image_feature_bytes}[kind]
+
+
 def _gather(dag: CompiledSchedule, lat: Latencies, orders: np.ndarray) -> _Gathered:
     """``orders[c, k]``: the micro-batch in slot ``k`` (and, for one-to-one encoder units, the
     sub-microbatch in slot ``k``)."""
     C = len(orders)
     subs = orders if dag.one_to_one else np.broadcast_to(np.arange(lat.num_sub_micro_batches), (C, lat.num_sub_micro_batches))
-    by_kind = (lat.fwd, lat.bwd, lat.encoder, lat.encoder_bwd)
-    perm = (orders, orders, subs, subs)
+    by_kind = [durations(lat, module, op) for module, op in KINDS]
+    perm = [subs if module is Module.ENCODER else orders for module, _ in KINDS]
     dur = np.empty((dag.num_nodes, C))
     for k in range(len(KINDS)):
         idx = np.flatnonzero(dag.kind == k)
@@ -112,18 +130,17 @@ def _gather(dag: CompiledSchedule, lat: Latencies, orders: np.ndarray) -> _Gathe
     for k, kind in enumerate(MESSAGE_KINDS):
         idx = np.flatnonzero(dag.msg_kind == k)
         if len(idx):
-            arr, p = (lat.p2p, orders) if kind is MessageKind.ACTIVATION else (
-                (lat.encoder_p2p, subs) if kind is MessageKind.ENCODER_ACTIVATION else (lat.feature_p2p, subs))
-            comm[idx] = arr[p[:, dag.msg_unit[idx]]].T
+            comm[idx] = message_costs(lat, kind)[(orders if kind is MessageKind.ACTIVATION else subs)[:, dag.msg_unit[idx]]].T
     float_dur = np.empty((C, len(dag.floating)))
     f_kind, f_chunk, f_unit = dag.float_arrays
     for k in np.unique(f_kind).tolist():
         idx = np.flatnonzero(f_kind == k)
         float_dur[:, idx] = by_kind[k][perm[k][:, f_unit[idx]], f_chunk[idx]]
     buf_bytes = np.empty((C, len(dag.buf_kind)))
-    for kind, (arr, p) in enumerate(((lat.activation_bytes, orders), (lat.encoder_activation_bytes, subs), (lat.image_feature_bytes, subs))):
-        idx = np.flatnonzero(dag.buf_kind == kind)
+    for kind in Buffer:
+        idx = np.flatnonzero(dag.buf_kind == kind.value)
         if len(idx):
+            arr, p = buffer_bytes(lat, kind), (orders if kind is Buffer.ACTIVATION else subs)
             buf_bytes[:, idx] = arr[p[:, dag.buf_unit[idx]], dag.buf_chunk[idx]] if arr.ndim == 2 else arr[p[:, dag.buf_unit[idx]]]
     return _Gathered(dur, comm, float_dur, buf_bytes)
 

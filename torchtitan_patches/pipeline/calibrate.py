@@ -81,7 +81,7 @@ def fit_steps(base: CostModel, steps: Sequence[MeasuredStep], *, jitter_draws: i
     its dependence on the plan; with 0, the deterministic simulation. A common factor leaves the
     ranking of plans as it was."""
     table, report = calibrate_design(base.table, Design.stack([step.design for step in steps]))
-    cost = CostModel(table, base.layout)
+    cost = CostModel(table, base.layout, recompute_encoder=base.recompute_encoder)
     variability = table.variability if jitter_draws else None
 
     def predicted(step: MeasuredStep) -> float:
@@ -94,7 +94,7 @@ def fit_steps(base: CostModel, steps: Sequence[MeasuredStep], *, jitter_draws: i
     table = replace(table, scales={n: factor * table.scale(n) for n in CURVES},
                     overhead={k: factor * v for k, v in table.overhead.items()},
                     variability=None if table.variability is None else table.variability.scaled(factor))
-    return CostModel(table, base.layout), replace(report, makespan_factor=factor)
+    return CostModel(table, base.layout, recompute_encoder=base.recompute_encoder), replace(report, makespan_factor=factor)
 
 
 def _plan_key(step: MeasuredStep) -> tuple:
