@@ -30,7 +30,8 @@ from pipetune.data import BatchStream, batch_meta, make_mix
 from pipetune.plan import PlannerConfig
 from pipetune.plan.interleave import interleave, segment_priorities
 from pipetune.plan.layout import sample_batches
-from pipetune.plan.layout_compare import compare_layouts, separated_layout
+from pipetune.plan.layout import LayoutSearch
+from pipetune.plan.layout_compare import compare_layouts
 from pipetune.plan.ordering import candidate_orders
 from pipetune.plan.separated import LEADS, MAX_CLUSTERS
 from pipetune.simulate import Latencies
@@ -82,8 +83,8 @@ def main() -> None:
     args = ap.parse_args()
     print(f"TP 4, PP 4, GBS {args.gbs}, max_seq_len {args.max_seq_len}, {args.iters} iterations, pipetune mode on every layout "
           "(analytical estimates)")
-    print(f"{'preset':28} {'mix':9} {'B':>3} {'K':>2} {'even (s)':>9} {'auto (s)':>9} {'separated (s)':>13} {'cut vs best':>11} "
-          f"{'search p50/max ms: auto':>24} {'separated':>12}")
+    print(f"{'preset':28} {'mix':9} {'B':>3} {'K':>2} {'even (s)':>9} {'split (s)':>9} {'separated (s)':>13} {'cut vs best':>11} "
+          f"{'search p50/max ms: split':>24} {'separated':>12}")
     for name, hw, recompute in PRESETS:
         model = load_model_config(name)
         h = load_hardware(hw)
@@ -95,13 +96,13 @@ def main() -> None:
                                          iters=args.iters)
             by = {r.name: r for r in runs}
             mean = {k: float(r.summary.iter_s.mean()) if r.summary is not None else np.inf for k, r in by.items()}
-            best = min(mean["even"], mean["auto"])
+            best = min(mean["even"], mean["split"])
             cut = f"{1 - mean['separated'] / best:.1%}" if np.isfinite(best) and np.isfinite(mean["separated"]) else "-"
             cell = lambda k: f"{mean[k]:.3f}" if np.isfinite(mean[k]) else "no fit"  # noqa: E731
             times = lambda k: (f"{np.percentile(by[k].summary.search_s, 50) * 1e3:.0f}/{by[k].summary.search_s.max() * 1e3:.0f}"  # noqa: E731
                                if by[k].summary is not None else "-")
-            print(f"{label:28} {mix:9} {part.image_sub_batch:3d} {part.segments:2d} {cell('even'):>9} {cell('auto'):>9} "
-                  f"{cell('separated'):>13} {cut:>11} {times('auto'):>24} {times('separated'):>12}")
+            print(f"{label:28} {mix:9} {part.image_sub_batch:3d} {part.segments:2d} {cell('even'):>9} {cell('split'):>9} "
+                  f"{cell('separated'):>13} {cut:>11} {times('split'):>24} {times('separated'):>12}")
     print()
     print(f"segment order search, {args.order_batches} batches each: clustered orders (<= {MAX_CLUSTERS} clusters) x leads {LEADS} "
           "vs as many random orders x the same leads (mean best predicted iteration, s)")
@@ -112,7 +113,7 @@ def main() -> None:
         for mix in MIXES:
             data = make_mix(mix, args.samples, 0)
             metas = sample_batches(data, model, gbs=args.gbs, max_seq_len=args.max_seq_len, count=8, seed=0)
-            part = separated_layout(model, base, metas, max_seq_len=args.max_seq_len, seed=0)
+            part = LayoutSearch(model, base, metas, max_seq_len=args.max_seq_len, memory_bytes=h.memory_bytes).partition()
             ours, rand, runs = order_search_vs_random(model, base.with_layout(part.layout), data, h.memory_bytes,
                                                       batches=args.order_batches, gbs=args.gbs, max_seq_len=args.max_seq_len, seed=0)
             print(f"  {name} {hw}{' recompute-enc' if recompute else ''} {mix}: clustered {ours:.3f}, random {rand:.3f} "

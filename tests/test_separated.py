@@ -194,7 +194,7 @@ def test_separated_layout_wins_on_the_heavy_encoder_in_simulation(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["partition"]["image_sub_batch"] >= 1 and out["partition"]["segments"] >= 1
     assert out["separated"]["encoder_layers_per_chunk"] and sum(out["separated"]["encoder_layers_per_chunk"]) == 40
-    assert out["separated"]["mean_iter_s"] < min(out["even"]["mean_iter_s"], out["auto"]["mean_iter_s"])
+    assert out["separated"]["mean_iter_s"] < min(out["even"]["mean_iter_s"], out["split"]["mean_iter_s"])
     assert out["separated"]["cut_vs_best_colocated"] > 0.2
 
 

@@ -19,8 +19,8 @@ from pipetune.cost import CostModel, StageLayout
 
 
 def add_layout_args(p, *, default: str) -> None:
-    p.add_argument("--layout", default=default, help="backbone layers per stage: auto (searched), even, or e.g. 6,10,9,7; or "
-                   "separated: the vision encoder in chunks of its own on every rank (DIP)")
+    p.add_argument("--layout", default=default, help="backbone layers per stage: even, or e.g. 6,10,9,7; separated: the vision "
+                   "encoder in chunks of its own on every rank (DIP); auto: the faster of the searched split and separated")
     p.add_argument("--layout-sample", type=positive_int, default=8, help="sampled batches the layout search scores layouts on")
     p.add_argument("--recompute-encoder", action="store_true", help="recompute a trained ViT's activations in the backward")
     p.add_argument("--memory-gib", type=positive_float, help="GPU memory per rank (default: the --hardware preset's)")
@@ -31,8 +31,9 @@ def memory_from_args(args) -> float:
 
 
 def cost_and_layout_from_args(args, model, data):
-    """The job's cost model on the layout ``--layout`` asks for (co-located; ``plan`` handles
-    ``separated`` itself), and the search result (``None`` unless ``auto``)."""
+    """The job's cost model on the layout ``--layout`` asks for (``plan`` handles ``separated``
+    itself: it compares it with the co-located layouts), and the search result (``None`` unless
+    ``auto``, which picks the faster of the best co-located split and the separated layout)."""
     from pipetune.plan.layout import LayoutSearch, sample_batches
 
     base = cost_model_from_args(args, model)
@@ -44,7 +45,8 @@ def cost_and_layout_from_args(args, model, data):
     sample = sample_batches(
         data, model, gbs=args.gbs, max_seq_len=args.max_seq_len, count=args.layout_sample, seed=args.data_seed, overlong=args.overlong
     )
-    result = LayoutSearch(model, cost, sample, max_seq_len=args.max_seq_len, memory_bytes=memory_from_args(args), seed=args.data_seed).search()
+    search = LayoutSearch(model, cost, sample, max_seq_len=args.max_seq_len, memory_bytes=memory_from_args(args), seed=args.data_seed)
+    result = search.search(separated=model.encoder is not None)
     return cost.with_layout(result.best.layout), result
 
 
@@ -71,16 +73,17 @@ def run(args) -> int:
             "busy_fraction": [float(x) for x in s.busy],
             "peak_gib": [float(x) / 2**30 for x in s.peak_bytes],
         }
-        for name, s in (("auto", result.best), ("even", result.even))
+        for name, s in (("auto", result.best), ("split", result.split), ("separated", result.separated), ("even", result.even))
+        if s is not None
     }
     if args.json:
         emit_json({**rows, "cut_vs_even": result.cut_vs_even, "layouts_scored": result.evaluated, "search_s": result.search_s})
         return 0
     print(f"{model.name} TP{args.tp} PP{args.pp} GBS {args.gbs} max_seq_len {args.max_seq_len}; "
           f"{args.layout_sample} sampled batches, {result.evaluated} layouts scored in {result.search_s:.2f} s")
-    print(f"{'layout':6} {'layers per stage':>18} {'iter (s)':>9}  {'busy per stage':>24}  {'peak GiB per stage':>24}")
+    print(f"{'layout':9} {'layers per stage':>18} {'iter (s)':>9}  {'busy per stage':>24}  {'peak GiB per stage':>24}")
     for name, r in rows.items():
-        print(f"{name:6} {','.join(map(str, r['layers_per_stage'])):>18} {r['predicted_iter_s']:9.3f}  "
+        print(f"{name:9} {','.join(map(str, r['layers_per_stage'])):>18} {r['predicted_iter_s']:9.3f}  "
               f"{' '.join(f'{x:5.0%}' for x in r['busy_fraction']):>24}  {' '.join(f'{x:5.1f}' for x in r['peak_gib']):>24}")
     print(f"predicted cut vs even: {result.cut_vs_even:.1%}")
     return 0

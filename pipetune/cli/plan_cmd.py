@@ -49,7 +49,7 @@ def run(args) -> int:
     extrapolated = {name: {"largest": x, "grid_end": float(cost.table.curves[name].grid[-1])} for name, x in cost.beyond_grid.items()}
     config = {"model": model.name, "tp": args.tp, "pp": args.pp, "gbs": args.gbs, "max_seq_len": args.max_seq_len,
               "iters": args.iters, "latencies": source, "hardware": args.hardware if cost.table.estimate else None,
-              "layout": args.layout, "layers_per_stage": cost.layout.layers_per_stage(),
+              "layout": args.layout, "layers_per_stage": cost.layout.layers_per_stage(), "separated": cost.layout.is_separated,
               "recompute_encoder": cost.recompute_encoder, "extrapolated": extrapolated}
     if search is not None:
         config["layout_search"] = {"layouts_scored": search.evaluated, "search_s": search.search_s,
@@ -63,6 +63,7 @@ def run(args) -> int:
     print(f"{model.name} TP{args.tp} PP{args.pp} GBS {args.gbs} max_seq_len {args.max_seq_len}, {args.iters} iterations; "
           f"latencies: {source}")
     print(f"layout ({args.layout}): layers per stage {','.join(map(str, cost.layout.layers_per_stage()))}"
+          + (f", separated encoder in {len(cost.layout.encoder_chunks)} chunks" if cost.layout.is_separated else "")
           + (f"; searched {search.evaluated} layouts in {search.search_s:.2f} s, sampled cut vs even {search.cut_vs_even:.1%}"
              if search is not None else "")
           + "; lower bounds are for this layout")

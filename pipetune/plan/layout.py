@@ -31,6 +31,7 @@ from pipetune.cost.layout import StageLayout
 from pipetune.cost.memory import max_micro_batch_size
 from pipetune.data.batch import BatchMeta
 from pipetune.packing.batch_packer import PackerKind, PackingConfig
+from pipetune.plan.partitioner import Partition, partition
 from pipetune.plan.search import Mode, PlannerConfig
 
 
@@ -47,8 +48,14 @@ class LayoutScore:
 
 @dataclass(frozen=True)
 class LayoutSearchResult:
+    """``best``: the layout ``auto`` picks; ``split``: the best co-located backbone split (the
+    same as ``best`` unless the separated layout, when scored, predicts faster); ``separated``: the
+    partitioner's separated layout, when scored."""
+
     best: LayoutScore
     even: LayoutScore
+    split: LayoutScore
+    separated: LayoutScore | None
     evaluated: int
     search_s: float
 
@@ -87,7 +94,8 @@ class LayoutSearch:
         even = cost.with_layout(StageLayout.even(self.n_layers, self.num_stages))
         self.top_mbs = max(max_micro_batch_size(even, max_seq_len, memory_bytes, reserve=reserve, limit=max_mbs), 1)
         self._shapes: dict[tuple[int, int], MicroBatchShapes] = {}
-        self._scores: dict[tuple[int, ...], LayoutScore] = {}
+        self._scores: dict[StageLayout, LayoutScore] = {}
+        self._partition: Partition | None = None
 
     def shapes(self, b: int, mbs: int) -> MicroBatchShapes:
         """Sampled batch ``b`` balance-packed at ``mbs`` (as the planner packs it)."""
@@ -97,7 +105,7 @@ class LayoutSearch:
         return self._shapes[b, mbs]
 
     def score(self, layout: StageLayout) -> LayoutScore:
-        key = tuple(layout.layers_per_stage())
+        key = layout
         if key in self._scores:
             return self._scores[key]
         cost = self.cost.with_layout(layout)
@@ -150,21 +158,32 @@ class LayoutSearch:
                     out.append(StageLayout.from_sizes(n))
         return out
 
-    def search(self, *, max_moves: int | None = None) -> LayoutSearchResult:
+    def search(self, *, max_moves: int | None = None, separated: bool = False) -> LayoutSearchResult:
+        """The best co-located split (module doc); with ``separated`` (a model with an encoder), also
+        the partitioner's separated layout (``pipetune.plan.partitioner``), and the faster of the two."""
         t0 = time.perf_counter()
         even = self.score(StageLayout.even(self.n_layers, self.num_stages))
-        best = min((self.score(self.balanced_start()), even), key=lambda s: s.iter_s)
+        split = min((self.score(self.balanced_start()), even), key=lambda s: s.iter_s)
         for _ in range(max_moves if max_moves is not None else self.n_layers):
-            cand = min((self.score(n) for n in self.neighbours(best.layout)), key=lambda s: s.iter_s, default=best)
-            if not cand.iter_s < best.iter_s:
+            cand = min((self.score(n) for n in self.neighbours(split.layout)), key=lambda s: s.iter_s, default=split)
+            if not cand.iter_s < split.iter_s:
                 break
-            best = cand
+            split = cand
+        sep = self.score(self.partition().layout) if separated and self.model.encoder is not None else None
+        best = min((s for s in (split, sep) if s is not None), key=lambda s: s.iter_s)
         if not np.isfinite(best.iter_s):
             raise ValueError(
                 f"no stage layout fits the sampled batches in {self.budget / 2**30:.1f} GiB per GPU at any micro-batch size; "
                 "lower --max-seq-len, recompute the encoder (--recompute-encoder) or add memory"
             )
-        return LayoutSearchResult(best, even, len(self._scores), time.perf_counter() - t0)
+        return LayoutSearchResult(best, even, split, sep, len(self._scores), time.perf_counter() - t0)
+
+    def partition(self) -> Partition:
+        """The partitioner's separated layout for the sampled batches (balance-packed at micro-batch size 1)."""
+        if self._partition is None:
+            shapes = [self.shapes(b, 1) for b in range(len(self.sample))]
+            self._partition = partition(self.model, self.cost, shapes, max_seq_len=self.planner_config.max_seq_len)
+        return self._partition
 
 
 def balanced_shapes(model: ModelConfig, meta: BatchMeta, mbs: int, *, max_seq_len: int, seed: int) -> MicroBatchShapes:
