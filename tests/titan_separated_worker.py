@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from random_schedules import separated_table
+from titan_reference import unsplit_step
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.pipeline_parallel import _split_module
 
@@ -32,32 +33,14 @@ from pipetune.packing import PackingConfig
 from pipetune.plan.plan import plan_from_table
 from pipetune.schedule import Action, Op
 from torchtitan_patches.data import DataLoaderConfig
-from torchtitan_patches.model.attention import varlen_metadata
-from torchtitan_patches.model.vlm import token_loss_sum
 from torchtitan_patches.pipeline.executor import ImageShapes, PlanExecutor
 from torchtitan_patches.titan.model_spec import muse_glimmer_spec, planning_model_config
-from torchtitan_patches.titan.stages import TitanStage, encoder_chunks, keep_encoder_chunks, patchify
+from torchtitan_patches.titan.stages import TitanStage, encoder_chunks, keep_encoder_chunks
 from torchtitan_patches.titan.trainer import VISION_MODULES, layout_fqns, local_encoder_chunks
 
 SEQ = 512
 GRID = 4  # patches per image side: 16 patches, 2x2 windows (the sparse blocks' permutation is not the identity), 4 tokens
 CHUNKS = [(0, 3), (3, 6), (6, 8), (8, 10)]  # K = 2 segments of the 10 blocks on 2 ranks
-
-
-def reference_step(whole, batch) -> tuple[float, dict[str, torch.Tensor]]:
-    """Loss and gradients of the unsplit model through its own forward (encoder and adapter
-    inside), micro-batch after micro-batch."""
-    enc, total = whole.vision_encoder, 0.0
-    for mb in batch.micro_batches:
-        kwargs = {}
-        if mb.num_images:
-            patches, grid = patchify(mb.pixel_values, enc.patch_size, enc.patch_temporal)
-            kwargs = {"pixel_values": patches, "grid_thw": grid, "special_tokens": {"image_id": 0}}
-        logits = whole(mb.tokens[None], mb.positions[None], varlen_metadata(mb.cu_seqlens), **kwargs)
-        loss = token_loss_sum(logits, mb.labels[None]) / batch.num_label_tokens
-        loss.backward()
-        total += float(loss.detach())
-    return total, {n: p.grad for n, p in whole.named_parameters() if p.grad is not None}
 
 
 def main() -> None:
@@ -101,7 +84,8 @@ def main() -> None:
     batch = next(iter(cfg.build(model, packing_source=lambda m: groups)))
     res = ex.run(batch, plan)
 
-    ref_loss, ref = reference_step(whole, batch)
+    ref_loss = unsplit_step(whole, batch)
+    ref = {n: p.grad for n, p in whole.named_parameters() if p.grad is not None}
     got = {n: p.grad for n, p in part.named_parameters() if p.grad is not None}
     errors = {n: float((g - ref[n]).norm() / ref[n].norm().clamp_min(1e-30)) for n, g in got.items()}
     ranges = plan.image_ranges(images)

@@ -195,11 +195,7 @@ def build_stages(
     ``build_encoder_chunks`` instead), the vision encoder: built on the meta device, then only
     these materialised on ``device`` and initialised (``device="meta"`` leaves them
     unmaterialised, for sizing)."""
-    n = model.backbone.n_layers
-    if not _tiles(layer_ranges, n):
-        raise ValueError(f"layer ranges {layer_ranges} do not tile the backbone's {n} layers with non-empty stages")
-    if any(not 0 <= s < len(layer_ranges) for s in local):
-        raise ValueError(f"stages {local} are not among the {len(layer_ranges)} stages")
+    _check_cut(layer_ranges, local, model.backbone.n_layers, "backbone", "stage")
     with torch.device("meta"):
         encoder = VisionEncoder(model.encoder) if model.encoder is not None and 0 in local and colocated_encoder else None
         stages = {s: BackboneStage(model, tuple(layer_ranges[s]), max_seq_len=max_seq_len, attention_backend=attention_backend)
@@ -222,11 +218,7 @@ def build_encoder_chunks(
     ranges of DIP's separated layout), built and initialised as ``build_stages`` builds stages."""
     if model.encoder is None:
         raise ValueError(f"model {model.name!r} has no vision encoder to cut into chunks")
-    n = model.encoder.n_layers
-    if not _tiles(chunk_ranges, n):
-        raise ValueError(f"encoder chunk ranges {chunk_ranges} do not tile the encoder's {n} layers with non-empty chunks")
-    if any(not 0 <= c < len(chunk_ranges) for c in local):
-        raise ValueError(f"encoder chunks {local} are not among the {len(chunk_ranges)} chunks")
+    _check_cut(chunk_ranges, local, model.encoder.n_layers, "encoder", "chunk")
     with torch.device("meta"):
         chunks = {c: VisionEncoder(model.encoder, layers=tuple(chunk_ranges[c])) for c in local}
     for chunk in chunks.values():
@@ -234,10 +226,14 @@ def build_encoder_chunks(
     return chunks
 
 
-def _tiles(ranges, n: int) -> bool:
-    """``ranges`` are non-empty, contiguous and cover ``0 .. n-1``."""
-    return bool(ranges) and ranges[0][0] == 0 and ranges[-1][1] == n and all(
-        a[1] == b[0] for a, b in zip(ranges, ranges[1:])) and all(lo < hi for lo, hi in ranges)
+def _check_cut(ranges, local, n: int, module: str, piece: str) -> None:
+    """``ranges`` must be non-empty, contiguous and cover the module's layers ``0 .. n-1``, and
+    ``local`` index them."""
+    if not ranges or ranges[0][0] != 0 or ranges[-1][1] != n or any(a[1] != b[0] for a, b in zip(ranges, ranges[1:])) or any(
+            lo >= hi for lo, hi in ranges):
+        raise ValueError(f"{piece} layer ranges {ranges} do not tile the {module}'s {n} layers with non-empty {piece}s")
+    if any(not 0 <= s < len(ranges) for s in local):
+        raise ValueError(f"{module} {piece}s {local} are not among the {len(ranges)} {piece}s")
 
 
 def _materialise(module: nn.Module, seed: int, device: torch.device | str) -> None:
