@@ -227,8 +227,8 @@ class PipeTuneTrainer(Trainer):
         pp = config.parallelism.pipeline_parallel_degree
         if pp < 2:
             raise ValueError("PipeTuneTrainer plans pipelines: set parallelism.pipeline_parallel_degree >= 2")
-        self.table = load_latency_table(pt.latency_table, model=self.planning_model, tp=1)
         self.encoder_chunks = self._encoder_chunks(config)
+        self.table = load_latency_table(pt.latency_table, model=self.planning_model, tp=1)
         self.layout = self._choose_layout(config, pp)
         logger.info(f"pipetune layout ({pt.layout}): backbone layers per stage {self.layout.layers_per_stage()}")
         vision = [m for m in VISION_MODULES if getattr(spec.model, m, None) is not None]
