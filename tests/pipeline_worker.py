@@ -4,7 +4,8 @@ usage: python pipeline_worker.py SCENARIO DATA_DIR OUT_DIR [OPTIONS_JSON]  (RANK
 Writes OUT_DIR/rank{r}.json with what the scenario measured. Options: ``strict`` (every message
 with one tag, so gloo matches by order as NCCL does), ``dtype`` (``fp32`` or ``bf16``), ``layout``
 (``even``, ``uneven`` = 3+1 layers, ``two_per_rank`` = four 1-layer stages, V-shaped on 2 ranks),
-``trained`` (train the vision encoder: its backward runs as the plan's own ``E0B`` actions).
+``trained`` (train the vision encoder: its backward runs as the plan's own encoder backward
+actions); separated scenarios: ``segments`` (K), ``sub_batch`` (B), ``seed`` (of the random order).
 """
 
 from __future__ import annotations
@@ -18,16 +19,18 @@ from datetime import timedelta
 import numpy as np
 import torch
 import torch.distributed as dist
+from random_schedules import separated_table
 
 from pipetune.config import load_model_config
 from pipetune.cost import StageLayout
 from pipetune.packing import PackingConfig
-from pipetune.plan.plan import build_plan
-from pipetune.schedule import Action, Placement, ScheduleTable, place_encoders
-from pipetune.schedule.lowering import Direction, Post, lower
+from pipetune.plan.plan import build_plan, plan_from_table
+from pipetune.schedule import Action, Op, Placement, ScheduleTable, place_encoders
+from pipetune.schedule.lowering import Direction, MessageKind, Post, lower
 from torchtitan_patches.data import DataLoaderConfig
-from torchtitan_patches.model.vlm import build_stages, build_vlm
-from torchtitan_patches.pipeline.executor import PlanExecutor, PlanMismatchError
+from torchtitan_patches.model.vlm import build_encoder_chunks, build_stages, build_vlm
+from torchtitan_patches.pipeline import executor as executor_module
+from torchtitan_patches.pipeline.executor import ImageShapes, PlanExecutor, PlanMismatchError
 from torchtitan_patches.pipeline.reference import reference_step, whole_model_names
 
 MAX_SEQ_LEN = 256
@@ -97,14 +100,19 @@ def batch_for(model, data, gbs, plan):
 
 
 def grads(stages, encoder=None) -> dict[str, torch.Tensor]:
-    """Gradients by the whole model's parameter names (the encoder's prefixed ``encoder.``)."""
+    """Gradients by the whole model's parameter names (the encoder's, of its chunks by chunk index,
+    prefixed ``encoder.``)."""
     out = {}
-    for stage in stages.values():
-        names = whole_model_names(stage)
-        out.update({names[n]: p.grad.clone() for n, p in stage.named_parameters() if p.grad is not None})
-    if encoder is not None:
-        out.update({f"encoder.{n}": p.grad.clone() for n, p in encoder.named_parameters() if p.grad is not None})
+    for prefix, modules in (("", stages), ("encoder.", encoder or {})):
+        for module in modules.values():
+            names = whole_model_names(module)
+            out.update({prefix + names[n]: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None})
     return out
+
+
+def zero_grads(*modules) -> None:
+    for m in modules:
+        m.zero_grad(set_to_none=True)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -134,12 +142,10 @@ def equal_grads(rank, world, data, opts):
         results[name] = (res.loss, grads(stages, encoder), batch)
         out[f"precomputed_{name}"] = sum(t.precomputed for t in res.timeline)
         out[f"encoder_backward_{name}"] = sum(t.action.is_encoder and t.action.op.value == "B" for t in res.timeline)
-        for module in (*stages.values(), encoder):
-            if module is not None:
-                module.zero_grad(set_to_none=True)
+        zero_grads(*stages.values(), *encoder.values())
     ref_encoder, whole = build_vlm(model, max_seq_len=4 * MAX_SEQ_LEN, seed=0, attention_backend="sdpa")
     ref_loss = reference_step(ref_encoder, whole, results["a"][2], DTYPES[opts.get("dtype", "fp32")])
-    ref = grads({0: whole}, ref_encoder)
+    ref = grads({0: whole}, {0: ref_encoder})
     out["same_weights"] = all(torch.equal(p, dict(whole.named_parameters())[whole_model_names(st)[n]])
                               for st in stages.values() for n, p in st.named_parameters())
     out["worst_rel_a_ref"] = max(rel_err(g, ref[n]) for n, g in results["a"][1].items())
@@ -231,12 +237,110 @@ def swapped_order(rank, world, data, opts):
     return {"worst_rel": max(rel_err(g, ref[n]) for n, g in grads(stages).items()), "loss": res.loss}
 
 
+ENCODER_LAYERS = 5  # cut into 2 * K chunks: uneven for K = 2 (2+1+1+1 layers)
+
+
+def separated_setup(rank: int, opts: dict):
+    """The tiny model with a 5-layer encoder in DIP's separated layout on 2 ranks: backbone stage
+    ``rank``, encoder chunks ``k`` with ``k mod 2 == rank`` of ``2 * K`` chunks."""
+    model = load_model_config("tiny")
+    model = replace(model, encoder=replace(model.encoder, n_layers=ENCODER_LAYERS, frozen=not opts.get("trained")))
+    K = opts.get("segments", 2)
+    n = 2 * K
+    base, extra = divmod(ENCODER_LAYERS, n)
+    sizes = np.array([base + (k < extra) for k in range(n)])
+    chunk_ranges = [(int(e - z), int(e)) for z, e in zip(sizes, np.cumsum(sizes))]
+    chunks = build_encoder_chunks(model, chunk_ranges, [k for k in range(n) if k % 2 == rank], seed=0)
+    _, stages = build_stages(model, [(0, 2), (2, 4)], [rank], max_seq_len=4 * MAX_SEQ_LEN, seed=0, attention_backend="sdpa",
+                             colocated_encoder=False)
+    ex = PlanExecutor(stages, chunks, dim=model.backbone.dim, rank=rank, image_shapes=ImageShapes.of(model.encoder),
+                      strict_order=opts.get("strict", False), compute_dtype=DTYPES[opts.get("dtype", "fp32")])
+    return model, stages, chunks, ex
+
+
+def separated_plan(model, data, opts, gbs: int = 12):
+    """Balanced packing at mbs 2, each micro-batch's images in sub-microbatches of ``sub_batch``,
+    the actions of DIP's separated layout in a random valid order (``seed``)."""
+    meta = loader(model, data, gbs, None).meta(0)
+    packing = PackingConfig(packer="balanced", mbs=2, max_seq_len=MAX_SEQ_LEN).build(model)(meta.table.lengths, meta.step)
+    groups = [meta.table.ids[g].tolist() for g in packing.groups()]
+    images = [int(meta.table.num_images[g].sum()) for g in packing.groups()]
+    B = opts.get("sub_batch", 2)
+    table = separated_table(np.random.default_rng(opts.get("seed", 0)), ranks=2, segments=opts.get("segments", 2), images_per_mb=images,
+                            image_sub_batch=B, trained=not model.encoder.frozen)
+    order = [a.unit for a in table.ranks[0] if a == Action(0, Op.FORWARD, a.unit)]
+    plan = plan_from_table(table, step=meta.step, micro_batches=groups, order=order, mbs=2, max_seq_len=MAX_SEQ_LEN,
+                           image_sub_batch=B).validate()
+    return plan, images
+
+
+def noise_images(pixels: torch.Tensor, size: int) -> torch.Tensor:
+    """Padding with large random images instead of zeros (to show that padding reaches nothing)."""
+    return torch.cat([pixels, 100 * torch.randn(size - pixels.shape[0], *pixels.shape[1:])])
+
+
+def separated_grads(rank, world, data, opts):
+    """A separated-layout plan (encoder chunks on both ranks, padded image sub-microbatches, random
+    order) against the single-process reference; then the same plan with the padding images full
+    of noise, which must give bitwise the same loss and gradients."""
+    model, stages, chunks, ex = separated_setup(rank, opts)
+    plan, images = separated_plan(model, data, opts)
+    batch = batch_for(model, data, 12, plan)
+    res = ex.run(batch, plan)
+    got = grads(stages, chunks)
+    zero_grads(*stages.values(), *chunks.values())
+    executor_module.pad_images = noise_images
+    noisy = ex.run(batch, plan)
+    got_noisy = grads(stages, chunks)
+    ref_encoder, whole = build_vlm(model, max_seq_len=4 * MAX_SEQ_LEN, seed=0, attention_backend="sdpa")
+    ref_loss = reference_step(ref_encoder, whole, batch, DTYPES[opts.get("dtype", "fp32")])
+    ref = grads({0: whole}, {0: ref_encoder})
+    ranges = plan.image_ranges(images)
+    acts = [Action.parse(a) for a in plan.ranks[rank]]
+    return {
+        "chunks": sorted(chunks), "stages": sorted(stages), "sub_micro_batches": len(ranges),
+        "padded": sum(n < plan.image_sub_batch for _, _, n in ranges), "order": list(plan.order),
+        "encoder_actions": sum(a.is_encoder for a in acts), "encoder_backward": sum(a.is_encoder and a.op is Op.BACKWARD for a in acts),
+        "params": len(got), "encoder_params": sum(n.startswith("encoder.") for n in got),
+        "ref_params_here": sorted(n for n in ref if n in got) == sorted(got),
+        "errors": {n: rel_err(g, ref[n]) for n, g in got.items()},
+        "noise_equal": sorted(got) == sorted(got_noisy) and all(torch.equal(got[n], got_noisy[n]) for n in got),
+        "loss": res.loss, "loss_noisy": noisy.loss, "loss_ref": ref_loss,
+    }
+
+
+def separated_swapped(rank, world, data, opts):
+    """Rank 1 posts two receives from rank 0 of different sizes (an encoder activation and a
+    backbone activation) first, in swapped order. Matched by tag, gloo pairs them with the right
+    buffers; with ``strict`` (one tag) it pairs them by order, as NCCL does, and must fail."""
+    def swapped(table, r):
+        steps = lower(table, r)
+        if r != 1:
+            return steps
+        recvs = [t for s in steps if isinstance(s, Post) for t in s.transfers if t.direction is Direction.RECV]
+        first = recvs[0]
+        other = next(t for t in recvs if t.message.kind is not first.message.kind
+                     and MessageKind.FEATURES not in (t.message.kind, first.message.kind))
+        rest = [Post(tuple(t for t in s.transfers if t not in (first, other))) if isinstance(s, Post) else s for s in steps]
+        return [Post((other, first))] + [s for s in rest if not (isinstance(s, Post) and not s.transfers)]
+
+    executor_module.lower = swapped
+    model, stages, chunks, ex = separated_setup(rank, opts)
+    plan, _ = separated_plan(model, data, opts)
+    batch = batch_for(model, data, 12, plan)
+    res = ex.run(batch, plan)
+    ref_encoder, whole = build_vlm(model, max_seq_len=4 * MAX_SEQ_LEN, seed=0, attention_backend="sdpa")
+    reference_step(ref_encoder, whole, batch)
+    ref = grads({0: whole}, {0: ref_encoder})
+    return {"worst_rel": max(rel_err(g, ref[n]) for n, g in grads(stages, chunks).items()), "loss": res.loss}
+
+
 def main() -> None:
     scenario, data, out = sys.argv[1:4]
     opts = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=40))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=opts.get("timeout_s", 40)))
     result = globals()[scenario](rank, world, data, opts)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)

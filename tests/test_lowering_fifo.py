@@ -12,14 +12,13 @@ groups (NCCL runs ``batch_isend_irecv`` groups on one communicator and stream).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import replace
 
 import numpy as np
 import pytest
 
-from pipetune.packing.sub_batches import SubBatches
 from pipetune.schedule import SCHEDULES, Action, Op, Placement, ScheduleError, ScheduleTable, place_encoders
 from pipetune.schedule.lowering import Compute, Direction, Message, Post, Transfer, Wait, inputs, lower, lower_all, outputs
+from random_schedules import random_separated_table
 
 
 class Deadlock(AssertionError):
@@ -185,31 +184,6 @@ def random_table(rng: np.random.Generator, *, kinds=("flat", "interleaved", "v")
         fwd = {a.unit: k for k, a in enumerate(work) if a.chunk == 0 and a.op is Op.FORWARD and not a.is_encoder}
         table = place_encoders(table, {mb: int(rng.integers(0, k + 1)) for mb, k in fwd.items() if rng.random() < 0.6})
     return table
-
-
-def random_separated_table(rng: np.random.Generator) -> ScheduleTable:
-    """A random executable plan of the separated layout (DIP): ``P`` ranks, ``P * K`` encoder chunks
-    (chunk ``k`` on rank ``k mod P``, so each rank holds several), each micro-batch's images in
-    sub-microbatches of ``B`` (some micro-batches without images), a frozen or trained encoder;
-    the actions in a random order that respects every dependency (any interleaving of a rank's
-    chunks and of forwards and backwards)."""
-    P, K = int(rng.integers(2, 7)), int(rng.integers(1, 4))
-    m = int(rng.integers(1, 9))
-    images = rng.integers(0, 7, size=m) * (rng.random(m) < 0.8)
-    sub = SubBatches.split(images, int(rng.integers(1, 5)))
-    placement = Placement.separated(P, P * K, encoder_trained=bool(rng.random() < 0.5))
-    proto = ScheduleTable(placement=placement, num_micro_batches=m, ranks=((),) * P, sub_mb_parent=tuple(sub.parent.tolist()))
-    missing = {a: len(proto.producers(a)) for a in proto.expected_actions()}
-    ready = [a for a, n in missing.items() if n == 0]
-    ranks: list[list[Action]] = [[] for _ in range(P)]
-    while ready:
-        a = ready.pop(int(rng.integers(len(ready))))
-        ranks[placement.rank_of(a)].append(a)
-        for c in proto.consumers(a):
-            missing[c] -= 1
-            if missing[c] == 0:
-                ready.append(c)
-    return replace(proto, ranks=tuple(map(tuple, ranks)), name="random separated").validate()
 
 
 def _old_lower(table: ScheduleTable, rank: int) -> list:

@@ -85,3 +85,30 @@ def test_spatial_merge_packs_each_2x2_block_of_patches_into_one_token(tiny):
         block = torch.cat([patches[:, 2 * i + a, 2 * j + b] for a in (0, 1) for b in (0, 1)], dim=-1)
         torch.testing.assert_close(tokens[:, i * (side // 2) + j], block)
     assert Projector(merged.config.merged_dim, tiny.backbone.dim)(tokens).shape == (3, side * side // 4, tiny.backbone.dim)
+
+
+def test_encoder_chunks_built_alone_equal_the_whole_encoder(tiny):
+    """DIP's encoder chunks (a 5-layer encoder cut 2+1+2, built on three 'ranks'): the same weights
+    as the whole encoder's layers, embedding and norm, and run one after the other the same output."""
+    from dataclasses import replace
+
+    from torchtitan_patches.model.vlm import build_encoder_chunks
+
+    model = replace(tiny, encoder=replace(tiny.encoder, n_layers=5, merge=2))
+    whole, _ = build_vlm(model, max_seq_len=256, seed=3)
+    ranges = [(0, 2), (2, 3), (3, 5)]
+    chunks = {c: build_encoder_chunks(model, ranges, [c], seed=3)[c] for c in range(3)}
+    ref = dict(whole.named_parameters())
+    for chunk in chunks.values():
+        for name, p in chunk.named_parameters():
+            assert torch.equal(p, ref[whole_model_names(chunk)[name]]), name
+    assert sum(len(list(c.parameters())) for c in chunks.values()) == len(ref)
+    assert [(c.is_first, c.is_last) for c in chunks.values()] == [(True, False), (False, False), (False, True)]
+    x = torch.randn(3, 3, model.encoder.image_size, model.encoder.image_size)
+    y = x
+    for c in range(3):
+        y = chunks[c](y)
+    torch.testing.assert_close(y, whole(x))
+    assert y.shape == (3, model.encoder.tokens_per_image, model.encoder.merged_dim)
+    with pytest.raises(ValueError, match="do not tile the encoder's 5 layers"):
+        build_encoder_chunks(model, [(0, 2), (3, 5)], [0])

@@ -14,11 +14,9 @@ import torch
 
 from pipetune.data import make_mix, write_dataset
 from pipetune.data.mixes import parse_mix
-from torchtitan_patches.model.attention import varlen_metadata
-from torchtitan_patches.model.vlm import token_loss_sum
+from titan_reference import unsplit_step
 from torchtitan_patches.titan import config_registry
 from torchtitan_patches.titan.model_spec import planning_model_config
-from torchtitan_patches.titan.stages import patchify
 
 pytestmark = pytest.mark.timeout(170)
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,14 +91,7 @@ def _unsplit_gradients(weights: dict, batch) -> dict:
         model.init_weights(buffer_device=None)  # buffers (rope tables); the weights come from the pipelined run
     model.load_state_dict(weights, strict=True)
     model.vision_encoder.requires_grad_(False)
-    enc = model.vision_encoder
-    for mb in batch.micro_batches:
-        kwargs = {}
-        if mb.num_images:
-            patches, grid = patchify(mb.pixel_values, enc.patch_size, enc.patch_temporal)
-            kwargs = {"pixel_values": patches, "grid_thw": grid, "special_tokens": {"image_id": 0}}
-        logits = model(mb.tokens[None], mb.positions[None], varlen_metadata(mb.cu_seqlens), **kwargs)
-        (token_loss_sum(logits, mb.labels[None]) / batch.num_label_tokens).backward()
+    unsplit_step(model, batch)
     return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 

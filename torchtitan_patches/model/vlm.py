@@ -7,9 +7,11 @@ RNG stream, seeded by ``(seed, piece name)``, so a stage holds the same weights 
 stages are built beside it: a pipelined run and the single-process reference (``build_vlm``, the
 whole backbone as one stage) start from identical weights.
 The ViT is its own module: PipeTune co-locates it with stage 0 and may run it early (encoder
-pre-computation); DIP places it in segments of its own. Its output, per image, is
-``(tokens_per_image, merged_dim)`` features (after the optional spatial merge of ``merge`` x
-``merge`` neighbouring patches) that stage 0 projects and scatters into the sequence.
+pre-computation); DIP cuts it into chunks of its own, contiguous layer ranges spread over all ranks
+(``build_encoder_chunks``; seeded per piece too, so any cut holds the reference's weights). Its
+output, per image, is ``(tokens_per_image, merged_dim)`` features (after the optional spatial
+merge of ``merge`` x ``merge`` neighbouring patches) that stage 0 projects and scatters into the
+sequence; between chunks it hands on ``(patches_per_image, dim)`` hidden states per image.
 """
 
 from __future__ import annotations
@@ -43,37 +45,48 @@ def _seeded_init(seed: int, name: str, init, device: torch.device) -> None:
 
 class VisionEncoder(nn.Module):
     """Patch embedding + learned positions + ViT layers + final LayerNorm (SigLIP layout), then a
-    ``merge`` x ``merge`` pixel shuffle of neighbouring patches into one token each (identity at 1)."""
+    ``merge`` x ``merge`` pixel shuffle of neighbouring patches into one token each (identity at 1).
 
-    def __init__(self, e: EncoderConfig, tp: int = 1):
+    ``layers = (lo, hi)`` builds one chunk of it (DIP's separated layout): ViT layers ``lo .. hi-1``;
+    the first chunk (``lo == 0``) also embeds patches and positions and takes pixels ``(N, C, H, W)``,
+    the last (``hi == n_layers``) also applies the final norm and the merge and returns features
+    ``(N, tokens_per_image, merged_dim)``; other boundaries carry ``(N, patches_per_image, dim)``.
+    Default: the whole encoder."""
+
+    def __init__(self, e: EncoderConfig, tp: int = 1, layers: tuple[int, int] | None = None):
         super().__init__()
+        lo, hi = layers if layers is not None else (0, e.n_layers)
+        if not 0 <= lo < hi <= e.n_layers:
+            raise ValueError(f"encoder layers {lo}..{hi - 1} are not a non-empty range of the encoder's {e.n_layers} layers")
         self.config = e
-        self.patch_embed = nn.Conv2d(e.channels, e.dim, kernel_size=e.patch_size, stride=e.patch_size)
-        self.pos_embed = nn.Parameter(torch.empty(e.patches_per_image, e.dim))
-        self.layers = nn.ModuleList(vit_layer_config(e, tp).build() for _ in range(e.n_layers))
-        self.post_norm = LayerNorm.Config(normalized_shape=e.dim, eps=e.norm_eps).build()
+        self.first_layer, self.layer_range = lo, (lo, hi)
+        self.is_first, self.is_last = lo == 0, hi == e.n_layers
+        self.patch_embed = nn.Conv2d(e.channels, e.dim, kernel_size=e.patch_size, stride=e.patch_size) if self.is_first else None
+        self.pos_embed = nn.Parameter(torch.empty(e.patches_per_image, e.dim)) if self.is_first else None
+        self.layers = nn.ModuleList(vit_layer_config(e, tp).build() for _ in range(lo, hi))
+        self.post_norm = LayerNorm.Config(normalized_shape=e.dim, eps=e.norm_eps).build() if self.is_last else None
         if e.frozen:
             self.requires_grad_(False)
-        if not self.pos_embed.is_meta:  # built directly (the profiler), not through build_stages
+        if not next(self.parameters()).is_meta:  # built directly (the profiler), not through build_stages
             self.init_weights(0)
 
-    @property
-    def trained(self) -> bool:
-        """Whether training updates the encoder (the executor then runs its backward actions)."""
-        return any(p.requires_grad for p in self.parameters())
-
     def init_weights(self, seed: int) -> None:
-        dev = self.pos_embed.device
-        _seeded_init(seed, "encoder.patch_embed", self.patch_embed.reset_parameters, dev)
-        _seeded_init(seed, "encoder.pos_embed", lambda: nn.init.normal_(self.pos_embed, std=0.02), dev)
+        dev = next(self.parameters()).device
+        if self.is_first:
+            _seeded_init(seed, "encoder.patch_embed", self.patch_embed.reset_parameters, dev)
+            _seeded_init(seed, "encoder.pos_embed", lambda: nn.init.normal_(self.pos_embed, std=0.02), dev)
         for k, layer in enumerate(self.layers):
-            _seeded_init(seed, f"encoder.layers.{k}", layer.init_states, dev)
-        _seeded_init(seed, "encoder.post_norm", self.post_norm.init_states, dev)
+            _seeded_init(seed, f"encoder.layers.{self.first_layer + k}", layer.init_states, dev)
+        if self.is_last:
+            _seeded_init(seed, "encoder.post_norm", self.post_norm.init_states, dev)
 
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        x = self.patch_embed(pixel_values).flatten(2).transpose(1, 2) + self.pos_embed
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_first:
+            x = self.patch_embed(x).flatten(2).transpose(1, 2) + self.pos_embed
         for layer in self.layers:
             x = layer(x, rope_cache=x.new_zeros(1), rope_apply=no_rope, attention_mask=None)
+        if not self.is_last:
+            return x
         x = self.post_norm(x)
         m = self.config.merge
         if m == 1:
@@ -175,30 +188,61 @@ def build_stages(
     seed: int = 0,
     device: torch.device | str = "cpu",
     attention_backend: str = "auto",
+    colocated_encoder: bool = True,
 ) -> tuple[VisionEncoder | None, dict[int, BackboneStage]]:
     """This rank's stages ``local`` (indices into ``layer_ranges``) and, when it holds stage 0 of
-    a model with one, the vision encoder: built on the meta device, then only these materialised
-    on ``device`` and initialised (``device="meta"`` leaves them unmaterialised, for sizing)."""
-    n = model.backbone.n_layers
-    if not layer_ranges or layer_ranges[0][0] != 0 or layer_ranges[-1][1] != n or any(
-        a[1] != b[0] or a[0] >= a[1] for a, b in zip(layer_ranges, layer_ranges[1:] + [(n, n)])
-    ):
-        raise ValueError(f"layer ranges {layer_ranges} do not tile the backbone's {n} layers with non-empty stages")
-    if any(not 0 <= s < len(layer_ranges) for s in local):
-        raise ValueError(f"stages {local} are not among the {len(layer_ranges)} stages")
-    device = torch.device(device)
+    a model with one and ``colocated_encoder`` (PipeTune's layout; DIP's separated layout builds
+    ``build_encoder_chunks`` instead), the vision encoder: built on the meta device, then only
+    these materialised on ``device`` and initialised (``device="meta"`` leaves them
+    unmaterialised, for sizing)."""
+    _check_cut(layer_ranges, local, model.backbone.n_layers, "backbone", "stage")
     with torch.device("meta"):
-        encoder = VisionEncoder(model.encoder) if model.encoder is not None and 0 in local else None
+        encoder = VisionEncoder(model.encoder) if model.encoder is not None and 0 in local and colocated_encoder else None
         stages = {s: BackboneStage(model, tuple(layer_ranges[s]), max_seq_len=max_seq_len, attention_backend=attention_backend)
                   for s in local}
-    if device.type != "meta":
-        for s, stage in stages.items():
-            stage.to_empty(device=device)
-            stage.init_weights(seed)
-        if encoder is not None:
-            encoder.to_empty(device=device)
-            encoder.init_weights(seed)
+    for module in (*stages.values(), encoder):
+        if module is not None:
+            _materialise(module, seed, device)
     return encoder, stages
+
+
+def build_encoder_chunks(
+    model: ModelConfig,
+    chunk_ranges: list[tuple[int, int]],
+    local: list[int],
+    *,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+) -> dict[int, VisionEncoder]:
+    """This rank's encoder chunks ``local`` (indices into ``chunk_ranges``, the encoder's layer
+    ranges of DIP's separated layout), built and initialised as ``build_stages`` builds stages."""
+    if model.encoder is None:
+        raise ValueError(f"model {model.name!r} has no vision encoder to cut into chunks")
+    _check_cut(chunk_ranges, local, model.encoder.n_layers, "encoder", "chunk")
+    with torch.device("meta"):
+        chunks = {c: VisionEncoder(model.encoder, layers=tuple(chunk_ranges[c])) for c in local}
+    for chunk in chunks.values():
+        _materialise(chunk, seed, device)
+    return chunks
+
+
+def _check_cut(ranges, local, n: int, module: str, piece: str) -> None:
+    """``ranges`` must be non-empty, contiguous and cover the module's layers ``0 .. n-1``, and
+    ``local`` index them."""
+    if not ranges or ranges[0][0] != 0 or ranges[-1][1] != n or any(a[1] != b[0] for a, b in zip(ranges, ranges[1:])) or any(
+            lo >= hi for lo, hi in ranges):
+        raise ValueError(f"{piece} layer ranges {ranges} do not tile the {module}'s {n} layers with non-empty {piece}s")
+    if any(not 0 <= s < len(ranges) for s in local):
+        raise ValueError(f"{module} {piece}s {local} are not among the {len(ranges)} {piece}s")
+
+
+def _materialise(module: nn.Module, seed: int, device: torch.device | str) -> None:
+    """Meta-built ``module`` on ``device``, initialised by its per-piece seeded ``init_weights``
+    (left on the meta device when ``device`` is meta)."""
+    device = torch.device(device)
+    if device.type != "meta":
+        module.to_empty(device=device)
+        module.init_weights(seed)
 
 
 def build_vlm(model: ModelConfig, *, max_seq_len: int, seed: int = 0, device: torch.device | str = "cpu",

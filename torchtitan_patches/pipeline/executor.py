@@ -1,37 +1,57 @@
-"""Run one iteration's ``IterationPlan`` on this rank's pipeline stages (gloo on CPU, NCCL on GPU).
+"""Run one iteration's ``IterationPlan`` on this rank's model chunks (gloo on CPU, NCCL on GPU).
 
-Unlike torch's ``PipelineSchedule*`` (shapes inferred once from micro-batch 0, losses stored in
-execution order), every micro-batch here may have its own length and the order is arbitrary:
+Unlike torch's ``PipelineSchedule*`` and ``PipelineStage`` (one chunk kind, shapes inferred once
+from micro-batch 0, losses stored in execution order), every micro-batch here may have its own
+length, the order is arbitrary, and a rank may hold chunks of two modules whose units differ:
 
+* chunks: backbone stages (micro-batches as units) and vision-encoder chunks (image
+  sub-microbatches as units), as the plan's ``Placement`` puts them. PipeTune's co-located layout
+  is one encoder chunk (the whole encoder) beside stage 0, its sub-microbatch ``j`` all of
+  micro-batch ``j``'s images; DIP's separated layout cuts the encoder into ``P * K`` chunks (layer
+  ranges) over all ranks and each micro-batch's images into sub-microbatches of ``B`` images
+  (``plan.image_sub_batch``). ``PipelineStage`` has one input and one output shape per stage and
+  one unit kind; here backbone chunk 0's forward takes several messages (the image features of
+  every sub-microbatch of its micro-batch) besides its tokens, and its backward sends several;
 * every rank holds the whole ``GlobalBatch`` (each PP rank runs the same dataloader, as in
-  TorchTitan), so the shape of every message is known and no shape inference runs, ever;
+  TorchTitan), so the shape of every message is known and no shape inference runs, ever: backbone
+  activations ``(1, tokens of the micro-batch, dim)``; encoder activations ``(B, *hidden)``
+  (``ImageShapes``: per image, e.g. patches x encoder width); image features ``(images of the
+  sub-microbatch, *features)``; gradients as their activations;
+* fixed-shape encoder units: the last sub-microbatch of a micro-batch (fewer than ``B`` images)
+  is padded with zero images (``pad_images``) so every encoder chunk runs one shape; images are
+  independent in the encoder (attention within an image), and the last chunk drops the padding
+  rows before its features leave, so padding changes no loss and no gradient (the padding rows'
+  gradients are exactly zero);
 * messages follow ``pipetune.schedule.lowering``: between every pair of ranks both sides post
   them in the same order, so a transport that ignores tags (NCCL) runs any plan; each ``Post`` is
   one ``batch_isend_irecv``. ``strict_order=True`` gives every message the same tag, so gloo
   matches by order as NCCL does (the tests run that way);
 * messages carry the compute dtype (``compute_dtype``, the same on every rank and part of the
-  plan digest); with bf16, stages run under ``torch.autocast`` as TorchTitan does without FSDP:
-  fp32 master weights and gradients, bf16 matmuls, fp32 residual stream and loss; activations
-  and their gradients are rounded to bf16 only where they cross a stage boundary;
+  plan digest); with bf16, chunks run under ``torch.autocast`` as TorchTitan does without FSDP:
+  fp32 master weights and gradients, bf16 matmuls, fp32 residual stream and loss. Backbone
+  activations and their gradients are rounded to bf16 at every stage boundary; encoder outputs
+  only where they leave the rank (as messages), so a co-located encoder hands stage 0 its output
+  as computed;
 * losses are keyed by micro-batch index; each is ``sum of token losses / global label-token
   count``, and gradients accumulate unscaled (``scale_grads=False``), so any packing, order or
   micro-batch count yields the same gradients as the baseline; losses are read once per step;
-* encoder actions (the co-located layout: one encoder chunk beside stage 0, ``E0F{j}`` encoding
-  micro-batch ``j``'s images) run wherever the plan put them (pre-computation) and hand their
-  output to stage 0's forward of that micro-batch: without gradients when the encoder is frozen
-  (PipeTune's setting, no graph kept); when it is trained, stage 0's forward takes a detached
-  copy, so stage 0's backward stops at the image features and leaves their gradient, and the
-  plan's own ``E0B{j}`` back-propagates it through the encoder;
-* plans of the separated layout (encoder chunks of their own on every rank, DIP) are refused with
-  a ``PlanError`` for now: executing them needs per-chunk encoder modules, which come later;
-* a stage is any module with ``is_first`` / ``is_last`` and the keyword interface of
+* encoder forwards run wherever the plan put them (in the co-located layout early on stage 0's
+  rank: pre-computation) without gradients when the encoder is frozen (PipeTune's setting, no
+  graph kept). When it is trained, every chunk boundary is a detached leaf: stage 0's backward
+  stops at the image features and leaves their gradient per sub-microbatch, and the plan's own
+  encoder backward actions carry it back chunk by chunk;
+* a backbone stage is any module with ``is_first`` / ``is_last`` and the keyword interface of
   ``BackboneStage`` (pipetune's model, or ``torchtitan_patches.titan.stages.TitanStage`` around a
-  TorchTitan model part); the last stage's output goes through ``loss_fn`` (default: token
-  cross-entropy summed, divided by the batch's label-token count, as TorchTitan's loss does).
+  TorchTitan model part); an encoder chunk any module with ``is_first`` / ``is_last`` and
+  ``layer_range`` that maps pixels ``(N, C, H, W)`` (first chunk) or hidden states to hidden
+  states or features ``(N, *features)`` (last chunk) (``VisionEncoder``, ``TitanEncoderChunk``).
+  The last stage's output goes through ``loss_fn`` (default: token cross-entropy summed, divided
+  by the batch's label-token count, as TorchTitan's loss does).
 
 Before running, ranks compare a digest of the plan, of the micro-batch shapes and of the batch
-content (token ids and labels); a mismatch raises ``PlanMismatchError`` on every rank, naming it,
-instead of hanging in a receive or training on another rank's labels.
+content (token ids and labels), and every rank's encoder chunks' layer ranges; a mismatch raises
+``PlanMismatchError`` on every rank, naming it, instead of hanging in a receive or training on
+another rank's labels or a mis-cut encoder.
 
 Timelines come from ``profiling.timing.ActionTimeline``: CUDA events on a GPU, the host clock on
 CPU, in the simulator's semantics (idle time is time spent waiting for messages).
@@ -39,7 +59,6 @@ CPU, in the simulator's semantics (idle time is time spent waiting for messages)
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import time
 from contextlib import nullcontext
@@ -48,7 +67,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
+from pipetune.config.model import EncoderConfig
 from pipetune.plan.plan import IterationPlan, PlanError
 from pipetune.schedule.lowering import Compute, Direction, Message, MessageKind, Post, Wait, inputs, lower
 from pipetune.schedule.table import Action, Module, Op, ScheduleTable
@@ -56,13 +77,26 @@ from pipetune.simulate.simulator import TimedAction
 from profiling.timing import Clock
 from torchtitan_patches.data.micro_batch import GlobalBatch, PackedMicroBatch
 from torchtitan_patches.model.attention import varlen_metadata
-from torchtitan_patches.model.vlm import BackboneStage, VisionEncoder, token_loss_sum
+from torchtitan_patches.model.vlm import BackboneStage, token_loss_sum
 
 MAX_MICRO_BATCHES = 1 << 16
 
 
 class PlanMismatchError(PlanError):
     """Ranks disagree about the plan or the batch: running it would deadlock or corrupt gradients."""
+
+
+@dataclass(frozen=True)
+class ImageShapes:
+    """Per image, the encoder's messages: ``hidden`` between encoder chunks (patches, encoder
+    width) and ``features`` from the last chunk to backbone stage 0 (tokens, merged width)."""
+
+    hidden: tuple[int, ...]
+    features: tuple[int, ...]
+
+    @classmethod
+    def of(cls, e: EncoderConfig) -> "ImageShapes":
+        return cls((e.patches_per_image, e.dim), (e.tokens_per_image, e.merged_dim))
 
 
 @dataclass
@@ -98,24 +132,31 @@ def content_digest(mb: PackedMicroBatch) -> str:
     return h.hexdigest()
 
 
-class PlanExecutor:
-    """Executes plans for the stages ``stages`` (stage index -> module, already on ``device``)
-    held by ``rank``.
+def pad_images(pixels: torch.Tensor, size: int) -> torch.Tensor:
+    """``pixels`` ``(n, ...)`` followed by ``size - n`` zero images: a fixed-shape encoder unit."""
+    return torch.cat([pixels, pixels.new_zeros(size - pixels.shape[0], *pixels.shape[1:])])
 
-    ``encoder`` must be given on the rank of stage 0 when the model has one: a module with a
-    ``trained`` property (``VisionEncoder``, TorchTitan's ``TitanEncoder``) returning the image
-    features, or a dataclass of tensors holding them. ``group`` is the
-    pipeline process group (default: the world); ``control_group`` carries the per-step digest
-    exchange (default: ``group``; on NCCL pass a gloo group). ``device`` defaults to the stages'.
+
+class PlanExecutor:
+    """Executes plans for the backbone stages ``stages`` (stage index -> module, already on
+    ``device``) and the encoder chunks ``encoder`` held by ``rank``.
+
+    ``encoder``: this rank's encoder chunks by chunk index, or one module standing for chunk 0,
+    the whole encoder (the co-located layout: given on the rank of stage 0 when the model has one).
+    ``image_shapes`` sizes the encoder's messages (``ImageShapes.of(model.encoder)``); needed for
+    separated plans. ``group`` is the pipeline process group (default: the world);
+    ``control_group`` carries the per-step digest exchange (default: ``group``; on NCCL pass a
+    gloo group). ``device`` defaults to the stages'.
     """
 
     def __init__(
         self,
         stages: dict[int, BackboneStage],
-        encoder: VisionEncoder | None,
+        encoder: nn.Module | dict[int, nn.Module] | None,
         *,
         dim: int,
         rank: int,
+        image_shapes: ImageShapes | None = None,
         group=None,
         control_group=None,
         device: torch.device | str | None = None,
@@ -124,16 +165,17 @@ class PlanExecutor:
         loss_fn: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
     ):
         self.stages = stages
-        self.encoder = encoder
+        self.encoder = dict(encoder) if isinstance(encoder, dict) else {} if encoder is None else {0: encoder}
         self.dim = dim
         self.rank = rank
+        self.image_shapes = image_shapes
         self.group = group
         self.control_group = control_group if control_group is not None else group
         self.device = torch.device(device) if device is not None else next(next(iter(stages.values())).parameters()).device
         self.compute_dtype = compute_dtype
         self.strict_order = strict_order
         self.loss_fn = loss_fn or (lambda logits, labels, normaliser: token_loss_sum(logits, labels) / normaliser)
-        self.encoder_trained = encoder is not None and encoder.trained
+        self.encoder_trained = any(p.requires_grad for chunk in self.encoder.values() for p in chunk.parameters())
         self.clock = Clock(self.device)
 
     def _autocast(self):
@@ -144,16 +186,18 @@ class PlanExecutor:
     def _digests(self, batch: GlobalBatch, plan: IterationPlan) -> tuple[str, list[str]]:
         shapes = [(mb.num_tokens, mb.num_images) for mb in batch.micro_batches]
         blob = repr((plan.step, plan.ranks, plan.micro_batches, plan.placement, plan.sub_mb_parent, plan.image_sub_batch, batch.step,
-                     shapes, batch.num_label_tokens, str(self.compute_dtype), self.strict_order))
+                     shapes, batch.num_label_tokens, str(self.compute_dtype), self.strict_order, self.image_shapes if plan.separated else None))
         return hashlib.sha256(blob.encode()).hexdigest(), [content_digest(mb) for mb in batch.micro_batches]
 
     def check_consistent(self, batch: GlobalBatch, plan: IterationPlan, digests: tuple[str, list[str]]) -> None:
-        """All ranks must run the same plan on the same batch (one small all-gather of digests)."""
-        mine = (*digests, plan.num_micro_batches, [mb.num_tokens for mb in batch.micro_batches], str(self.compute_dtype))
+        """All ranks must run the same plan on the same batch, and the encoder chunks of all ranks
+        must tile the encoder (one small all-gather of digests and layer ranges)."""
+        chunks = {c: tuple(m.layer_range) for c, m in self.encoder.items()} if plan.separated else {}
+        mine = (*digests, plan.num_micro_batches, [mb.num_tokens for mb in batch.micro_batches], str(self.compute_dtype), chunks)
         every = [None] * dist.get_world_size(self.control_group)
         dist.all_gather_object(every, mine, group=self.control_group)
         if len({d[0] for d in every}) > 1:
-            detail = "; ".join(f"rank {r}: {d[2]} micro-batches of {d[3]} tokens, {d[4]} messages" for r, d in enumerate(every))
+            detail = "; ".join(f"rank {r}: {d[2]} micro-batches of {d[3]} tokens, compute dtype {d[4]}" for r, d in enumerate(every))
             raise PlanMismatchError(f"step {plan.step}: ranks disagree about the plan or batch ({detail})")
         for r, d in enumerate(every):
             bad = [k for k, (a, b) in enumerate(zip(every[0][1], d[1])) if a != b]
@@ -163,28 +207,46 @@ class PlanExecutor:
                     f"step {plan.step}: ranks disagree about the batch content: micro-batch {k} (samples "
                     f"{batch.micro_batches[k].sample_ids.tolist()[:8]}) holds other token ids or labels on rank {r} than on rank 0 "
                     f"({len(bad)} of {len(d[1])} micro-batches differ); every rank must read the same data set with the same seed")
+        ranges = [r for _, r in sorted((c, r) for d in every for c, r in d[5].items())]
+        if any(a[1] != b[0] for a, b in zip(ranges, ranges[1:])):
+            where = "; ".join(f"rank {r}: {d[5]}" for r, d in enumerate(every))
+            raise PlanMismatchError(f"step {plan.step}: the ranks' encoder chunks do not cut the encoder into consecutive layer "
+                                    f"ranges ({where}); build every rank's chunks from one layout")
 
     def _check_runnable(self, batch: GlobalBatch, plan: IterationPlan) -> None:
-        if plan.separated:
-            raise PlanError(f"step {plan.step}: this plan runs the encoder in chunks of its own on every rank (the separated layout); "
-                            "the executor does not run separated plans yet: plan with the co-located layout (--layout even, auto or "
-                            "explicit) to train")
-        if plan.encoder and self.encoder is not None and plan.placement.encoder_trained != self.encoder_trained:
-            raise PlanError(f"step {plan.step}: the plan was made for a {'trained' if plan.placement.encoder_trained else 'frozen'} "
+        p = plan.placement
+        for module, held in ((Module.BACKBONE, self.stages), (Module.ENCODER, self.encoder if plan.encoder else {})):
+            what = "encoder chunk" if module is Module.ENCODER else "backbone stage"
+            mine = [c for c, r in enumerate(p.chunks(module)) if r == self.rank]
+            if set(mine) - set(held):
+                raise PlanError(f"step {plan.step}: the plan places {what}s {mine} on rank {self.rank}, which holds {what}s "
+                                f"{sorted(held)}; build the model for the plan's layout")
+            n = len(p.chunks(module))
+            for c in mine:
+                if (held[c].is_first, held[c].is_last) != (c == 0, c == n - 1):
+                    raise PlanError(f"step {plan.step}: the plan cuts the {module.name.lower()} into {n} chunks, so {what} {c} is "
+                                    f"{_part(c == 0, c == n - 1)}, but this rank's is {_part(held[c].is_first, held[c].is_last)}; "
+                                    "build the model for the plan's layout")
+        if plan.separated and self.image_shapes is None:
+            raise PlanError(f"step {plan.step}: a separated plan sends encoder messages; give the executor image_shapes "
+                            "(ImageShapes.of(model.encoder)) to size them")
+        if plan.encoder and self.encoder and p.encoder_trained != self.encoder_trained:
+            raise PlanError(f"step {plan.step}: the plan was made for a {'trained' if p.encoder_trained else 'frozen'} "
                             f"vision encoder, but this rank's encoder is {'trained' if self.encoder_trained else 'frozen'}")
-        plan.image_ranges([mb.num_images for mb in batch.micro_batches])
 
     def run(self, batch: GlobalBatch, plan: IterationPlan) -> StepResult:
         t0 = time.perf_counter()
         if batch.sample_ids != [list(mb) for mb in plan.micro_batches]:
             raise PlanMismatchError(f"rank {self.rank}: batch {batch.step} was not packed as plan {plan.step} says")
         self._check_runnable(batch, plan)
+        images = plan.image_ranges([mb.num_images for mb in batch.micro_batches])
         digests = self._digests(batch, plan)
-        steps = lower(plan.table(), self.rank)
+        table = plan.table()
+        steps = lower(table, self.rank)
         overhead = time.perf_counter() - t0
         self.check_consistent(batch, plan, digests)
         timeline = self.clock.timeline()
-        st = _StepState(batch, plan, plan.table(), StepResult(start=timeline.start(), overhead_s=overhead), self._on_device(batch, plan))
+        st = _StepState(batch, plan, table, StepResult(start=timeline.start(), overhead_s=overhead), self._on_device(batch, plan), images)
         done: list[Action] = []
         for step in steps:
             match step:
@@ -195,7 +257,10 @@ class PlanExecutor:
                         st.recvs[m][0].wait()
                 case Compute(action=a):
                     timeline.begin()
-                    self._compute(st, a)
+                    if a.op is Op.FORWARD:
+                        (self._encoder_forward if a.is_encoder else self._forward)(st, a)
+                    else:
+                        (self._encoder_backward if a.is_encoder else self._backward)(st, a)
                     timeline.end()
                     done.append(a)
         for work, _ in st.sends:
@@ -207,31 +272,32 @@ class PlanExecutor:
         st.res.timeline = [TimedAction(self.rank, a, s, e, precomputed=a in precomputed) for a, (s, e) in zip(done, spans)]
         return st.res
 
-    def _compute(self, st: "_StepState", a: Action) -> None:
-        match (a.module, a.op):
-            case (Module.ENCODER, Op.FORWARD):
-                self._encode(st, a.unit)
-            case (Module.ENCODER, Op.BACKWARD):
-                self._encode_backward(st, a.unit)
-            case (Module.BACKBONE, Op.FORWARD):
-                self._forward(st, a)
-            case (Module.BACKBONE, Op.BACKWARD):
-                self._backward(st, a)
-
     def _on_device(self, batch: GlobalBatch, plan: IterationPlan) -> list[dict]:
-        """Per micro-batch, the tensors this rank's stages use, moved to the device (non-blocking),
+        """Per micro-batch, the tensors this rank's chunks use, moved to the device (non-blocking),
         and the attention metadata built from the host's lengths (no device synchronisation)."""
-        mine = set(self.stages)
-        first, last = 0 in mine, plan.num_stages - 1 in mine
+        first, last = 0 in self.stages, plan.num_stages - 1 in self.stages
+        pixels = plan.encoder and 0 in self.encoder
         out = []
         for mb in batch.micro_batches:
             d = {"positions": mb.positions[None], "masks": varlen_metadata(mb.cu_seqlens, self.device)}
             if first:
-                d.update(tokens=mb.tokens[None], image_token_index=mb.image_token_index, pixel_values=mb.pixel_values)
+                d.update(tokens=mb.tokens[None], image_token_index=mb.image_token_index)
+            if pixels:
+                d["pixel_values"] = mb.pixel_values
             if last:
                 d["labels"] = mb.labels[None]
             out.append({k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in d.items()})
         return out
+
+    def _shape(self, st: "_StepState", m: Message) -> tuple[int, ...]:
+        """A message's shape, from the batch and the plan alone (see the module doc)."""
+        match m.kind:
+            case MessageKind.ACTIVATION:
+                return (1, st.batch.micro_batches[m.unit].num_tokens, self.dim)
+            case MessageKind.ENCODER_ACTIVATION:
+                return (st.plan.image_sub_batch, *self.image_shapes.hidden)
+            case MessageKind.FEATURES:
+                return (st.images[m.unit][2], *self.image_shapes.features)
 
     def _post(self, st: "_StepState", post: Post) -> None:
         """Every post, even of one message, is a ``batch_isend_irecv``: torch's NCCL backend may
@@ -241,12 +307,12 @@ class PlanExecutor:
         ops, recv_bufs = [], []
         for t in post.transfers:
             m = t.message
+            tag = 0 if self.strict_order else _tag(m)
             if t.direction is Direction.SEND:
-                tensor = st.outbox.pop(m)
-                ops.append(dist.P2POp(dist.isend, tensor, t.peer, group=self.group, tag=0 if self.strict_order else _tag(m)))
+                ops.append(dist.P2POp(dist.isend, st.outbox.pop(m), t.peer, group=self.group, tag=tag))
             else:
-                tensor = torch.empty(1, st.batch.micro_batches[m.unit].num_tokens, self.dim, dtype=self.compute_dtype, device=self.device)
-                ops.append(dist.P2POp(dist.irecv, tensor, t.peer, group=self.group, tag=0 if self.strict_order else _tag(m)))
+                tensor = torch.empty(self._shape(st, m), dtype=self.compute_dtype, device=self.device)
+                ops.append(dist.P2POp(dist.irecv, tensor, t.peer, group=self.group, tag=tag))
                 recv_bufs.append((m, tensor))
         works = dist.batch_isend_irecv(ops)
         if len(works) != len(ops):  # a coalescing backend (NCCL) returns one work for the whole batch
@@ -259,116 +325,146 @@ class PlanExecutor:
                 m, buf = next(recv_at)
                 st.recvs[m] = (work, buf)
 
-    def _encode(self, st: "_StepState", k: int) -> None:
-        """Sub-microbatch ``k`` (co-located: all of micro-batch ``k``'s images)."""
-        pixels = st.dev[st.plan.sub_mb_parent[k]]["pixel_values"]
-        with torch.set_grad_enabled(self.encoder_trained), self._autocast():
-            st.features[k] = self.encoder(pixels) if pixels.shape[0] else None
+    def _take(self, st: "_StepState", a: Action) -> dict[Action, torch.Tensor | None]:
+        """What ``a`` consumes from other chunks, by producing action: received messages and
+        same-rank hand-overs (its own chunk's saved forward is not among them)."""
+        out = {}
+        for need in inputs(st.table, a):
+            if isinstance(need, Message):
+                out[need.src] = st.recvs.pop(need)[1]
+            elif (need.module, need.chunk) != (a.module, a.chunk):
+                out[need] = st.local.pop(Message(need, a))
+        return out
 
-    def _image_features(self, st: "_StepState", j: int):
-        """Micro-batch ``j``'s encoder output for stage 0's forward. A trained encoder's output is
-        handed over detached, so stage 0's backward leaves the features' gradient for ``E0B``."""
-        (k,) = st.table.sub_micro_batches[j]
-        out = st.features.pop(k)
-        if out is None or not self.encoder_trained:
-            return out
-        leaf = _detached(out)
-        st.encoded[k] = (out, leaf)
-        return leaf
+    def _give(self, st: "_StepState", a: Action, value: torch.Tensor | None, to: Action | None = None) -> None:
+        """Hand ``a``'s output ``value`` to its consumers on other chunks (or only ``to``): on this
+        rank as it is, to other ranks as a message in the compute dtype."""
+        for c in ([to] if to is not None else st.table.consumers(a)):
+            if (c.module, c.chunk) == (a.module, a.chunk):
+                continue
+            m = Message(a, c)
+            if st.table.placement.rank_of(c) == self.rank:
+                st.local[m] = value
+            else:
+                st.outbox[m] = value.to(self.compute_dtype).contiguous()
 
-    def _encode_backward(self, st: "_StepState", k: int) -> None:
-        out, leaf = st.encoded.pop(k, (None, None))
-        pairs = [(t, g.grad) for t, g in zip(_tensors(out), _tensors(leaf)) if g.grad is not None]
-        if pairs:
-            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+    def _encoder_forward(self, st: "_StepState", a: Action) -> None:
+        """Encoder chunk ``a.chunk`` on sub-microbatch ``a.unit``: pixels (padded to the plan's
+        ``image_sub_batch``) on the first chunk, else the previous chunk's output; the last chunk
+        hands on the real images' features only."""
+        c, k = a.chunk, a.unit
+        chunk = self.encoder[c]
+        trained = st.plan.placement.encoder_trained
+        j, first, n = st.images[k]
+        B = st.plan.image_sub_batch
+        if chunk.is_first:
+            x = st.dev[j]["pixel_values"][first:first + n]
+            x = pad_images(x, B) if n < B else x
+        else:
+            (x,) = self._take(st, a).values()
+            x = x.requires_grad_(trained)
+        y = None
+        if x.shape[0]:  # a co-located micro-batch without images
+            with torch.set_grad_enabled(trained), self._autocast():
+                y = chunk(x.float())  # fp32 residual stream, as in the unsplit encoder
+            y = y[:n] if chunk.is_last else y
+        if trained:
+            st.saved[a] = (x, y)
+        self._give(st, a, y.detach() if y is not None else None)
 
-    def _input(self, st: "_StepState", a: Action) -> torch.Tensor:
-        """What backbone action ``a`` consumes from another stage: a local hand-over or a received message."""
-        (need,) = [n for n in inputs(st.table, a) if not (isinstance(n, Action) and (n.is_encoder or n.chunk == a.chunk))]
-        return st.recvs.pop(need)[1] if isinstance(need, Message) else st.local.pop(Message(need, a))
+    def _encoder_backward(self, st: "_StepState", a: Action) -> None:
+        x, y = st.saved.pop(Action(a.chunk, Op.FORWARD, a.unit, a.module))
+        (grad,) = self._take(st, a).values()
+        if y is not None:
+            torch.autograd.backward(y, grad.to(y.dtype))
+        if not self.encoder[a.chunk].is_first:
+            self._give(st, a, x.grad)
 
-    def _output(self, st: "_StepState", a: Action, tensor: torch.Tensor) -> None:
-        """Hand ``a``'s output to the next backbone stage (locally or as a message)."""
-        for c in st.table.consumers(a):
-            if not c.is_encoder and c.chunk != a.chunk:
-                target = st.local if st.table.placement.rank_of(c) == self.rank else st.outbox
-                target[Message(a, c)] = tensor
+    def _image_features(self, st: "_StepState", j: int, got: dict) -> torch.Tensor | None:
+        """Micro-batch ``j``'s image features for stage 0's forward: its sub-microbatches' in order.
+        With a trained encoder each is a leaf whose gradient stage 0's backward leaves for the last
+        encoder chunk's backward."""
+        last = len(st.plan.placement.encoder) - 1
+        parts = [(k, got[Action(last, Op.FORWARD, k, Module.ENCODER)]) for k in st.table.sub_micro_batches[j]]
+        if st.plan.placement.encoder_trained:
+            parts = [(k, f.detach().requires_grad_(True) if f is not None else None) for k, f in parts]
+            st.leaves[j] = parts
+        tensors = [f for _, f in parts if f is not None]
+        return None if not tensors else tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
     def _forward(self, st: "_StepState", a: Action) -> None:
-        s, i = a.chunk, a.unit
-        d = st.dev[i]
+        s, j = a.chunk, a.unit
+        d = st.dev[j]
         stage = self.stages[s]
+        got = self._take(st, a)
         kwargs = {"positions": d["positions"], "masks": d["masks"]}
         if stage.is_first:
             x = d["tokens"]
             if st.plan.encoder:
-                kwargs.update(image_features=self._image_features(st, i), image_token_index=d["image_token_index"])
+                kwargs.update(image_features=self._image_features(st, j, got), image_token_index=d["image_token_index"])
         else:
-            x = self._input(st, a).requires_grad_(True)
+            (x,) = got.values()
+            x.requires_grad_(True)
         with self._autocast():
             # the residual stream stays fp32 as in the unsplit model; only messages are rounded
             y = stage(x if stage.is_first else x.float(), **kwargs)
         if stage.is_last:
             y = self.loss_fn(y, d["labels"], st.batch.num_label_tokens)
-            st.losses[i] = y.detach()
+            st.losses[j] = y.detach()
         else:
             y = y.to(self.compute_dtype)  # the message dtype every rank knows
-            self._output(st, a, y.detach())
-        st.saved[(s, i)] = (x, y)
+            self._give(st, a, y.detach())
+        st.saved[a] = (x, y)
 
     def _backward(self, st: "_StepState", a: Action) -> None:
-        s = a.chunk
-        x, y = st.saved.pop((s, a.unit))
+        s, j = a.chunk, a.unit
+        x, y = st.saved.pop(Action(s, Op.FORWARD, j))
         if self.stages[s].is_last:
             y.backward()
         else:
-            torch.autograd.backward(y, self._input(st, a))
+            (grad,) = self._take(st, a).values()
+            torch.autograd.backward(y, grad)
         if s > 0:
-            self._output(st, a, x.grad)
+            self._give(st, a, x.grad)
+            return
+        last = len(st.plan.placement.encoder) - 1
+        for k, leaf in st.leaves.pop(j, ()):
+            grad = None if leaf is None else leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            self._give(st, a, grad, to=Action(last, Op.BACKWARD, k, Module.ENCODER))
 
 
-def _tensors(value) -> list[torch.Tensor]:
-    """The tensors of an encoder output: itself, or the tensor fields of a dataclass (TorchTitan's
-    ``EncodedImages``), in field order."""
-    if value is None:
-        return []
-    if isinstance(value, torch.Tensor):
-        return [value]
-    return [getattr(value, f.name) for f in dataclasses.fields(value) if isinstance(getattr(value, f.name), torch.Tensor)]
-
-
-def _detached(value):
-    """``value`` with every tensor that carries a graph replaced by a leaf collecting its gradient."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().requires_grad_(value.requires_grad)
-    return dataclasses.replace(value, **{f.name: _detached(getattr(value, f.name)) for f in dataclasses.fields(value)
-                                         if isinstance(getattr(value, f.name), torch.Tensor)})
+def _part(first: bool, last: bool) -> str:
+    return "the whole module" if first and last else "its first chunk" if first else "its last chunk" if last else "a middle chunk"
 
 
 @dataclass
 class _StepState:
-    """What one step keeps between actions: device tensors per micro-batch, posted receives,
-    pending sends, outputs waiting to be sent, saved activations for backward, same-rank
-    hand-overs between stages, encoder features waiting for their forward, a trained encoder's
-    outputs and their detached copies waiting for its backward, losses."""
+    """What one step keeps between actions: device tensors per micro-batch, each sub-microbatch's
+    ``(micro-batch, first image, images)``, posted receives, pending sends, outputs waiting to be
+    sent, saved inputs and outputs of forwards for their backward (by forward action), same-rank
+    hand-overs between chunks (by message), a trained encoder's feature leaves per micro-batch
+    waiting for stage 0's backward, losses."""
 
     batch: GlobalBatch
     plan: IterationPlan
     table: ScheduleTable
     res: StepResult
     dev: list[dict]
+    images: list[tuple[int, int, int]]
     recvs: dict = field(default_factory=dict)
     sends: list = field(default_factory=list)
     outbox: dict = field(default_factory=dict)
     saved: dict = field(default_factory=dict)
     local: dict = field(default_factory=dict)
-    features: dict = field(default_factory=dict)
-    encoded: dict = field(default_factory=dict)
+    leaves: dict = field(default_factory=dict)
     losses: dict = field(default_factory=dict)
 
 
 def _precomputed(plan: IterationPlan, rank: int) -> set[Action]:
-    """Encoder forwards of ``rank`` that do not sit right before the stage-0 forward that consumes them."""
+    """Encoder forwards of ``rank`` that do not sit right before the stage-0 forward that consumes
+    them (pre-computation: a notion of the co-located layout; none in separated plans)."""
+    if plan.separated:
+        return set()
     acts = [Action.parse(a) for a in plan.ranks[rank]]
     return {
         a

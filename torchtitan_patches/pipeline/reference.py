@@ -38,8 +38,9 @@ def reference_step(encoder: VisionEncoder | None, whole: BackboneStage, batch: G
     return float(total)
 
 
-def whole_model_names(stage: BackboneStage) -> dict[str, str]:
-    """Parameter names of a split stage -> the same parameters' names in the whole model."""
+def whole_model_names(stage: BackboneStage | VisionEncoder) -> dict[str, str]:
+    """Parameter names of a split stage (or encoder chunk) -> the same parameters' names in the
+    whole backbone (or whole encoder)."""
     out = {}
     for name, _ in stage.named_parameters():
         parts = name.split(".")

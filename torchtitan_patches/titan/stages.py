@@ -1,38 +1,46 @@
-"""TorchTitan model parts as the pipeline stages ``PlanExecutor`` runs.
+"""TorchTitan model parts as the backbone stages and encoder chunks ``PlanExecutor`` runs.
 
 TorchTitan's pipelining split (``ModelSpec.pipelining_fn``) gives each rank its model parts: the
 whole model class with the modules of other stages set to ``None``, so ``forward`` runs only what
 the part holds. ``TitanStage`` calls that forward with pipetune's packed micro-batch (tokens or the
 received hidden state, per-document positions, varlen document metadata).
 
-Encoder pre-computation (the plan's ``E`` actions) needs the vision encoder apart from stage 0's
-forward, which TorchTitan's Muse Glimmer model runs inside ``forward`` (``_get_vision_features``:
-encoder, then adapter). ``TitanEncoder`` runs the encoder alone (without gradients when it is
-frozen, as PipeTune assumes); stage 0's forward then gets those outputs through an instance-level
-``_get_vision_features`` for the duration of the call, which applies the (trained) adapter, as the
-model's own method does, so projector gradients are unchanged. Images arrive as pixels ``(N, C, H,
-W)`` and are cut into the encoder's patches here: ``patch_temporal`` copies of a still image, each
-patch flattened channel-major, patches in raster order (Qwen-VL's layout, which Muse Glimmer's
-``conv1`` reads), with ``grid_thw = (1, H / patch, W / patch)``.
+The vision encoder runs as the plan's own encoder actions, apart from stage 0's forward, which
+TorchTitan's Muse Glimmer model runs inside ``forward`` (``_get_vision_features``: encoder, then
+adapter). ``TitanEncoderChunk`` runs the encoder, or one chunk of it; stage 0's forward then gets
+the features through an instance-level ``_get_vision_features`` for the duration of the call,
+which applies the (trained) adapter, as the model's own method does, so adapter and projection
+gradients are unchanged.
+
+Chunks (DIP's separated layout): a chunk is a contiguous range of the ViT's blocks. TorchTitan's
+splitter keeps or drops whole top-level modules (``_split_module`` matches ``layers.3`` only for a
+top-level ``ModuleDict``/``ModuleList``: a nested fqn such as ``vision_encoder.layers.3`` drops
+the whole encoder), so a rank's model part keeps ``vision_encoder`` and ``keep_encoder_chunks``
+then removes, before the part is materialised, the blocks of chunks on other ranks (and the patch
+embedding / positions / ``ln_pre`` unless the rank holds chunk 0, ``ln_post`` unless it holds the
+last). Parameter names stay those of the whole model, so checkpoints and optimizer state keep
+TorchTitan's fqns. Muse Glimmer's encoder ``forward`` runs all phases at once (embedding, window
+permutation, all blocks, un-permutation, norm, pixel shuffle), so a partial chunk runs them
+itself, through the encoder's own helpers: the first chunk embeds and permutes, every chunk
+rebuilds the 2D RoPE table and masks of its images (a function of the patch grid, no
+parameters), the last un-permutes, normalises and merges. Between chunks an image is its
+``(patches, latent_dim)`` hidden state in the window-permuted order. A chunk holding the whole
+encoder (the co-located layout) calls the encoder's own ``forward``.
+
+Images arrive as pixels ``(N, C, H, W)`` and are cut into the encoder's patches here:
+``patch_temporal`` copies of a still image, each patch flattened channel-major, patches in raster
+order (Qwen-VL's layout, which Muse Glimmer's ``conv1`` reads), with ``grid_thw = (1, H / patch,
+W / patch)``. pipetune plans with one image size (``image_grid`` patches per side).
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from dataclasses import dataclass
-
 import torch
 from torch import nn
+from torchtitan.models.common import ComplexRoPE
+from torchtitan.models.muse_glimmer.vision_encoder import MuseGlimmerVisionEncoder, _vision_token_permute, reorder_patch_vector
 
 from torchtitan_patches.data.micro_batch import IMAGE_TOKEN_ID
-
-
-@dataclass
-class EncodedImages:
-    """Encoder outputs of one micro-batch's images, and their patch grids."""
-
-    features: torch.Tensor
-    grid_thw: torch.Tensor
 
 
 def patchify(pixels: torch.Tensor, patch_size: int, temporal: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,48 +49,120 @@ def patchify(pixels: torch.Tensor, patch_size: int, temporal: int) -> tuple[torc
     gh, gw = h // patch_size, w // patch_size
     x = pixels.reshape(n, c, gh, patch_size, gw, patch_size).permute(0, 2, 4, 1, 3, 5)
     x = x[:, :, :, :, None].expand(n, gh, gw, c, temporal, patch_size, patch_size)
-    grid = torch.tensor([[1, gh, gw]] * n, dtype=torch.long, device=pixels.device)
-    return x.reshape(n, gh * gw, c * temporal * patch_size * patch_size), grid
+    return x.reshape(n, gh * gw, c * temporal * patch_size * patch_size), _grids(n, gh, gw, pixels.device)
 
 
-class TitanEncoder(nn.Module):
-    """Stage 0's vision encoder, runnable as the plan's ``E`` action."""
+def _grids(n: int, gh: int, gw: int, device) -> torch.Tensor:
+    return torch.tensor([[1, gh, gw]] * n, dtype=torch.long, device=device)
 
-    def __init__(self, part: nn.Module):
+
+def keep_encoder_chunks(encoder: MuseGlimmerVisionEncoder, chunk_ranges, local) -> None:
+    """Remove from ``encoder`` (in place, e.g. on the meta device before materialisation) all but
+    the pieces of its chunks ``local`` (indices into ``chunk_ranges``, block ranges tiling its
+    blocks): other chunks' blocks, the embedding pieces unless chunk 0 is local, ``ln_post``
+    unless the last chunk is."""
+    n = len(encoder.layers)
+    if not chunk_ranges or chunk_ranges[0][0] != 0 or chunk_ranges[-1][1] != n or any(
+            a[1] != b[0] for a, b in zip(chunk_ranges, chunk_ranges[1:])) or any(lo >= hi for lo, hi in chunk_ranges):
+        raise ValueError(f"encoder chunk ranges {list(chunk_ranges)} do not tile the vision encoder's {n} blocks with non-empty chunks")
+    keep = {str(i) for c in local for i in range(*chunk_ranges[c])}
+    for key in [k for k in encoder.layers.keys() if k not in keep]:
+        del encoder.layers[key]
+    if 0 not in local:
+        encoder.conv1_linear = encoder.ln_pre = encoder.positional_embedding_vlm = None
+    if len(chunk_ranges) - 1 not in local:
+        encoder.ln_post = None
+
+
+class TitanEncoderChunk(nn.Module):
+    """Blocks ``layers = (lo, hi)`` of a Muse Glimmer vision encoder of ``num_layers`` blocks, as an
+    encoder chunk of the plan: pixels ``(N, C, H, W)`` in on the first chunk, else hidden states
+    ``(N, patches, latent_dim)``; features ``(N, tokens per image, output_dim)`` out of the last
+    chunk, else hidden states. ``encoder`` may hold other chunks' blocks too (a rank's model part
+    holds all of its chunks); the chunk runs its own."""
+
+    def __init__(self, encoder: MuseGlimmerVisionEncoder, layers: tuple[int, int], *, num_layers: int, image_grid: int):
         super().__init__()
-        self.part = part
-        enc = part.vision_encoder
-        self.patch_size, self.temporal = enc.patch_size, enc.patch_temporal
+        lo, hi = layers
+        missing = [i for i in range(lo, hi) if str(i) not in encoder.layers]
+        if missing or not 0 <= lo < hi <= num_layers:
+            raise ValueError(f"encoder chunk of blocks {lo}..{hi - 1} (of {num_layers}): the encoder does not hold blocks {missing}")
+        self.encoder = encoder
+        self.layer_range = (lo, hi)
+        self.is_first, self.is_last = lo == 0, hi == num_layers
+        self.num_layers, self.grid = num_layers, image_grid
+        self._constants: dict = {}
 
-    @property
-    def trained(self) -> bool:
-        return any(p.requires_grad for p in self.part.vision_encoder.parameters())
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        enc, n, g = self.encoder, x.shape[0], self.grid
+        if self.is_first and self.is_last:
+            patches, grid = patchify(x, enc.patch_size, enc.patch_temporal)
+            return enc(patches, grid_thw=grid).view(n, -1, enc.output_dim)
+        perm, inv, rope, masks = self._geometry(n, x.device)
+        if self.is_first:
+            patches, _ = patchify(x, enc.patch_size, enc.patch_temporal)
+            patches = reorder_patch_vector(patches.to(enc.conv1_linear.weight.dtype), patch_size=enc.patch_size,
+                                           patch_temporal=enc.patch_temporal)
+            x = enc.conv1_linear(patches)
+            x = enc.ln_pre(x + enc._get_pos_emb(g, g, x.device).to(x.dtype))
+            x = _vision_token_permute(x, perm) if perm is not None else x
+        for i in range(*self.layer_range):
+            x = enc.layers[str(i)](x, rope_cache=rope, rope_apply=ComplexRoPE.apply_rotary_emb, attention_mask=masks[self._global(i)])
+        if not self.is_last:
+            return x
+        x = enc.ln_post(_vision_token_permute(x, inv) if inv is not None else x)
+        return torch.stack([enc._pixel_shuffle_downsample(x[i], g, g) for i in range(n)])
 
-    def forward(self, pixels: torch.Tensor) -> EncodedImages:
-        patches, grid = patchify(pixels, self.patch_size, self.temporal)
-        return EncodedImages(self.part.vision_encoder(patches, grid_thw=grid), grid)
+    def _global(self, i: int) -> int:
+        """1 when block ``i`` attends over the whole image (the last block and every
+        ``sparse_attention_factor``-th, as ``MuseGlimmerVisionEncoder._layer_uses_global_attention``
+        decides from the number of blocks, which a pruned encoder no longer holds), else 0."""
+        return int(i == self.num_layers - 1 or (i + 1) % self.encoder.sparse_attention_factor == 0)
+
+    def _geometry(self, n: int, device) -> tuple:
+        """Window permutation and its inverse (None without windows), RoPE table (in the permuted
+        order) and (windowed, global) masks of ``n`` images of the grid, made by the encoder's own
+        helpers as its ``forward`` makes them; constants of ``(n, device)``, kept."""
+        key = (n, str(device))
+        if key not in self._constants:
+            enc, g = self.encoder, self.grid
+            P, grids = g * g, _grids(n, g, g, device).tolist()
+            rope = enc._make_2d_rope(g, g, device)[None, :, None].expand(n, P, 1, -1)
+            perm = inv = None
+            win_id = torch.full((n, P), -1, device=device, dtype=torch.int32)
+            if enc.sparse_attention_factor > 1:
+                perm, inv, win_id = enc._compute_sparse_perm_winid(grids, P, device)
+                rope = _vision_token_permute(rope, perm)
+            full, sparse = enc._build_padded_masks(torch.full((n,), P, device=device), win_id, P, device)
+            self._constants[key] = perm, inv, rope, (sparse, full)
+        return self._constants[key]
+
+
+def encoder_chunks(part: nn.Module, chunk_ranges, local, *, image_grid: int) -> dict[int, TitanEncoderChunk]:
+    """The encoder chunks ``local`` of a model part whose ``vision_encoder`` was cut by
+    ``keep_encoder_chunks`` (or holds the whole encoder: ``chunk_ranges`` one range)."""
+    n = chunk_ranges[-1][1]
+    return {c: TitanEncoderChunk(part.vision_encoder, tuple(chunk_ranges[c]), num_layers=n, image_grid=image_grid) for c in local}
 
 
 class TitanStage(nn.Module):
-    """One TorchTitan model part with the executor's stage interface."""
+    """One TorchTitan model part with the executor's stage interface (``image_grid``: patches per
+    image side, for the ``grid_thw`` the model's forward requires beside the features)."""
 
-    def __init__(self, part: nn.Module, *, is_first: bool, is_last: bool):
+    def __init__(self, part: nn.Module, *, is_first: bool, is_last: bool, image_grid: int = 0):
         super().__init__()
         self.part = part
         self.is_first, self.is_last = is_first, is_last
+        self.grid = image_grid
 
-    def forward(self, x, *, positions, masks, image_features: EncodedImages | None = None, image_token_index=None):
+    def forward(self, x, *, positions, masks, image_features: torch.Tensor | None = None, image_token_index=None):
         if image_features is None:
             return self.part(x, positions, masks)
-        with self._encoded(image_features):
-            return self.part(x, positions, masks, pixel_values=image_features.features, grid_thw=image_features.grid_thw,
-                             special_tokens={"image_id": IMAGE_TOKEN_ID})
-
-    @contextmanager
-    def _encoded(self, images: EncodedImages):
         part = self.part
-        part._get_vision_features = lambda pixel_values, grid_thw: part.vision_adapter(images.features).unsqueeze(0)
+        part._get_vision_features = lambda pixel_values, grid_thw: part.vision_adapter(pixel_values.flatten(0, 1)).unsqueeze(0)
         try:
-            yield
+            return part(x, positions, masks, pixel_values=image_features,
+                        grid_thw=_grids(image_features.shape[0], self.grid, self.grid, image_features.device),
+                        special_tokens={"image_id": IMAGE_TOKEN_ID})
         finally:
             del part._get_vision_features

@@ -65,15 +65,16 @@ from pipetune.plan.async_planner import AsyncPlanner
 from pipetune.plan.compare import best_static_planner
 from pipetune.plan.guard import Guard, GuardConfig, GuardState, PlanKind
 from pipetune.plan.layout import LayoutSearch, LayoutSearchResult, sample_batches
+from pipetune.schedule.table import Placement
 from pipetune.simulate import TimedAction
 from torchtitan_patches.pipeline.calibrate import MeasuredStep, OnlineCalibrator
-from torchtitan_patches.pipeline.executor import PlanExecutor
+from torchtitan_patches.pipeline.executor import ImageShapes, PlanExecutor
 from torchtitan_patches.pipeline.plan_channel import PlanChannel
 from torchtitan_patches.titan.cpu_device import use_cpu
 from torchtitan_patches.titan.dataloader import PipeTuneTitanDataLoader
 from torchtitan_patches.titan.model_spec import planning_model_config
 from torchtitan_patches.titan.plan_source import PlanSource, StepKind, load_replay
-from torchtitan_patches.titan.stages import TitanEncoder, TitanStage
+from torchtitan_patches.titan.stages import TitanStage, encoder_chunks, keep_encoder_chunks
 from torchtitan_patches.titan.tokenizer import text_encoder
 from torchtitan_patches.titan.torch_compat import fill_gaps
 
@@ -161,13 +162,20 @@ class PipeTuneSettings(Configurable):
                                  f"{self.guard_probe_every} and {self.guard_window}")
 
 
-def layout_fqns(model_spec, layout: StageLayout, parts: list[str]) -> list[list[str]]:
+def layout_fqns(model_spec, layout: StageLayout, parts: list[str], *, separated: bool = False) -> list[list[str]]:
     """TorchTitan module names per pipeline stage for ``layout`` (the vision stack and embeddings
-    on stage 0, norm and head on the last stage)."""
+    on stage 0, norm and head on the last stage). ``separated`` (DIP's layout): every stage keeps
+    ``vision_encoder``, which ``keep_encoder_chunks`` then cuts to the rank's encoder chunks
+    (TorchTitan's splitter keeps or drops only whole top-level modules)."""
     fqns = [[f"layers.{i}" for i in range(lo, hi)] for lo, hi in layout.layer_ranges]
-    fqns[0][:0] = [*parts, "tok_embeddings"]
+    fqns[0][:0] = [*(p for p in parts if not (separated and p == "vision_encoder")), "tok_embeddings"]
     fqns[-1] += ["norm", "lm_head"]
-    return fqns
+    return [["vision_encoder", *f] for f in fqns] if separated else fqns
+
+
+def local_encoder_chunks(rank: int, pp: int, chunk_ranges) -> list[int]:
+    """The encoder chunks of DIP's separated layout that ``rank`` of ``pp`` holds."""
+    return [k for k, r in enumerate(Placement.separated(pp, len(chunk_ranges), encoder_trained=False).encoder) if r == rank]
 
 
 def sample_job_batches(config: PipeTuneTrainer.Config, model: ModelConfig) -> list[BatchMeta]:
@@ -186,13 +194,23 @@ def search_layout(config: PipeTuneTrainer.Config, model: ModelConfig, table: Lat
                         memory_bytes=pt.memory_gib * 2**30, max_mbs=pt.max_mbs, seed=config.dataloader.seed).search()
 
 
-def _pipeline_only(parallelize_fn):
+def _pipeline_only(parallelize_fn, encoder_chunks=()):
     """The model's ``parallelize_fn`` without data parallelism: with one replica FSDP shards
     nothing, and its lazy initialisation refuses a submodule (the encoder of an ``E`` action)
-    running before the root module."""
+    running before the root module. With ``encoder_chunks`` (DIP's separated layout: the
+    encoder's block ranges), each rank's part is first cut to its encoder chunks (still on the
+    meta device: TorchTitan materialises the parts after parallelising them)."""
     if "skip_dp" not in inspect.signature(parallelize_fn).parameters:
         raise ValueError(f"{parallelize_fn.__qualname__} cannot skip FSDP (no skip_dp argument); PipeTuneTrainer needs that")
-    return functools.partial(parallelize_fn, skip_dp=True)
+    if not encoder_chunks:
+        return functools.partial(parallelize_fn, skip_dp=True)
+
+    def parallelize(model, *, parallel_dims, **kwargs):
+        rank = parallel_dims.get_mesh("pp").get_local_rank()
+        keep_encoder_chunks(model.vision_encoder, encoder_chunks, local_encoder_chunks(rank, parallel_dims.pp, encoder_chunks))
+        return parallelize_fn(model, parallel_dims=parallel_dims, skip_dp=True, **kwargs)
+
+    return parallelize
 
 
 class PipeTuneTrainer(Trainer):
@@ -209,12 +227,13 @@ class PipeTuneTrainer(Trainer):
         pp = config.parallelism.pipeline_parallel_degree
         if pp < 2:
             raise ValueError("PipeTuneTrainer plans pipelines: set parallelism.pipeline_parallel_degree >= 2")
+        self.encoder_chunks = self._encoder_chunks(config)
         self.table = load_latency_table(pt.latency_table, model=self.planning_model, tp=1)
         self.layout = self._choose_layout(config, pp)
         logger.info(f"pipetune layout ({pt.layout}): backbone layers per stage {self.layout.layers_per_stage()}")
         vision = [m for m in VISION_MODULES if getattr(spec.model, m, None) is not None]
-        config.parallelism.module_fqns_per_model_part = layout_fqns(spec, self.layout, vision)
-        config.model_spec = dataclasses.replace(spec, parallelize_fn=_pipeline_only(spec.parallelize_fn))
+        config.parallelism.module_fqns_per_model_part = layout_fqns(spec, self.layout, vision, separated=bool(self.encoder_chunks))
+        config.model_spec = dataclasses.replace(spec, parallelize_fn=_pipeline_only(spec.parallelize_fn, self.encoder_chunks))
         super().__init__(config)
         if self.parallel_dims.world_size != pp:
             raise ValueError(f"PipeTuneTrainer runs pipeline parallelism only: world size {self.parallel_dims.world_size} != PP {pp}")
@@ -226,6 +245,14 @@ class PipeTuneTrainer(Trainer):
         if getattr(self, "_sampled", None) is None:
             self._sampled = sample_job_batches(config, self.planning_model)
         return self._sampled
+
+    @staticmethod
+    def _encoder_chunks(config: Config) -> tuple[tuple[int, int], ...]:
+        """The encoder's block ranges of a separated job (DIP's layout; empty when co-located)."""
+        if config.pipetune.layout != "separated":
+            return ()
+        raise ValueError("pipetune.layout = separated: the separated planner is not wired into the trainer yet (the executor runs "
+                         "separated plans and the trainer builds their model parts); train with layout even, auto or layer counts")
 
     def _choose_layout(self, config: Config, pp: int) -> StageLayout:
         """``even``, explicit counts, or ``auto``: the layout search on the sampled batches."""
@@ -245,11 +272,15 @@ class PipeTuneTrainer(Trainer):
         dist.all_gather_object(sizes, sum(p.numel() * p.element_size() for p in part.parameters()), group=self.control)
         if self.rank == 0:  # each rank materialised only its own stage (meta-device init)
             logger.info("pipetune: parameter bytes per rank " + ", ".join(f"rank {r} {b / 2**20:.1f} MiB" for r, b in enumerate(sizes)))
-        stage = TitanStage(part, is_first=self.rank == 0, is_last=self.rank == pp - 1)
-        encoder = TitanEncoder(part) if stage.is_first and getattr(part, "vision_encoder", None) is not None else None
+        stage = TitanStage(part, is_first=self.rank == 0, is_last=self.rank == pp - 1, image_grid=pt.image_grid)
+        enc = self.planning_model.encoder
+        if self.encoder_chunks:
+            chunks = encoder_chunks(part, self.encoder_chunks, local_encoder_chunks(self.rank, pp, self.encoder_chunks), image_grid=pt.image_grid)
+        else:
+            chunks = encoder_chunks(part, [(0, enc.n_layers)], [0], image_grid=pt.image_grid) if enc is not None and stage.is_first else {}
         self.executor = PlanExecutor(
-            {self.rank: stage}, encoder, dim=self.planning_model.backbone.dim, rank=self.rank, control_group=self.control,
-            device=self.device, strict_order=pt.strict_order,
+            {self.rank: stage}, chunks, dim=self.planning_model.backbone.dim, rank=self.rank, control_group=self.control,
+            image_shapes=ImageShapes.of(enc) if enc is not None else None, device=self.device, strict_order=pt.strict_order,
             loss_fn=lambda logits, labels, n: self.loss_fn(logits, labels, torch.tensor(n, device=logits.device))[0])
         self.profiled = CostModel(self.table, self.layout)
         self.calibrator = OnlineCalibrator(self.table, self.layout, pt.online_window, jitter_draws=pt.jitter_draws) if self.rank == 0 and pt.online_window else None

@@ -1,0 +1,51 @@
+"""Random executable schedule tables, shared by the transport check (test_lowering_fifo.py) and the
+gloo workers that execute them (pipeline_worker.py): any valid order must lower and run."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from pipetune.packing.sub_batches import SubBatches
+from pipetune.schedule import Action, Placement, ScheduleTable
+
+
+def random_order(rng: np.random.Generator, proto: ScheduleTable) -> ScheduleTable:
+    """``proto``'s actions (its placement, micro-batches and sub-microbatches; its rank lists are
+    ignored) in a random order that respects every dependency: any interleaving of a rank's chunks,
+    of forwards and backwards, and of micro-batches."""
+    missing = {a: len(proto.producers(a)) for a in proto.expected_actions()}
+    ready = [a for a, n in missing.items() if n == 0]
+    ranks: list[list[Action]] = [[] for _ in range(proto.placement.num_ranks)]
+    while ready:
+        a = ready.pop(int(rng.integers(len(ready))))
+        ranks[proto.placement.rank_of(a)].append(a)
+        for c in proto.consumers(a):
+            missing[c] -= 1
+            if missing[c] == 0:
+                ready.append(c)
+    return replace(proto, ranks=tuple(map(tuple, ranks))).validate()
+
+
+def separated_table(rng: np.random.Generator, *, ranks: int, segments: int, images_per_mb, image_sub_batch: int,
+                    trained: bool, name: str = "random separated") -> ScheduleTable:
+    """DIP's separated layout on ``ranks`` ranks (``ranks * segments`` encoder chunks, chunk ``k``
+    on rank ``k mod ranks``), each micro-batch's images in sub-microbatches of ``image_sub_batch``,
+    the actions in a random valid order (``random_order``)."""
+    sub = SubBatches.split(np.asarray(images_per_mb), image_sub_batch)
+    placement = Placement.separated(ranks, ranks * segments, encoder_trained=trained)
+    proto = ScheduleTable(placement=placement, num_micro_batches=len(images_per_mb), ranks=((),) * ranks,
+                          sub_mb_parent=tuple(sub.parent.tolist()), name=name)
+    return random_order(rng, proto)
+
+
+def random_separated_table(rng: np.random.Generator) -> ScheduleTable:
+    """A random executable plan of the separated layout (DIP): ``P`` ranks, ``P * K`` encoder chunks
+    (so each rank holds several), each micro-batch's images in sub-microbatches of ``B`` (some
+    micro-batches without images), a frozen or trained encoder, in a random valid order."""
+    P, K = int(rng.integers(2, 7)), int(rng.integers(1, 4))
+    m = int(rng.integers(1, 9))
+    images = rng.integers(0, 7, size=m) * (rng.random(m) < 0.8)
+    return separated_table(rng, ranks=P, segments=K, images_per_mb=images, image_sub_batch=int(rng.integers(1, 5)),
+                           trained=bool(rng.random() < 0.5))
