@@ -1,9 +1,11 @@
 """One PipeTuneTrainer step through TorchTitan's config system (torchrun worker for
 tests/test_titan_trainer.py): saves this rank's initial weights, its gradients after the step and
-the step's batch, for comparison with an unsplit TorchTitan model."""
+the step's batch, for comparison with an unsplit TorchTitan model. The weights are perturbed
+from TorchTitan's init first, so that every parameter gets a gradient."""
 
 import os
 import sys
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -14,6 +16,9 @@ def main() -> None:
     out, argv = sys.argv[1], sys.argv[2:]
     trainer = ConfigManager().parse_args(argv).build()
     part = trainer.model_parts[0]
+    with torch.no_grad():  # Muse Glimmer zero-initialises its norm weights: at init only the final norm would get a gradient
+        for name, p in part.named_parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode()))), alpha=0.05)
     weights = {k: v.detach().clone() for k, v in part.state_dict().items()}
     seen = []
 

@@ -64,8 +64,8 @@ class StageLayout:
         if spec == "even":
             return cls.even(n_layers, num_stages)
         if spec == "separated":
-            raise ValueError("--layout separated is chosen by the partitioner (`pipetune plan --layout separated` compares it with the "
-                             "co-located layouts); the runtime does not run separated plans yet")
+            raise ValueError("the separated layout's chunks and sub-microbatch size come from the partitioner "
+                             "(pipetune.plan.layout.LayoutSearch.partition), not from a layer list")
         try:
             sizes = [int(x) for x in spec.split(",")]
         except ValueError:

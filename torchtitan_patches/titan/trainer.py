@@ -64,7 +64,7 @@ from pipetune.plan import Mode, PlannerConfig
 from pipetune.plan.async_planner import AsyncPlanner
 from pipetune.plan.compare import best_static_planner
 from pipetune.plan.guard import Guard, GuardConfig, GuardState, PlanKind
-from pipetune.plan.layout import LayoutSearch, LayoutSearchResult, sample_batches
+from pipetune.plan.layout import LayoutSearch, sample_batches
 from pipetune.schedule.table import Placement
 from pipetune.simulate import TimedAction
 from torchtitan_patches.pipeline.calibrate import MeasuredStep, OnlineCalibrator
@@ -93,8 +93,10 @@ class PipeTuneSettings(Configurable):
         """Latency table of this device for the model's planning shapes (``pipetune profile``)."""
 
         layout: str = "even"
-        """Backbone layers per stage: ``even``, ``auto`` (searched on sampled batches of the job's
-        data with the latency table, under ``memory_gib``) or counts such as ``3,5``."""
+        """Backbone layers per stage: ``even`` or counts such as ``3,5``; ``separated``: DIP's layout,
+        the vision encoder in chunks on every rank and images in fixed-size sub-microbatches (chosen
+        by the partitioner); ``auto``: the faster of the best co-located split and ``separated``,
+        predicted on sampled batches of the job's data with the latency table, under ``memory_gib``."""
 
         budget_s: float = 2.0
         """Planning time per batch; past it the balanced plan at the last good mbs is used."""
@@ -187,11 +189,12 @@ def sample_job_batches(config: PipeTuneTrainer.Config, model: ModelConfig) -> li
                           count=8, seed=dl.seed, overlong=dl.overlong)
 
 
-def search_layout(config: PipeTuneTrainer.Config, model: ModelConfig, table: LatencyTable, sample: list[BatchMeta]) -> LayoutSearchResult:
-    """The ``auto`` layout search of a job: its latency table, memory and micro-batch limits."""
+def layout_search(config: PipeTuneTrainer.Config, model: ModelConfig, table: LatencyTable, sample: list[BatchMeta]) -> LayoutSearch:
+    """The layout search of a job (``auto``, and the partitioner for ``separated``): its latency
+    table, memory and micro-batch limits, on ``sample``."""
     pt, pp = config.pipetune, config.parallelism.pipeline_parallel_degree
     return LayoutSearch(model, CostModel(table, StageLayout.even(model.backbone.n_layers, pp)), sample, max_seq_len=config.training.seq_len,
-                        memory_bytes=pt.memory_gib * 2**30, max_mbs=pt.max_mbs, seed=config.dataloader.seed).search()
+                        memory_bytes=pt.memory_gib * 2**30, max_mbs=pt.max_mbs, seed=config.dataloader.seed)
 
 
 def _pipeline_only(parallelize_fn, encoder_chunks=()):
@@ -208,7 +211,15 @@ def _pipeline_only(parallelize_fn, encoder_chunks=()):
     def parallelize(model, *, parallel_dims, **kwargs):
         rank = parallel_dims.get_mesh("pp").get_local_rank()
         keep_encoder_chunks(model.vision_encoder, encoder_chunks, local_encoder_chunks(rank, parallel_dims.pp, encoder_chunks))
-        return parallelize_fn(model, parallel_dims=parallel_dims, skip_dp=True, **kwargs)
+        if getattr(model, "vision_adapter", None) is not None:
+            return parallelize_fn(model, parallel_dims=parallel_dims, skip_dp=True, **kwargs)
+        # a part with encoder chunks but no adapter (not stage 0): Muse Glimmer's parallelize_fn
+        # asserts that a vision encoder comes with its adapter, so it parallelises the part
+        # without its encoder chunks (with no TP, compile or activation checkpointing on them)
+        chunks, model.vision_encoder = model.vision_encoder, None
+        model = parallelize_fn(model, parallel_dims=parallel_dims, skip_dp=True, **kwargs)
+        model.vision_encoder = chunks
+        return model
 
     return parallelize
 
@@ -227,10 +238,12 @@ class PipeTuneTrainer(Trainer):
         pp = config.parallelism.pipeline_parallel_degree
         if pp < 2:
             raise ValueError("PipeTuneTrainer plans pipelines: set parallelism.pipeline_parallel_degree >= 2")
-        self.encoder_chunks = self._encoder_chunks(config)
         self.table = load_latency_table(pt.latency_table, model=self.planning_model, tp=1)
         self.layout = self._choose_layout(config, pp)
-        logger.info(f"pipetune layout ({pt.layout}): backbone layers per stage {self.layout.layers_per_stage()}")
+        self.encoder_chunks = self.layout.encoder_chunks if self.layout.is_separated else ()
+        logger.info(f"pipetune layout ({pt.layout}): backbone layers per stage {self.layout.layers_per_stage()}"
+                    + (f"; separated encoder, blocks per chunk {[hi - lo for lo, hi in self.encoder_chunks]}, "
+                       f"{self.layout.image_sub_batch} images per sub-microbatch" if self.encoder_chunks else ""))
         vision = [m for m in VISION_MODULES if getattr(spec.model, m, None) is not None]
         config.parallelism.module_fqns_per_model_part = layout_fqns(spec, self.layout, vision, separated=bool(self.encoder_chunks))
         config.model_spec = dataclasses.replace(spec, parallelize_fn=_pipeline_only(spec.parallelize_fn, self.encoder_chunks))
@@ -246,19 +259,16 @@ class PipeTuneTrainer(Trainer):
             self._sampled = sample_job_batches(config, self.planning_model)
         return self._sampled
 
-    @staticmethod
-    def _encoder_chunks(config: Config) -> tuple[tuple[int, int], ...]:
-        """The encoder's block ranges of a separated job (DIP's layout; empty when co-located)."""
-        if config.pipetune.layout != "separated":
-            return ()
-        raise ValueError("pipetune.layout = separated: the separated planner is not wired into the trainer yet (the executor runs "
-                         "separated plans and the trainer builds their model parts); train with layout even, auto or layer counts")
-
     def _choose_layout(self, config: Config, pp: int) -> StageLayout:
-        """``even``, explicit counts, or ``auto``: the layout search on the sampled batches."""
-        if config.pipetune.layout != "auto":
-            return StageLayout.parse(config.pipetune.layout, self.planning_model.backbone.n_layers, pp)
-        return search_layout(config, self.planning_model, self.table, self._sample(config)).best.layout
+        """``even`` or explicit counts; ``separated``: the partitioner's layout; ``auto``: the faster
+        of the best co-located split and the separated layout on the sampled batches."""
+        layout = config.pipetune.layout
+        if layout not in ("auto", "separated"):
+            return StageLayout.parse(layout, self.planning_model.backbone.n_layers, pp)
+        search = layout_search(config, self.planning_model, self.table, self._sample(config))
+        if layout == "separated":
+            return search.partition().layout
+        return search.search(separated=self.planning_model.encoder is not None).best.layout
 
     def _build_pipetune(self, config: Config, pp: int) -> None:
         pt = config.pipetune
@@ -362,6 +372,7 @@ class PipeTuneTrainer(Trainer):
                   "micro_batches": plan.num_micro_batches, "order": list(plan.order),
                   "precomputed_encoders": sum(t.precomputed for t in timeline), "predicted_s": plan.predicted_s,
                   "measured_s": measured, "loss": loss, "fallback": plan.fallback, "layout": self.layout.layers_per_stage(),
+                  "separated": self.layout.is_separated,
                   "samples": [list(mb) for mb in plan.micro_batches]}
         if self.rank == 0:
             self._learn(batch, plan, timeline, measured, record)
