@@ -1,28 +1,30 @@
-"""Even vs searched (``auto``) stage layout in real TorchTitan training, 2 gloo ranks.
+"""Stage layouts in real TorchTitan training, 2 gloo ranks: even, the searched co-located split,
+and DIP's separated layout.
 
 The job is ``pipetune_muse_glimmer_heavy_vit`` (``torchtitan_patches/titan/config_registry.py``): a
 Muse Glimmer whose trained ViT costs more than its backbone on a DataMix3 batch (1.5 x the FLOPs),
-so the even split leaves stage 0 (encoder + half the layers) the straggler and the layout search
-moves layers to stage 1. The benchmark prepares the job's data and latency table once, then launches
-TorchTitan's trainer (``benchmarks/titan_jobs.py``) with ``--pipetune.layout even`` and ``auto`` from
-the same data, seed and initial weights, in ``--rounds`` rounds ordered even, auto / auto, even /
-... so that a linear drift of the machine's speed hits both alike. From the per-step records it
-prints:
+so the even split leaves stage 0 (encoder + half the layers) the straggler. The layout search
+moves backbone layers off stage 0 (``split``: the best co-located layout, issue 12), and the
+partitioner spreads the encoder in chunks over both ranks (``separated``, issue 13); the trainer's
+``auto`` takes whichever it predicts faster. The benchmark prepares the job's data and latency
+table once, then launches TorchTitan's trainer (``benchmarks/titan_jobs.py``) once per layout
+and round, the order rotating between rounds so that drift in the machine's speed hits every
+layout alike. From the per-step records it prints:
 
-* what the layout search predicted before training (the trainer's ``auto``: 8 sampled batches,
-  profiled table): each layout's expected iteration time and per-stage busy fraction;
-* per job: the layers per stage it ran, mean measured and predicted pipeline time (the planner's
-  online prediction, made before the step) and mean |error|, the first ``--warmup`` steps left out;
-* per layout over all rounds, and the measured vs predicted cut of auto against even;
-* noise: the same layout's mean in different rounds, and the cut measured in each round.
+* what the search predicted before training (8 sampled batches, profiled table): each layout's
+  expected iteration time and per-rank busy fraction;
+* per job: mean measured and predicted pipeline time (the planner's online prediction, made before
+  the step) and mean |error|, the first ``--warmup`` steps left out;
+* measured vs predicted cut of ``split`` and ``separated`` against ``even``, and of ``separated``
+  against ``split``, with the noise (the cut measured in each round; the same layout's mean in
+  different rounds).
 
-Both layouts train the same batches from the same weights (the split changes no gradient), so the
-loss curves agree up to float rounding; their differences are printed as a check.
+Even and split train the same batches from the same weights (a backbone split changes no
+gradient), so their loss curves agree up to float rounding (printed as a check). A separated job's
+parts are initialised by TorchTitan part by part, so it starts from other weights; its gradients
+are tested against the unsplit model in ``tests/test_titan_trainer.py``.
 
     .venv/bin/python benchmarks/layout_real.py --rounds 2 --steps 20
-
-About 50 s per job on two CPU cores (20 steps of 1.2-1.6 s pipeline time, plus start-up and the
-optimizer), so ``--rounds 2`` takes about 3.5 minutes after a one-off ``prepare`` of about 40 s.
 """
 
 from __future__ import annotations
@@ -36,25 +38,27 @@ import numpy as np
 from titan_jobs import ROOT, prepare, run_job
 
 CONFIG = "pipetune_muse_glimmer_heavy_vit"
-LAYOUTS = ("even", "auto")
+LAYOUTS = ("even", "split", "separated")
 
 
 def search_prediction(out: Path):
-    """The layout search exactly as the trainer's ``auto`` runs it on this job's defaults."""
+    """The layout search exactly as the trainer runs it on this job's defaults (``auto`` picks the
+    faster of ``split`` and ``separated``)."""
     from pipetune.cost import load_latency_table
     from torchtitan_patches.titan import config_registry
     from torchtitan_patches.titan.model_spec import planning_model_config
-    from torchtitan_patches.titan.trainer import sample_job_batches, search_layout
+    from torchtitan_patches.titan.trainer import layout_search, sample_job_batches
 
     config = getattr(config_registry, CONFIG)()
     config.dataloader.dataset_path = str(out / "data")
     pt = config.pipetune
     model = planning_model_config(config.model_spec, image_grid=pt.image_grid, encoder_frozen=pt.freeze_vision_encoder)
-    return search_layout(config, model, load_latency_table(out / "table.json", model=model, tp=1), sample_job_batches(config, model))
+    table = load_latency_table(out / "table.json", model=model, tp=1)
+    return layout_search(config, model, table, sample_job_batches(config, model)).search(separated=True)
 
 
-def run_layout(layout: str, out: Path, args) -> list[dict]:
-    dump = out / f"layout_{layout}_{len(list(out.glob(f'layout_{layout}_*')))}"  # a new folder: records are appended
+def run_layout(name: str, layout: str, out: Path, args) -> list[dict]:
+    dump = out / f"layout_{name}_{len(list(out.glob(f'layout_{name}_*')))}"  # a new folder: records are appended
     return run_job(dump, {"dataloader.dataset_path": out / "data", "pipetune.latency_table": out / "table.json",
                           "pipetune.layout": layout, "training.steps": args.steps, "debug.seed": 0},
                    config=CONFIG, timeout=900)
@@ -80,46 +84,45 @@ def main(argv=None) -> int:
     prepare(args.out, CONFIG, "--mix", args.mix)
     search = search_prediction(args.out)
     print(f"TorchTitan {CONFIG}, 2 gloo ranks, {args.mix}; layout search before training (profiled table, 8 sampled batches):")
-    for tag, s in (("even", search.even), ("auto", search.best)):
-        print(f"  {tag}: layers per stage {s.layout.layers_per_stage()}, expected iteration {s.iter_s * 1e3:.0f} ms, "
-              f"busy per stage {np.round(s.busy, 2).tolist()}")
-    print(f"  expected cut of auto vs even: {search.cut_vs_even:.1%}")
+    predicted = {"even": search.even, "split": search.split, "separated": search.separated}
+    for tag, sc in predicted.items():
+        print(f"  {tag:9}: layers per stage {sc.layout.layers_per_stage()}"
+              + (f", encoder blocks per chunk {[hi - lo for lo, hi in sc.layout.encoder_chunks]}" if sc.layout.is_separated else "")
+              + f", expected iteration {sc.iter_s * 1e3:.0f} ms, busy per rank {np.round(sc.busy, 2).tolist()}")
+    print(f"  auto picks {'separated' if search.best.layout.is_separated else 'split'}")
+    flags = {"even": "even", "split": ",".join(map(str, search.split.layout.layers_per_stage())), "separated": "separated"}
 
-    runs: dict[str, list[list[dict]]] = {layout: [] for layout in LAYOUTS}
+    runs: dict[str, list[list[dict]]] = {name: [] for name in LAYOUTS}
     for r in range(args.rounds):
-        for layout in LAYOUTS if r % 2 == 0 else LAYOUTS[::-1]:
-            runs[layout].append(run_layout(layout, args.out, args))
-    auto_layout = runs["auto"][0][0]["layout"]
-    if auto_layout != search.best.layout.layers_per_stage():
-        print(f"warning: the auto jobs ran {auto_layout}, not the search's {search.best.layout.layers_per_stage()} (job settings differ?)")
+        for name in LAYOUTS[r % 3:] + LAYOUTS[: r % 3]:
+            runs[name].append(run_layout(name, flags[name], args.out, args))
 
     print(f"\n{args.steps} steps per job, first {args.warmup} left out; times are pipeline times (first action start to last end)")
-    print(f"{'layout':7} {'round':>5} {'layers':>9} {'measured (ms)':>14} {'predicted (ms)':>15} {'|error|':>8} {'micro-batches':>14}")
+    print(f"{'layout':10} {'round':>5} {'measured (ms)':>14} {'predicted (ms)':>15} {'|error|':>8} {'micro-batches':>14}")
     mean = {}
-    for layout, jobs in runs.items():
+    for name, jobs in runs.items():
         for r, job in enumerate(jobs):
             m, pr, err = timing(job[args.warmup:])
             mbs = np.mean([x["micro_batches"] for x in job[args.warmup:]])
-            print(f"{layout:7} {r:5} {str(job[0]['layout']):>9} {m * 1e3:14.1f} {pr * 1e3:15.1f} {err:8.1%} {mbs:14.1f}")
-        mean[layout] = timing([x for job in jobs for x in job[args.warmup:]])
-        m, pr, err = mean[layout]
-        print(f"{layout:7} {'all':>5} {'':9} {m * 1e3:14.1f} {pr * 1e3:15.1f} {err:8.1%}")
+            print(f"{name:10} {r:5} {m * 1e3:14.1f} {pr * 1e3:15.1f} {err:8.1%} {mbs:14.1f}")
+        mean[name] = timing([x for job in jobs for x in job[args.warmup:]])
+        m, pr, err = mean[name]
+        print(f"{name:10} {'all':>5} {m * 1e3:14.1f} {pr * 1e3:15.1f} {err:8.1%}")
 
-    cut = 1 - mean["auto"][0] / mean["even"][0]
-    predicted_cut = 1 - mean["auto"][1] / mean["even"][1]
-    print(f"\nauto vs even: measured cut {cut:.1%}, predicted cut {predicted_cut:.1%} (difference {abs(cut - predicted_cut):.1%}; "
-          f"mean |error| of the per-step predictions: even {mean['even'][2]:.1%}, auto {mean['auto'][2]:.1%})")
+    print()
+    for a, b in (("split", "even"), ("separated", "even"), ("separated", "split")):
+        cut = 1 - mean[a][0] / mean[b][0]
+        predicted_cut = 1 - mean[a][1] / mean[b][1]
+        rounds = [1 - timing(x[args.warmup:])[0] / timing(y[args.warmup:])[0] for x, y in zip(runs[a], runs[b])]
+        print(f"{a} vs {b}: measured cut {cut:.1%}, predicted cut {predicted_cut:.1%} (difference {abs(cut - predicted_cut):.1%}); "
+              f"measured per round {', '.join(f'{c:.1%}' for c in rounds)}")
     if args.rounds > 1:
-        per_round = [1 - timing(a[args.warmup:])[0] / timing(e[args.warmup:])[0] for e, a in zip(runs["even"], runs["auto"])]
-        spread = {layout: [timing(job[args.warmup:])[0] for job in jobs] for layout, jobs in runs.items()}
-        spread = {k: (max(v) - min(v)) / np.mean(v) for k, v in spread.items()}
-        print(f"noise: measured cut per round {', '.join(f'{c:.1%}' for c in per_round)}; the same layout's mean differs between rounds "
-              f"by {spread['even']:.1%} (even) and {spread['auto']:.1%} (auto)")
-    else:
-        print("noise: run --rounds 2 or more to see it")
+        spread = {name: [timing(job[args.warmup:])[0] for job in jobs] for name, jobs in runs.items()}
+        print("noise: the same layout's mean differs between rounds by " + ", ".join(
+            f"{(max(v) - min(v)) / np.mean(v):.1%} ({k})" for k, v in spread.items()))
     a = np.array([x["loss"] for x in runs["even"][0]])
-    b = np.array([x["loss"] for x in runs["auto"][0]])
-    print(f"loss curves, even vs auto (round 0): step 1 |difference| {abs(a[0] - b[0]):.1e}, largest {np.abs(a - b).max():.1e} over "
+    b = np.array([x["loss"] for x in runs["split"][0]])
+    print(f"loss curves, even vs split (round 0): step 1 |difference| {abs(a[0] - b[0]):.1e}, largest {np.abs(a - b).max():.1e} over "
           f"{len(a)} steps (plans differ per layout, so summation order does; AdamW amplifies the rounding; losses {a[0]:.4f} -> {a[-1]:.4f})")
     return 0
 
