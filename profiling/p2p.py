@@ -3,10 +3,11 @@
 Two processes ping-pong tensors of growing size over the backend the runtime uses (gloo on CPU,
 NCCL when two GPUs are visible); one-way time is half the fastest round trip of the repeats
 (contention from other processes only ever adds time, so the minimum is the transport's own cost,
-and a busy 2-core machine no longer hides the growth with size), and a least-squares line through (bytes, seconds) gives latency and bandwidth. Messages go up to at
-least ``MIN_TOP_BYTES`` so that the bandwidth term dominates the largest ones; when the times
-still do not grow with size (a machine too noisy to measure) the benchmark fails with a message
-instead of reporting a made-up bandwidth.
+and a busy 2-core machine no longer hides the growth with size), and a least-squares line through
+(bytes, seconds) gives latency and bandwidth. Messages go up to at least ``MIN_TOP_BYTES`` so
+that the bandwidth term dominates the largest ones; when the times still do not grow with size (a
+machine too noisy to measure) the benchmark fails with a message instead of reporting a made-up
+bandwidth.
 """
 
 from __future__ import annotations

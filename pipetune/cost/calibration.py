@@ -14,8 +14,9 @@ the same size) would otherwise take an absurd value. Unknowns no observation exe
 their value.
 
 The residuals of the fit give the table's variability model (``pipetune.cost.variability``): the
-spread of measured over predicted time of a stage's forward + backward and of an encoder forward,
-as a function of predicted time (a kind with too few observations keeps its previous spread).
+spread of measured over predicted time of a stage's forward + backward and of an encoder action
+(forward, or backward when trained), as a function of predicted time (a kind with too few
+observations keeps its previous spread).
 
 Observations come from ``pipetune calibrate`` (isolated stage timings) or from the runtime's own
 action timelines (``torchtitan_patches.pipeline.calibrate``).
@@ -100,7 +101,8 @@ class Design:
         return (self.X[:, UNKNOWNS.index("fwd_s")] == 1) & (self.X[:, UNKNOWNS.index("bwd_s")] == 1)
 
     def encoder_rows(self) -> np.ndarray:
-        """Rows observing an encoder forward (its only non-zero unknown is the encoder scale)."""
+        """Rows observing encoder work, a chunk's forward or backward (its only non-zero unknown is
+        the encoder scale)."""
         return self.X[:, UNKNOWNS.index("encoder")] > 0
 
 

@@ -15,10 +15,10 @@ relative variance on an action of ``d`` seconds falls as ``1 / d``. ``min_s`` is
 predicted action the fit saw; shorter ones keep the variance it has there, so the model never
 extrapolates ``1 / d`` towards infinity.
 
-Why this form: on the 2-core CPU test machine (tiny model, 2 gloo ranks, two runs of
-``torchtitan_patches.train`` with 45 measured steps each, 508-606 stage and 242-282 encoder
-observations per run; other jobs running, load average 4 on 2 cores, so these are spreads under
-contention and table misfit, not clean jitter), the log-ratio variance of encoder forwards fell
+Why this form: on the 2-core CPU test machine (tiny model, 2 gloo ranks, two pipelined training
+runs with 45 measured steps each, 508-606 stage and 242-282 encoder observations per run; other
+jobs running, load average 4 on 2 cores, so these are spreads under contention and table misfit,
+not clean jitter), the log-ratio variance of encoder forwards fell
 from 1.07-1.39 (0.7-1 ms) to 0.73 (1.3-2 ms) in one run and from 0.96 (1-1.2 ms) to 0.44
 (2-3 ms) in the other; for stage actions the shortest sixth (9-70 ms) had 0.11 and 0.096
 against 0.060-0.095 for the longer ones (up to 325 ms), a weaker and not monotonic trend.

@@ -3,7 +3,7 @@
 A pure function from (placement, sub-microbatches, latencies, unit priorities, per-rank memory
 limit) to a per-rank action table, built by list scheduling: every rank keeps a queue of ready
 forwards and one of ready backwards (an action is ready once all its producers are scheduled; it
-can start when they end and their messages arrive). Each step takes the rank that can start an
+can start when they end and their messages arrive). Each round takes the rank that can start an
 action earliest and picks on it:
 
 1. if both a forward and a backward could start as soon as the rank is free, the other kind than

@@ -14,13 +14,13 @@ sub-microbatch of its micro-batch): all ranks' compute actions are replayed in l
 it produces, its SEND goes into the sender's list and the matching RECV into the receiver's list
 at that same moment. Every pair's messages are therefore posted in one global order on both
 sides, and that order is a serial execution of the whole plan, which is why no circular wait can
-arise, even with rendezvous sends. Receives are posted as
-early as that order allows (the message then arrives while the rank computes) and waited on right
-before the action that consumes them. We do not apply torch's ``_defer_recv_ops``: it moves a
-higher rank's RECV after its SENDs to the same peer, which is safe only where sends are buffered,
-and breaks the identical per-pair order. ``tests/test_lowering_fifo.py`` checks 1,000 random
-plans on simulated in-order transports (one queue per pair, rendezvous sends, and one queue per
-rank as NCCL runs batched point-to-point calls) and that this pass orders like torch's.
+arise, even with rendezvous sends. Receives are posted as early as that order allows (the message
+then arrives while the rank computes) and waited on right before the action that consumes them.
+We do not apply torch's ``_defer_recv_ops``: it moves a higher rank's RECV after its SENDs to the
+same peer, which is safe only where sends are buffered, and breaks the identical per-pair order.
+``tests/test_lowering_fifo.py`` checks 1,000 random plans on simulated in-order transports (one
+queue per pair, rendezvous sends, and one queue per rank as NCCL runs batched point-to-point calls)
+and that this pass orders like torch's.
 
 Adjacent posts (a send and receives placed between two compute actions) form one ``Post`` step,
 which the executor issues as one ``batch_isend_irecv`` so that they are in flight together.

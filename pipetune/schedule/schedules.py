@@ -7,7 +7,7 @@ forward ``E0F{j}`` sits immediately before ``0F{j}`` and, when the encoder is tr
 backward ``E0B{j}`` immediately after ``0B{j}``. ``place_encoders`` moves encoder forwards earlier
 (pre-computation). Generated tables are valid by construction (the tests check it);
 ``ScheduleTable.validate`` and ``compile_schedule`` check any table, generated or not. The
-separated layout's tables come from ``pipetune.schedule.interleave``.
+separated layout's tables come from ``pipetune.plan.interleave``.
 """
 
 from __future__ import annotations

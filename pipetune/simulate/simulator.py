@@ -255,10 +255,10 @@ def makespans_over(dag: CompiledSchedule, lats: Sequence[Latencies], orders: np.
     orders = _orders(dag, orders)
     if float_slots is None:
         float_slots = np.broadcast_to(dag.float_slot, (len(orders), len(dag.float_slot)))
-    K, step = len(lats), max(1, CHUNK // len(lats))
+    K, block = len(lats), max(1, CHUNK // len(lats))
     out = []
-    for lo in range(0, len(orders), step):
-        o, slots = orders[lo : lo + step], float_slots[lo : lo + step]
+    for lo in range(0, len(orders), block):
+        o, slots = orders[lo : lo + block], float_slots[lo : lo + block]
         gs = [_gather(dag, lat, o) for lat in lats]
         g = _Gathered(np.hstack([x.dur for x in gs]), np.hstack([x.comm for x in gs]), np.vstack([x.float_dur for x in gs]),
                       np.vstack([x.buf_bytes for x in gs]))

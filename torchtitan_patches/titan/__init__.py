@@ -5,7 +5,8 @@ pipetune's per-step plans need it.
   config section;
 * ``config_registry``: ``--module torchtitan_patches.titan --config <fn>`` job configs;
 * ``dataloader``: pipetune's stateful loader as a ``BaseDataLoader``;
-* ``stages``: TorchTitan model parts as the executor's stages, the vision encoder as ``E`` actions;
+* ``stages``: TorchTitan model parts as the executor's stages, the vision encoder (whole or in chunks)
+  as the plan's encoder actions;
 * ``model_spec``: TorchTitan's Muse Glimmer spec with attention that trains on CPU, and pipetune's
   planning shapes derived from the TorchTitan config;
 * ``attention`` / ``vision``: the CPU attention backends behind TorchTitan's interfaces;

@@ -55,8 +55,9 @@ def original_muse_glimmer_mm() -> PipeTuneTrainer.Config:
 def pipetune_muse_glimmer_heavy_vit() -> PipeTuneTrainer.Config:
     """A Muse Glimmer whose trained vision encoder costs more than its backbone (``heavy_vit`` in
     ``titan.model_spec``: ViT 10 x 192 over 8 x 8 patches per image, backbone 8 x 128), on 2
-    pipeline stages: the setting where the stage layout matters, since stage 0 runs the whole
-    encoder (``benchmarks/layout_real.py`` trains it with the even and the searched layout).
+    pipeline stages: the setting where the stage layout matters, since stage 0 of a co-located
+    layout runs the whole encoder (``benchmarks/layout_real.py`` trains it with the even, the
+    searched and the separated layout).
 
     Data: DataMix3 (``python -m torchtitan_patches.titan.prepare --config
     pipetune_muse_glimmer_heavy_vit --mix datamix3 --out out/titan_heavy``). GBS 12 at seq_len 512

@@ -199,7 +199,7 @@ def layout_search(config: PipeTuneTrainer.Config, model: ModelConfig, table: Lat
 
 def _pipeline_only(parallelize_fn, encoder_chunks=()):
     """The model's ``parallelize_fn`` without data parallelism: with one replica FSDP shards
-    nothing, and its lazy initialisation refuses a submodule (the encoder of an ``E`` action)
+    nothing, and its lazy initialisation refuses a submodule (the encoder, run by its own actions)
     running before the root module. With ``encoder_chunks`` (DIP's separated layout: the
     encoder's block ranges), each rank's part is first cut to its encoder chunks (still on the
     meta device: TorchTitan materialises the parts after parallelising them)."""
