@@ -70,7 +70,7 @@ def test_the_trainers_parallelize_wrapper_cuts_each_part_to_its_encoder_chunks()
     spec = muse_glimmer_spec("heavy_vit")
     with torch.device("meta"):
         whole = spec.model.build()
-    fqns = layout_fqns(spec, StageLayout.even(8, 2), list(VISION_MODULES), separated=True)
+    fqns = layout_fqns(StageLayout.even(8, 2), list(VISION_MODULES), separated=True)
     assert all(f[0] == "vision_encoder" for f in fqns) and "vision_adapter" in fqns[0] and "vision_adapter" not in fqns[1]
     assert _split_module(whole, ["vision_encoder.layers.3"]).vision_encoder is None  # why the trainer cuts the encoder itself
     seen = []

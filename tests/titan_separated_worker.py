@@ -63,7 +63,7 @@ def main() -> None:
     whole.vision_encoder.requires_grad_(trained)
 
     vision = [m for m in VISION_MODULES if getattr(spec.model, m, None) is not None]
-    fqns = layout_fqns(spec, StageLayout.even(model.backbone.n_layers, world), vision, separated=True)
+    fqns = layout_fqns(StageLayout.even(model.backbone.n_layers, world), vision, separated=True)
     part = _split_module(whole, fqns[rank])
     local = local_encoder_chunks(rank, world, CHUNKS)
     keep_encoder_chunks(part.vision_encoder, CHUNKS, local)

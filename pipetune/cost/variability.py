@@ -61,10 +61,6 @@ class Spread:
         if self.log_var_s > 0 and self.min_s <= 0:
             raise ValueError(f"min_s must be > 0 when log_var_s > 0 (got {self.min_s!r})")
 
-    @property
-    def zero(self) -> bool:
-        return self.log_var == 0 and self.log_var_s == 0
-
     def variance(self, predicted_s: np.ndarray) -> np.ndarray:
         """Log-ratio variance of actions predicted to take ``predicted_s`` seconds."""
         d = np.asarray(predicted_s, dtype=np.float64)

@@ -87,7 +87,6 @@ class Guard:
         self.backoff = config.backoff
         self.fallback_left = 0
         self.since_probe = 0
-        self.last = Decision(GuardState.TUNED, math.nan, math.nan)
 
     def choose(self) -> PlanKind:
         """The kind of plan the next step runs (advances the probe counter)."""
@@ -115,8 +114,7 @@ class Guard:
                 self.advantage.clear()
         elif kind is PlanKind.TUNED:
             self._judge()
-        self.last = self._decision()
-        return self.last
+        return self._decision()
 
     def _estimate(self) -> tuple[float, float]:
         """Mean advantage corrected by the baseline's measured bias, and its standard error."""
@@ -157,4 +155,3 @@ class Guard:
         self.advantage = deque(state["advantage"], maxlen=self.config.window)
         self.bias = {k: deque(state["bias"][k.value], maxlen=self.config.window) for k in PlanKind}
         self.backoff, self.fallback_left, self.since_probe = state["backoff"], state["fallback_left"], state["since_probe"]
-        self.last = self._decision()

@@ -254,11 +254,6 @@ def build_vlm(model: ModelConfig, *, max_seq_len: int, seed: int = 0, device: to
     return encoder, stages[0]
 
 
-def parameter_bytes(*modules: nn.Module | None) -> int:
-    """Bytes of the parameters of ``modules`` (meta tensors count by shape)."""
-    return sum(p.numel() * p.element_size() for m in modules if m is not None for p in m.parameters())
-
-
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Sum of next-token cross-entropies; the caller divides by the global label-token count."""
     return F.cross_entropy(

@@ -213,7 +213,7 @@ class PlanExecutor:
             raise PlanMismatchError(f"step {plan.step}: the ranks' encoder chunks do not cut the encoder into consecutive layer "
                                     f"ranges ({where}); build every rank's chunks from one layout")
 
-    def _check_runnable(self, batch: GlobalBatch, plan: IterationPlan) -> None:
+    def _check_runnable(self, plan: IterationPlan) -> None:
         p = plan.placement
         for module, held in ((Module.BACKBONE, self.stages), (Module.ENCODER, self.encoder if plan.encoder else {})):
             what = "encoder chunk" if module is Module.ENCODER else "backbone stage"
@@ -238,7 +238,7 @@ class PlanExecutor:
         t0 = time.perf_counter()
         if batch.sample_ids != [list(mb) for mb in plan.micro_batches]:
             raise PlanMismatchError(f"rank {self.rank}: batch {batch.step} was not packed as plan {plan.step} says")
-        self._check_runnable(batch, plan)
+        self._check_runnable(plan)
         images = plan.image_ranges([mb.num_images for mb in batch.micro_batches])
         digests = self._digests(batch, plan)
         table = plan.table()

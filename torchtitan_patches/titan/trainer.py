@@ -164,7 +164,7 @@ class PipeTuneSettings(Configurable):
                                  f"{self.guard_probe_every} and {self.guard_window}")
 
 
-def layout_fqns(model_spec, layout: StageLayout, parts: list[str], *, separated: bool = False) -> list[list[str]]:
+def layout_fqns(layout: StageLayout, parts: list[str], *, separated: bool = False) -> list[list[str]]:
     """TorchTitan module names per pipeline stage for ``layout`` (the vision stack and embeddings
     on stage 0, norm and head on the last stage). ``separated`` (DIP's layout): every stage keeps
     ``vision_encoder``, which ``keep_encoder_chunks`` then cuts to the rank's encoder chunks
@@ -245,7 +245,7 @@ class PipeTuneTrainer(Trainer):
                     + (f"; separated encoder, blocks per chunk {[hi - lo for lo, hi in self.encoder_chunks]}, "
                        f"{self.layout.image_sub_batch} images per sub-microbatch" if self.encoder_chunks else ""))
         vision = [m for m in VISION_MODULES if getattr(spec.model, m, None) is not None]
-        config.parallelism.module_fqns_per_model_part = layout_fqns(spec, self.layout, vision, separated=bool(self.encoder_chunks))
+        config.parallelism.module_fqns_per_model_part = layout_fqns(self.layout, vision, separated=bool(self.encoder_chunks))
         config.model_spec = dataclasses.replace(spec, parallelize_fn=_pipeline_only(spec.parallelize_fn, self.encoder_chunks))
         super().__init__(config)
         if self.parallel_dims.world_size != pp:
