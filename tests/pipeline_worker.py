@@ -141,7 +141,7 @@ def equal_grads(rank, world, data, opts):
         res = ex.run(batch, plan)
         results[name] = (res.loss, grads(stages, encoder), batch)
         out[f"precomputed_{name}"] = sum(t.precomputed for t in res.timeline)
-        out[f"encoder_backward_{name}"] = sum(t.action.is_encoder and t.action.op.value == "B" for t in res.timeline)
+        out[f"encoder_backward_{name}"] = sum(t.action.is_encoder and t.action.op is Op.BACKWARD for t in res.timeline)
         zero_grads(*stages.values(), *encoder.values())
     ref_encoder, whole = build_vlm(model, max_seq_len=4 * MAX_SEQ_LEN, seed=0, attention_backend="sdpa")
     ref_loss = reference_step(ref_encoder, whole, results["a"][2], DTYPES[opts.get("dtype", "fp32")])

@@ -120,7 +120,7 @@ def _separated(args, model, data) -> int:
     cost = CostModel(base.table, base.layout, recompute_encoder=args.recompute_encoder)
     runs, part = compare_layouts(model, cost, data, gbs=args.gbs, max_seq_len=args.max_seq_len, memory_bytes=memory_from_args(args),
                                  iters=args.iters, sample=args.layout_sample, seed=args.data_seed, overlong=args.overlong)
-    best = min((float(r.summary.iter_s.mean()) for r in runs if r.summary is not None and r.name != "separated"), default=float("inf"))
+    best = min((float(r.summary.iter_s.mean()) for r in runs if r.summary is not None and not r.layout.is_separated), default=float("inf"))
     rows = {}
     for r in runs:
         row = {"backbone_layers_per_stage": r.layout.layers_per_stage(), "error": r.error or None}
@@ -131,7 +131,7 @@ def _separated(args, model, data) -> int:
             row.update(mean_iter_s=float(s.iter_s.mean()), lower_bound_s=float(s.lower_bound_s.mean()),
                        search_ms_p50=float(np.percentile(s.search_s, 50) * 1e3), search_ms_max=float(s.search_s.max() * 1e3),
                        mbs_counts={str(k): v for k, v in sorted(s.mbs.items())})
-            if r.name == "separated" and np.isfinite(best):
+            if r.layout.is_separated and np.isfinite(best):
                 row["cut_vs_best_colocated"] = 1 - row["mean_iter_s"] / best
         rows[r.name] = row
     partition = {"image_sub_batch": part.image_sub_batch, "segments": part.segments, "encoder_chunks": len(part.layout.encoder_chunks),
