@@ -19,12 +19,12 @@ from datetime import timedelta
 import numpy as np
 import torch
 import torch.distributed as dist
-from random_schedules import separated_table
+from random_schedules import packed_separated_plan
 
 from pipetune.config import load_model_config
 from pipetune.cost import StageLayout
 from pipetune.packing import PackingConfig
-from pipetune.plan.plan import build_plan, plan_from_table
+from pipetune.plan.plan import build_plan
 from pipetune.schedule import Action, Op, Placement, ScheduleTable, place_encoders
 from pipetune.schedule.lowering import Direction, MessageKind, Post, lower
 from torchtitan_patches.data import DataLoaderConfig
@@ -262,16 +262,8 @@ def separated_plan(model, data, opts, gbs: int = 12):
     """Balanced packing at mbs 2, each micro-batch's images in sub-microbatches of ``sub_batch``,
     the actions of DIP's separated layout in a random valid order (``seed``)."""
     meta = loader(model, data, gbs, None).meta(0)
-    packing = PackingConfig(packer="balanced", mbs=2, max_seq_len=MAX_SEQ_LEN).build(model)(meta.table.lengths, meta.step)
-    groups = [meta.table.ids[g].tolist() for g in packing.groups()]
-    images = [int(meta.table.num_images[g].sum()) for g in packing.groups()]
-    B = opts.get("sub_batch", 2)
-    table = separated_table(np.random.default_rng(opts.get("seed", 0)), ranks=2, segments=opts.get("segments", 2), images_per_mb=images,
-                            image_sub_batch=B, trained=not model.encoder.frozen)
-    order = [a.unit for a in table.ranks[0] if a == Action(0, Op.FORWARD, a.unit)]
-    plan = plan_from_table(table, step=meta.step, micro_batches=groups, order=order, mbs=2, max_seq_len=MAX_SEQ_LEN,
-                           image_sub_batch=B).validate()
-    return plan, images
+    return packed_separated_plan(np.random.default_rng(opts.get("seed", 0)), model, meta, ranks=2, segments=opts.get("segments", 2),
+                                 image_sub_batch=opts.get("sub_batch", 2), trained=not model.encoder.frozen, max_seq_len=MAX_SEQ_LEN)
 
 
 def noise_images(pixels: torch.Tensor, size: int) -> torch.Tensor:

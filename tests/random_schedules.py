@@ -1,5 +1,6 @@
 """Random executable schedule tables, shared by the transport check (test_lowering_fifo.py) and the
-gloo workers that execute them (pipeline_worker.py): any valid order must lower and run."""
+gloo workers that execute them (pipeline_worker.py, titan_separated_worker.py): any valid order must
+lower and run."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ from dataclasses import replace
 
 import numpy as np
 
+from pipetune.data.batch import BatchMeta
+from pipetune.packing import PackingConfig
 from pipetune.packing.sub_batches import SubBatches
-from pipetune.schedule import Action, Placement, ScheduleTable
+from pipetune.plan.plan import IterationPlan, plan_from_table
+from pipetune.schedule import Action, Op, Placement, ScheduleTable
 
 
 def random_order(rng: np.random.Generator, proto: ScheduleTable) -> ScheduleTable:
@@ -49,3 +53,17 @@ def random_separated_table(rng: np.random.Generator) -> ScheduleTable:
     images = rng.integers(0, 7, size=m) * (rng.random(m) < 0.8)
     return separated_table(rng, ranks=P, segments=K, images_per_mb=images, image_sub_batch=int(rng.integers(1, 5)),
                            trained=bool(rng.random() < 0.5))
+
+
+def packed_separated_plan(rng: np.random.Generator, model, meta: BatchMeta, *, ranks: int, segments: int, image_sub_batch: int,
+                          trained: bool, max_seq_len: int, mbs: int = 2) -> tuple[IterationPlan, list[int]]:
+    """``meta``'s batch balance-packed at ``mbs`` and run as a separated plan in a random valid
+    order (``separated_table``); the validated plan and each micro-batch's image count."""
+    packing = PackingConfig(packer="balanced", mbs=mbs, max_seq_len=max_seq_len).build(model)(meta.table.lengths, meta.step)
+    groups = [meta.table.ids[g].tolist() for g in packing.groups()]
+    images = [int(meta.table.num_images[g].sum()) for g in packing.groups()]
+    table = separated_table(rng, ranks=ranks, segments=segments, images_per_mb=images, image_sub_batch=image_sub_batch, trained=trained)
+    order = [a.unit for a in table.ranks[0] if a == Action(0, Op.FORWARD, a.unit)]
+    plan = plan_from_table(table, step=meta.step, micro_batches=groups, order=order, mbs=mbs, max_seq_len=max_seq_len,
+                           image_sub_batch=image_sub_batch).validate()
+    return plan, images

@@ -23,15 +23,13 @@ from datetime import timedelta
 import numpy as np
 import torch
 import torch.distributed as dist
-from random_schedules import separated_table
+from random_schedules import packed_separated_plan
 from titan_reference import unsplit_step
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.pipeline_parallel import _split_module
 
 from pipetune.cost import StageLayout
 from pipetune.packing import PackingConfig
-from pipetune.plan.plan import plan_from_table
-from pipetune.schedule import Action, Op
 from torchtitan_patches.data import DataLoaderConfig
 from torchtitan_patches.pipeline.executor import ImageShapes, PlanExecutor
 from torchtitan_patches.titan.model_spec import muse_glimmer_spec, planning_model_config
@@ -73,14 +71,10 @@ def main() -> None:
 
     cfg = DataLoaderConfig(data=data, gbs=12, max_seq_len=SEQ, packing=PackingConfig(max_seq_len=SEQ))
     meta = cfg.build(model).meta(0)
-    packing = PackingConfig(packer="balanced", mbs=2, max_seq_len=SEQ).build(model)(meta.table.lengths, meta.step)
-    groups = [meta.table.ids[g].tolist() for g in packing.groups()]
-    images = [int(meta.table.num_images[g].sum()) for g in packing.groups()]
     B = opts.get("sub_batch", 2)
-    table = separated_table(np.random.default_rng(opts.get("seed", 0)), ranks=world, segments=len(CHUNKS) // world, images_per_mb=images,
-                            image_sub_batch=B, trained=trained)
-    order = [a.unit for a in table.ranks[0] if a == Action(0, Op.FORWARD, a.unit)]
-    plan = plan_from_table(table, step=0, micro_batches=groups, order=order, mbs=2, max_seq_len=SEQ, image_sub_batch=B).validate()
+    plan, images = packed_separated_plan(np.random.default_rng(opts.get("seed", 0)), model, meta, ranks=world, segments=len(CHUNKS) // world,
+                                         image_sub_batch=B, trained=trained, max_seq_len=SEQ)
+    groups = [list(mb) for mb in plan.micro_batches]
     batch = next(iter(cfg.build(model, packing_source=lambda m: groups)))
     res = ex.run(batch, plan)
 
@@ -91,7 +85,7 @@ def main() -> None:
     ranges = plan.image_ranges(images)
     result = {"errors": errors, "reference": sorted(ref), "zero_grads": sorted(n for n in got if not ref[n].any()), "loss": res.loss, "loss_ref": ref_loss, "chunks": local,
               "blocks": sorted(int(k) for k in part.vision_encoder.layers.keys()),
-              "padded": sum(n < B for _, _, n in ranges), "order": order}
+              "padded": sum(n < B for _, _, n in ranges), "order": list(plan.order)}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
