@@ -306,7 +306,7 @@ def test_separated_chunks_and_sub_micro_batches_by_hand():
 
 
 def test_placement_lower_bound_holds_for_random_separated_plans():
-    from test_lowering_fifo import random_separated_table
+    from random_schedules import random_separated_table
 
     from pipetune.cost.cost_model import rank_work
     from pipetune.simulate.lower_bound import placement_lower_bound

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from torchtitan_patches.data.micro_batch import IMAGE_TOKEN_ID
 from torchtitan_patches.model.attention import varlen_metadata
 from torchtitan_patches.model.vlm import token_loss_sum
 from torchtitan_patches.titan.stages import patchify
@@ -18,7 +19,7 @@ def unsplit_step(model, batch) -> float:
         kwargs = {}
         if mb.num_images:
             patches, grid = patchify(mb.pixel_values, enc.patch_size, enc.patch_temporal)
-            kwargs = {"pixel_values": patches, "grid_thw": grid, "special_tokens": {"image_id": 0}}
+            kwargs = {"pixel_values": patches, "grid_thw": grid, "special_tokens": {"image_id": IMAGE_TOKEN_ID}}
         logits = model(mb.tokens[None], mb.positions[None], varlen_metadata(mb.cu_seqlens), **kwargs)
         loss = token_loss_sum(logits, mb.labels[None]) / batch.num_label_tokens
         loss.backward()
