@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipetune.schedule.table import Action, Buffer, Module, Op, ScheduleTable
 from pipetune.schedule.lowering import MessageKind
+from pipetune.schedule.table import Action, Buffer, Module, Op, ScheduleTable
 from pipetune.simulate.dag import KINDS, MESSAGE_KINDS, CompiledSchedule, compile_schedule
 
 CHUNK = 512  # candidates per pass: [nodes x CHUNK] arrays stay in cache

@@ -57,8 +57,8 @@ from torchtitan.trainer import Trainer
 
 from pipetune.config.model import ModelConfig
 from pipetune.cost import CostModel, LatencyTable, StageLayout, load_latency_table
-from pipetune.data.batch import BatchMeta
 from pipetune.cost.correction import FamilyCorrection
+from pipetune.data.batch import BatchMeta
 from pipetune.data.storage import open_dataset
 from pipetune.plan import Mode, PlannerConfig
 from pipetune.plan.async_planner import AsyncPlanner
