@@ -10,7 +10,7 @@ from pipetune.cost import CostModel, StageLayout, analytical_table
 from pipetune.cost.table import Curve
 from pipetune.data import BatchStream, batch_meta, make_mix
 from pipetune.plan import PlannerConfig
-from torchtitan_patches.pipeline.calibrate import MeasuredStep, OnlineCalibrator, held_out_times, simulate_plan, timeline_observations
+from torchtitan_patches.pipeline.calibrate import MeasuredStep, OnlineCalibrator, fit_steps, held_out_times, simulate_plan, timeline_observations
 
 
 def bend(curve: Curve, k: float) -> Curve:
@@ -128,7 +128,6 @@ def test_makespan_factor_measured_against_the_expected_time():
     from pipetune.cost.variability import Spread, Variability
     from pipetune.simulate import Latencies, simulate
     from pipetune.simulate.jitter import expected_time
-    from torchtitan_patches.pipeline.calibrate import fit_steps
 
     model = load_model_config("7b")
     base = CostModel(analytical_table(model, load_hardware("a100"), tp=4), StageLayout.even(32, 4))
@@ -190,7 +189,5 @@ def test_separated_plans_calibrate_encoder_chunks_forward_and_backward():
         assert {o.part for o in enc} == {"fwd", "bwd"} and {o.stage for o in enc} == {0, 1, 2, 3}
         assert all(o.shapes.images[0] == 8 for o in enc)  # charged at the padded size
         steps.append(MeasuredStep.from_timelines(base, [timeline], plan, meta, simulate_plan(truth, plan, meta).makespan))
-    from torchtitan_patches.pipeline.calibrate import fit_steps
-
     fitted, _ = fit_steps(base, steps)
     assert fitted.table.scale("encoder") == pytest.approx(1.3, rel=0.02) and fitted.recompute_encoder
