@@ -98,11 +98,6 @@ class StageLayout:
     def is_separated(self) -> bool:
         return bool(self.encoder_chunks)
 
-    @property
-    def segments(self) -> int:
-        """Encoder segments ``K`` (passes of the encoder over all ranks); 0 when co-located."""
-        return len(self.encoder_chunks) // self.num_stages
-
     def layers_per_stage(self) -> list[int]:
         return [hi - lo for lo, hi in self.layer_ranges]
 
