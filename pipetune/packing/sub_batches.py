@@ -52,5 +52,5 @@ class SubBatches:
         return self.images if self.size == 0 else np.full(self.count, self.size, np.int64)
 
     def as_tuples(self) -> tuple[tuple[int, int, int], ...]:
-        """``(micro-batch, first image, images)`` per sub-microbatch, as plans store them."""
+        """``(micro-batch, first image, images)`` per sub-microbatch, as ``IterationPlan.image_ranges`` lists them."""
         return tuple((int(j), int(f), int(n)) for j, f, n in zip(self.parent, self.first, self.images))
