@@ -94,7 +94,7 @@ def main(argv=None) -> int:
 
     runs: dict[str, list[list[dict]]] = {name: [] for name in LAYOUTS}
     for r in range(args.rounds):
-        for name in LAYOUTS[r % 3:] + LAYOUTS[: r % 3]:
+        for name in LAYOUTS[r % len(LAYOUTS):] + LAYOUTS[: r % len(LAYOUTS)]:
             runs[name].append(run_layout(name, flags[name], args.out, args))
 
     print(f"\n{args.steps} steps per job, first {args.warmup} left out; times are pipeline times (first action start to last end)")
