@@ -131,7 +131,7 @@ def test_deadline_gives_the_balanced_fallback_at_the_last_good_mbs(setup13b):
     ms = metas("datamix2", n=2)
     first = p.plan(ms[0])
     late = p.plan(ms[1], deadline=time.perf_counter() - 1)
-    assert late.fallback and late.mode == "pipetune-fallback" and late.mbs == first.mbs
+    assert late.fallback and late.mode == "pipetune" and late.mbs == first.mbs
     assert list(late.order) == list(range(late.num_micro_batches))
     balanced = planner(setup13b, mode="balanced", mbs=first.mbs).plan(ms[1])
     assert late.micro_batches == balanced.micro_batches

@@ -128,8 +128,9 @@ def test_step_one_gradients_equal_the_unsplit_model(job, tmp_path, monkeypatch, 
         assert err < 1e-4, f"{name}: relative gradient error {err:.2e}"
 
 
-def test_bad_job_settings_are_named():
+def test_bad_job_settings_are_named(tmp_path):
     from torchtitan_patches.titan.dataloader import PipeTuneTitanDataLoader
+    from torchtitan_patches.titan.plan_source import load_replay
     from torchtitan_patches.titan.trainer import PipeTuneSettings
 
     with pytest.raises(ValueError, match="'fast'"):
@@ -140,6 +141,15 @@ def test_bad_job_settings_are_named():
         PipeTuneSettings.Config(calibrate_steps=-2)
     with pytest.raises(ValueError, match="pipetune.guard_probe_every"):
         PipeTuneSettings.Config(guard_probe_every=1)
+    with pytest.raises(ValueError, match="separated layout's planner scores deterministic"):
+        PipeTuneSettings.Config(layout="separated", jitter_draws=4)
+    with pytest.raises(ValueError, match="line 2: not a pipetune step record"):
+        bad = tmp_path / "steps.jsonl"
+        bad.write_text('{"batch": 1, "plan": "{}"}\n{"batch": 2}\n')
+        load_replay(bad)
+    with pytest.raises(ValueError, match="not a text file of pipetune step records"):
+        bad.write_bytes(b"\xff\xfe")
+        load_replay(bad)
     with pytest.raises(ValueError, match="dataset_path is empty"):
         PipeTuneTitanDataLoader.Config().build(seq_len=512)
     with pytest.raises(ValueError, match="data-parallel degree 2"):

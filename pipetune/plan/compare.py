@@ -83,11 +83,13 @@ def compare_modes(
 
 
 def static_planners(model: ModelConfig, cost: CostModel, *, max_seq_len: int, memory_bytes: float, seed: int = 0,
-                    max_mbs: int = 64) -> dict[tuple[Mode, int], Planner]:
-    """One planner per fixed configuration: packer (original or balanced) x every mbs that fits."""
+                    max_mbs: int = 64, jitter_draws: int = 0) -> dict[tuple[Mode, int], Planner]:
+    """One planner per fixed configuration: packer (original or balanced) x every mbs that fits
+    (``jitter_draws``: predict expected times, as a jitter-aware planner they are compared with)."""
     top = PlannerConfig(mode=Mode.BALANCED, max_seq_len=max_seq_len, memory_bytes=memory_bytes, max_mbs=max_mbs).build(model, cost).max_mbs
     return {
-        (packer, size): PlannerConfig(mode=packer, max_seq_len=max_seq_len, memory_bytes=memory_bytes, mbs=size, seed=seed).build(model, cost)
+        (packer, size): PlannerConfig(mode=packer, max_seq_len=max_seq_len, memory_bytes=memory_bytes, mbs=size, seed=seed,
+                                      jitter_draws=jitter_draws).build(model, cost)
         for packer in (Mode.ORIGINAL, Mode.BALANCED)
         for size in range(1, top + 1)
     }
@@ -102,9 +104,10 @@ def pick_best_static(static: dict[tuple[Mode, int], Planner], rows: dict) -> tup
 
 
 def best_static_planner(model: ModelConfig, cost: CostModel, sample: list[BatchMeta], *, max_seq_len: int, memory_bytes: float,
-                        seed: int = 0, max_mbs: int = 64) -> Planner:
+                        seed: int = 0, max_mbs: int = 64, jitter_draws: int = 0) -> Planner:
     """The best fixed configuration on ``sample`` (batches drawn apart from the ones it will plan)."""
-    static = static_planners(model, cost, max_seq_len=max_seq_len, memory_bytes=memory_bytes, seed=seed, max_mbs=max_mbs)
+    static = static_planners(model, cost, max_seq_len=max_seq_len, memory_bytes=memory_bytes, seed=seed, max_mbs=max_mbs,
+                             jitter_draws=jitter_draws)
     choice = pick_best_static(static, {k: [p.plan(meta) for meta in sample] for k, p in static.items()})
     if choice is None:
         raise ValueError(f"no fixed micro-batch size fits the sampled batches in {memory_bytes / 2**30:.1f} GiB")

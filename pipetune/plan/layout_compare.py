@@ -35,16 +35,17 @@ def compare_layouts(model: ModelConfig, cost: CostModel, data: SampleTable, *, g
     even = cost.with_layout(StageLayout.even(model.backbone.n_layers, cost.num_stages))
     metas = sample_batches(data, model, gbs=gbs, max_seq_len=max_seq_len, count=sample, seed=seed, overlong=overlong)
     search = LayoutSearch(model, even, metas, max_seq_len=max_seq_len, memory_bytes=memory_bytes, seed=seed)
+    layouts = {"even": (even.layout, "")}
     try:
-        layouts, split_error = {"even": even.layout, "split": search.search().split.layout}, ""
+        layouts["split"] = (search.search().split.layout, "")
     except ValueError as e:  # no co-located split fits memory
-        layouts, split_error = {"even": even.layout, "split": even.layout}, str(e)
+        layouts["split"] = (even.layout, str(e))
     part = search.partition()
-    layouts["separated"] = part.layout
+    layouts["separated"] = (part.layout, "")
     runs = []
-    for name, layout in layouts.items():
-        if name == "split" and split_error:
-            runs.append(LayoutRun(name, layout, None, split_error))
+    for name, (layout, error) in layouts.items():
+        if error:
+            runs.append(LayoutRun(name, layout, None, error))
             continue
         try:
             summary = compare_modes(model, cost.with_layout(layout), data, gbs=gbs, max_seq_len=max_seq_len, memory_bytes=memory_bytes,

@@ -292,7 +292,7 @@ class Planner:
         ids = meta.table.ids
         return build_plan(
             step=meta.step,
-            mode=self.config.mode.value if not fallback else f"{self.config.mode.value}-fallback",
+            mode=self.config.mode.value,
             mbs=c.mbs,
             max_seq_len=self.config.max_seq_len,
             num_stages=self.cost.num_stages,

@@ -125,8 +125,9 @@ class OnlineCalibrator:
     table, so errors do not compound. ``jitter_draws``: the planner's (see ``fit_steps``).
     """
 
-    def __init__(self, base: LatencyTable, layout: StageLayout, window: int, *, jitter_draws: int = 0):
-        self.base = CostModel(base, layout)
+    def __init__(self, base: LatencyTable, layout: StageLayout, window: int, *, jitter_draws: int = 0,
+                 recompute_encoder: bool = False):
+        self.base = CostModel(base, layout, recompute_encoder=recompute_encoder)
         self.steps: deque[MeasuredStep] = deque(maxlen=window)
         self.jitter_draws = jitter_draws
 

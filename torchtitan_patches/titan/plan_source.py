@@ -50,15 +50,19 @@ class StepPlan:
 
 def load_replay(path: str | Path) -> dict[int, str]:
     """Plans by batch step from a job's ``steps.jsonl`` (each record's ``plan``)."""
-    out = {}
     try:
-        for k, line in enumerate(Path(path).read_text().splitlines(), 1):
-            rec = json.loads(line)
-            out[int(rec["batch"])] = rec["plan"]
+        lines = Path(path).read_text().splitlines()
     except OSError as e:
         raise ValueError(f"pipetune.replay: cannot read {path}: {e.strerror}") from None
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"pipetune.replay: {path}, line {k}: not a pipetune step record with a plan ({e})") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"pipetune.replay: {path} is not a text file of pipetune step records") from None
+    out = {}
+    for k, line in enumerate(lines, 1):
+        try:
+            rec = json.loads(line)
+            out[int(rec["batch"])] = rec["plan"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"pipetune.replay: {path}, line {k}: not a pipetune step record with a plan ({e})") from None
     return out
 
 

@@ -159,6 +159,9 @@ class PipeTuneSettings(Configurable):
                 raise ValueError("pipetune.budget_s and pipetune.memory_gib must be positive")
             if self.jitter_draws == 1 or self.jitter_draws < 0:
                 raise ValueError(f"pipetune.jitter_draws must be 0 (deterministic) or >= 2, got {self.jitter_draws}")
+            if self.jitter_draws and self.layout == "separated":
+                raise ValueError("pipetune.jitter_draws: the separated layout's planner scores deterministic times only; "
+                                 "set jitter_draws 0 or a co-located layout")
             if self.guard_probe_every < 2 or self.guard_window < 1:
                 raise ValueError(f"pipetune.guard_probe_every must be >= 2 and pipetune.guard_window >= 1, got "
                                  f"{self.guard_probe_every} and {self.guard_window}")
@@ -268,7 +271,8 @@ class PipeTuneTrainer(Trainer):
         search = layout_search(config, self.planning_model, self.table, self._sample(config))
         if layout == "separated":
             return search.partition().layout
-        return search.search(separated=self.planning_model.encoder is not None).best.layout
+        # the separated planner scores deterministic times only, so jitter-aware jobs stay co-located
+        return search.search(separated=self.planning_model.encoder is not None and not config.pipetune.jitter_draws).best.layout
 
     def _build_pipetune(self, config: Config, pp: int) -> None:
         pt = config.pipetune
@@ -297,7 +301,15 @@ class PipeTuneTrainer(Trainer):
         if not isinstance(self.dataloader, PipeTuneTitanDataLoader):
             raise ValueError(f"PipeTuneTrainer needs dataloader = PipeTuneTitanDataLoader.Config, got {type(self.dataloader).__name__}")
         loader = self.dataloader.bind(self.planning_model, packing_source=None)
-        self.source = self._plan_source(config, loader) if self.rank == 0 else None
+        self.source, error = None, [None]
+        if self.rank == 0:  # only rank 0 plans; a planner it cannot build stops every rank, not just rank 0
+            try:
+                self.source = self._plan_source(config, loader)
+            except ValueError as e:
+                error = [str(e)]
+        dist.broadcast_object_list(error, src=0, group=self.control)
+        if error[0] is not None:
+            raise ValueError(f"pipetune: rank 0 cannot plan this job: {error[0]}")
         self.channel = PlanChannel(self.source, group=self.control)
         loader.packing_source = self.channel
         self.records_path = Path(config.dump_folder) / "pipetune" / "steps.jsonl"
@@ -309,11 +321,14 @@ class PipeTuneTrainer(Trainer):
         cost, memory = self.profiled, pt.memory_gib * 2**30
         tuned = PlannerConfig(mode=Mode(pt.mode), max_seq_len=seq, memory_bytes=memory, max_mbs=pt.max_mbs, mbs=pt.mbs or None,
                               seed=seed, jitter_draws=pt.jitter_draws).build(self.planning_model, cost)
-        calibration = [PlannerConfig(mode=Mode.BALANCED, max_seq_len=seq, memory_bytes=memory, mbs=k, seed=seed).build(self.planning_model, cost)
+        # every planner predicts the same kind of time (expected under jitter, or deterministic), so the
+        # per-mbs correction and the guard compare like with like
+        calibration = [PlannerConfig(mode=Mode.BALANCED, max_seq_len=seq, memory_bytes=memory, mbs=k, seed=seed,
+                                     jitter_draws=pt.jitter_draws).build(self.planning_model, cost)
                        for k in range(1, tuned.max_mbs + 1)] if pt.calibrate_steps else []
         guarded = pt.guard and Mode(pt.mode) is Mode.PIPETUNE and replay is None
         baseline = best_static_planner(self.planning_model, cost, self._sample(config), max_seq_len=seq, memory_bytes=memory, seed=seed,
-                                       max_mbs=pt.max_mbs) if guarded else None
+                                       max_mbs=pt.max_mbs, jitter_draws=pt.jitter_draws) if guarded else None
         self.planners = [tuned, *calibration, *([baseline] if baseline else [])]
         self.guard = Guard(GuardConfig(probe_every=pt.guard_probe_every, window=pt.guard_window,
                                        min_steps=min(4, pt.guard_window))) if guarded else None
@@ -355,7 +370,7 @@ class PipeTuneTrainer(Trainer):
         if self.metrics_processor.should_log(self.step):
             extra = {f"pipetune/{k}": record[k] for k in ("mbs", "micro_batches", "precomputed_encoders", "predicted_s", "measured_s")}
             if self.rank == 0:
-                extra["pipetune/baseline_ran"] = float(record["kind"] in (StepKind.BASELINE.value,))
+                extra["pipetune/baseline_ran"] = float(record["kind"] == StepKind.BASELINE.value)
             self.metrics_processor.log(self.step, record["loss"], record["loss"], float(grad_norm.item()),
                                        extra_metrics={**extra, **lr_metrics})
 
@@ -363,7 +378,7 @@ class PipeTuneTrainer(Trainer):
         """Gather every rank's timing and loss (gloo); on rank 0 feed the calibration, correction
         and guard, and write the record."""
         every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, (res.start, res.end, res.timeline, res.loss), group=self.control)
+        dist.all_gather_object(every, (res.start, res.end, res.timeline, res.loss, res.overhead_s), group=self.control)
         start = min(g[0] for g in every)
         measured = max(g[1] for g in every) - start
         loss = next(g[3] for g in every if g[3] is not None)
@@ -371,7 +386,7 @@ class PipeTuneTrainer(Trainer):
         record = {"step": self.step, "batch": batch.step, "mode": plan.mode, "mbs": plan.mbs,
                   "micro_batches": plan.num_micro_batches, "order": list(plan.order),
                   "precomputed_encoders": sum(t.precomputed for t in timeline), "predicted_s": plan.predicted_s,
-                  "measured_s": measured, "loss": loss, "fallback": plan.fallback, "layout": self.layout.layers_per_stage(),
+                  "measured_s": measured, "plan_setup_s": max(g[4] for g in every), "loss": loss, "fallback": plan.fallback, "layout": self.layout.layers_per_stage(),
                   "separated": self.layout.is_separated,
                   "samples": [list(mb) for mb in plan.micro_batches]}
         if self.rank == 0:
