@@ -16,5 +16,5 @@ for packer in original balanced; do
   "$PT" pack --data "$DATA" --model tiny --max-seq-len 512 --mbs 4 --gbs 32 --packer "$packer" --iters 5 | tail -1 | sed "s/^/$packer /"
 done
 echo "== TorchTitan job on 2 gloo ranks (torchrun -m torchtitan.train, Muse Glimmer debugmodel_mm): original, balanced@1, pipetune =="
-.venv/bin/python benchmarks/titan_compare.py --out out/titan "$@" 2>&1 | grep -v -e "^W.*torch.distributed" -e "^\*\*\*\*" -e "OMP_NUM_THREADS" -e "^\s*$" -e "initial_load"
+.venv/bin/python benchmarks/titan_compare.py --out out/titan --rounds 3 "$@" 2>&1 | grep -v -e "^W.*torch.distributed" -e "^\*\*\*\*" -e "OMP_NUM_THREADS" -e "^\s*$" -e "initial_load"
 echo "per-step records: out/titan/<job>_0/pipetune/steps.jsonl; TorchTitan logs and checkpoints beside them"
