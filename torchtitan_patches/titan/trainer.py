@@ -27,8 +27,9 @@ correction the planner compares sizes with (``pipetune.cost.correction``) and th
 (``pipetune.plan.guard``: pipetune's plans run only while measured faster than the best fixed
 configuration). Per step it writes a record to ``<dump_folder>/pipetune/steps.jsonl`` (mode, kind
 of plan and guard state, mbs, micro-batches, order, pre-computed encoders, predicted and measured
-pipeline time, both plans' predictions, loss, layout, the plan itself and every rank's action
-timeline) and logs the numbers through the metrics processor.
+pipeline time, the plan's set-up time on the slowest rank, both plans' predictions, loss, layout,
+the plan itself and every rank's action timeline) and logs the numbers through the metrics
+processor.
 
 Limits: pipeline parallelism only (no data, tensor or context parallelism yet: the executor
 addresses ranks of the world group), one stage per rank, fp32 compute (TorchTitan 0.3.0 applies
