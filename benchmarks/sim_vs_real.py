@@ -10,14 +10,16 @@ measured guard), through ``benchmarks/titan_jobs.py``.
    every micro-batch size; they feed the online calibration and are not scored) and then
    ``--steps`` steps, refitting the table online after every step (``--online-window``). Every
    step is a different plan (micro-batch count, sizes, order, encoder placement).
-3. Rounds 2..``--rounds`` replay each job's recorded plans (``--pipetune.replay``), the modes
-   alternating, so that a plan's measured time is the median of runs minutes apart.
+3. Rounds 2..``--rounds`` replay each job's recorded plans (``--pipetune.replay``), the modes'
+   order rotating between rounds, so that a plan's measured time is the median of runs minutes
+   apart and drift in the machine's speed hits every mode alike.
 4. Printed per mix and mode, and overall, over the scored steps: mean |error| and Spearman rank
    correlation of (a) the planner's own prediction, made online before the step ran, and (b) the
    simulator under the profiled table calibrated on every run of all the *other* plans of the mix
    (leave-one-plan-out: accuracy once calibrated, without the planner's lag); measured and
    predicted cut of pipetune vs original and vs balanced per mix; the noise floor (one run vs the
-   median of its plan's runs, and two single runs of the same plan); the guard's fallback steps.
+   median of its plan's runs, and two single runs of the same plan), and the cut measured within
+   each round (its spread is the measured cut's own noise); the guard's fallback steps.
 
 ``--background N`` runs N CPU-bound processes beside the jobs (contention: the setting in which
 plans of many small micro-batches were measured 27 % slower than predicted).
@@ -73,10 +75,11 @@ def run_mix(mix: str, work: Path, table: Path, args) -> dict[str, list[dict]]:
     common = {"dataloader.dataset_path": out / "data", "pipetune.latency_table": out / "table.json", "debug.seed": 0,
               "dataloader.gbs": args.gbs, "training.seq_len": args.seq_len, "pipetune.online_window": args.online_window,
               "pipetune.calibrate_steps": args.calibrate_steps, "training.steps": args.calibrate_steps + args.steps}
-    jobs = {mode: [run_job(out / f"{mode}_0", {**common, "pipetune.mode": mode})] for mode in MODES}
-    for k in range(1, args.rounds):
-        for mode in MODES:
-            jobs[mode].append(run_job(out / f"{mode}_{k}", {**common, "pipetune.replay": out / f"{mode}_0" / "pipetune" / "steps.jsonl"}))
+    jobs = {mode: [] for mode in MODES}
+    for k in range(args.rounds):
+        for mode in MODES[k % len(MODES):] + MODES[:k % len(MODES)]:  # rotating, so that drift hits every mode alike
+            how = {"pipetune.mode": mode} if k == 0 else {"pipetune.replay": out / f"{mode}_0" / "pipetune" / "steps.jsonl"}
+            jobs[mode].append(run_job(out / f"{mode}_{k}", {**common, **how}))
     scored = {}
     for mode, rounds in jobs.items():
         recs = [r for r in rounds[0] if r["batch"] >= args.calibrate_steps + args.warmup]
@@ -136,9 +139,12 @@ def report(results: dict[str, dict[str, list[dict]]], args) -> None:
         mean = {mode: (np.mean([r["measured_s"] for r in recs]), np.mean([r["predicted_s"] for r in recs])) for mode, recs in scored.items()}
         cuts = ", ".join(f"vs {base}: measured {1 - mean['pipetune'][0] / mean[base][0]:+.1%}, predicted "
                          f"{1 - mean['pipetune'][1] / mean[base][1]:+.1%}" for base in ("original", "balanced"))
+        rounds = {mode: np.array([r["runs"] for r in recs]).mean(axis=0) for mode, recs in scored.items()}
+        paired = "/".join(f"{1 - p / o:+.1%}" for p, o in zip(rounds["pipetune"], rounds["original"]))
         kinds = [r.get("kind") for r in scored["pipetune"]]
         print(f"{mix}: pipetune {cuts}; guard ran the baseline on {kinds.count('baseline')} of {len(kinds)} steps "
               f"({sum(r.get('guard') == 'fallback' for r in scored['pipetune'])} in fallback)")
+        print(f"{mix}: measured cut vs original in each round (the modes' jobs of one round run back to back): {paired}")
 
 
 def main() -> None:

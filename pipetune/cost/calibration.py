@@ -13,6 +13,16 @@ observation; a per-call overhead and the ``rest`` scale look alike when all micr
 the same size) would otherwise take an absurd value. Unknowns no observation exercises keep
 their value.
 
+Observations from a pipeline's own timelines also carry their overlap with other ranks' work
+(``Observation.concurrent_s``), and the fit finds the table's ``contention`` kappa
+(``pipetune.simulate.contention``) with them: an observation overlapped for a fraction ``phi`` of
+its uncontended time takes ``1 + kappa phi`` times that time, so each kappa on a grid scales the
+rows and the linear fit above is solved per kappa; the kappa of least (Huber) loss, its ridge
+term towards the table's kappa included, wins. The overlap enters as a fraction, not as seconds:
+overlapped seconds grow with the observation's own noise and, where nearly every action overlaps
+(deep pipelines), would trade one-for-one against the scales. Isolated timings have no overlap
+and leave kappa as it was.
+
 The residuals of the fit give the table's variability model (``pipetune.cost.variability``): the
 spread of measured over predicted time of a stage's forward + backward and of an encoder action
 (forward, or backward when trained), as a function of predicted time (a kind with too few
@@ -36,6 +46,7 @@ from pipetune.cost.variability import Variability, fit_spread
 RIDGE = 0.05
 HUBER_DELTA = 0.1
 HUBER_ROUNDS = 4
+CONTENTION_GRID = np.concatenate([np.arange(0.0, 1.0, 0.05), np.arange(1.0, 3.01, 0.25)])
 PARTS = {"fwd": ("fwd",), "bwd": ("bwd",), "fwd+bwd": ("fwd", "bwd")}
 
 
@@ -44,13 +55,15 @@ class Observation:
     """A measured latency (seconds) of micro-batch ``shapes`` (a single one): ``part`` of its
     work on backbone ``stage`` (``kind="stage"``), or ``part`` of the encoder's work on its
     ``shapes.images`` images on encoder chunk ``stage`` (``kind="encoder"``; the chunk's share of
-    the encoder's layers, see ``pipetune.cost.cost_model``)."""
+    the encoder's layers, see ``pipetune.cost.cost_model``). ``concurrent_s``: of ``seconds``,
+    how many ran while another rank was busy."""
 
     shapes: MicroBatchShapes
     seconds: float
     stage: int = 0
     kind: str = "stage"
     part: str = "fwd+bwd"
+    concurrent_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -61,6 +74,7 @@ class CalibrationReport:
     mean_abs_pct_error_after: float
     observations: int
     makespan_factor: float = 1.0
+    contention: float = 0.0
 
 
 UNKNOWNS = (*CURVES, "fwd_s", "bwd_s")
@@ -69,12 +83,18 @@ UNKNOWNS = (*CURVES, "fwd_s", "bwd_s")
 @dataclass(frozen=True)
 class Design:
     """Calibration's linear system for some observations: row ``i`` of ``X`` holds the unscaled
-    contribution of each of ``UNKNOWNS`` to observation ``i``, whose measured seconds are ``y[i]``.
-    Rows depend on a table's curves and the stage layout only, not on its scales or overheads, so
-    they can be built once and refitted many times (sliding windows, leave-one-out)."""
+    contribution of each of ``UNKNOWNS`` to observation ``i``, whose measured seconds are ``y[i]``,
+    of which the fraction ``overlap[i]`` ran while another rank was busy. Rows depend on a table's
+    curves and the stage layout only, not on its scales, overheads or contention, so they can be
+    built once and refitted many times (sliding windows, leave-one-out)."""
 
     X: np.ndarray
     y: np.ndarray
+    overlap: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.overlap is None:
+            object.__setattr__(self, "overlap", np.zeros(len(self.y)))
 
     @classmethod
     def of(cls, cost: CostModel, observations: list[Observation]) -> "Design":
@@ -90,11 +110,19 @@ class Design:
             which = PARTS[obs.part]
             row = [sum(parts[n][w][0, obs.stage] for w in which) if n in parts else 0.0 for n in CURVES]
             rows.append(row + [float("fwd" in which), float("bwd" in which)])
-        return cls(np.asarray(rows).reshape(-1, len(UNKNOWNS)), np.asarray([o.seconds for o in observations], dtype=np.float64))
+        y = np.asarray([o.seconds for o in observations], dtype=np.float64)
+        shared = np.asarray([o.concurrent_s for o in observations], dtype=np.float64)
+        return cls(np.asarray(rows).reshape(-1, len(UNKNOWNS)), y, np.clip(shared / np.where(y > 0, y, 1.0), 0.0, 1.0))
 
     @classmethod
     def stack(cls, designs: list["Design"]) -> "Design":
-        return cls(np.vstack([d.X for d in designs]), np.concatenate([d.y for d in designs]))
+        return cls(np.vstack([d.X for d in designs]), np.concatenate([d.y for d in designs]), np.concatenate([d.overlap for d in designs]))
+
+    def slowdown(self, contention: float) -> np.ndarray:
+        """Per row, measured over uncontended time under ``contention``: ``1 + kappa phi`` with
+        ``phi`` the overlapped fraction of the uncontended time (the measured fraction shrunk back)."""
+        phi = self.overlap / (1 + contention * (1 - self.overlap))
+        return 1 + contention * phi
 
     def stage_work_rows(self) -> np.ndarray:
         """Rows observing a stage's forward + backward (both per-call overheads count once)."""
@@ -111,6 +139,24 @@ def calibrate(table: LatencyTable, cost: CostModel, observations: list[Observati
     return calibrate_design(table, Design.of(cost, observations))
 
 
+def _huber(rel: np.ndarray) -> np.ndarray:
+    a = np.abs(rel)
+    return np.where(a <= HUBER_DELTA, 0.5 * a**2, HUBER_DELTA * (a - 0.5 * HUBER_DELTA))
+
+
+def _fit(X: np.ndarray, y: np.ndarray, before: np.ndarray, used: np.ndarray, prior: np.ndarray) -> tuple[np.ndarray, float]:
+    """Ridge-regularised, Huber-reweighted relative-error NNLS of ``y`` on ``X[:, used]``: the fit
+    and its loss."""
+    w = 1.0 / y
+    for _ in range(HUBER_ROUNDS):
+        A = np.vstack([X[:, used] * w[:, None], prior])
+        b = np.concatenate([y * w, prior @ before[used]])
+        fit, _ = nnls(A, b)
+        rel = (X[:, used] @ fit - y) / y
+        w = np.minimum(1.0, HUBER_DELTA / np.maximum(np.abs(rel), 1e-12)) / y
+    return fit, float(_huber(rel).sum() + 0.5 * np.sum((prior @ (fit - before[used])) ** 2))
+
+
 def calibrate_design(table: LatencyTable, design: Design) -> tuple[LatencyTable, CalibrationReport]:
     """``calibrate`` on prepared rows (built from ``table``'s curves and layout)."""
     X, y = design.X, design.y
@@ -122,26 +168,29 @@ def calibrate_design(table: LatencyTable, design: Design) -> tuple[LatencyTable,
     used = np.flatnonzero(np.abs(X).sum(axis=0) > 0)
     is_scale = used < len(CURVES)
     prior = np.sqrt(RIDGE) * np.diag(np.where(is_scale, 1.0, 1.0 / np.median(y)))
-    w = 1.0 / y
-    for _ in range(HUBER_ROUNDS):
-        A = np.vstack([X[:, used] * w[:, None], prior])
-        b = np.concatenate([y * w, prior @ before[used]])
-        fit, _ = nnls(A, b)
-        rel = np.abs(X[:, used] @ fit - y) / y
-        w = np.minimum(1.0, HUBER_DELTA / np.maximum(rel, 1e-12)) / y
+    grid = CONTENTION_GRID if design.overlap.any() else np.array([table.contention])
+    best = None
+    for kappa in grid:
+        fit, loss = _fit(X * design.slowdown(kappa)[:, None], y, before, used, prior)
+        loss += 0.5 * RIDGE * (kappa - table.contention) ** 2
+        if best is None or loss < best[2]:
+            best = (kappa, fit, loss)
+    contention, fit, _ = best
     after = before.copy()
     after[used] = np.where((fit > 0) | ~is_scale, fit, before[used])
+    Xk = X * design.slowdown(contention)[:, None]
 
-    def err(s: np.ndarray) -> float:
-        return float(np.mean(np.abs(X @ s - y) / y) * 100)
+    def err(s: np.ndarray, Xs: np.ndarray) -> float:
+        return float(np.mean(np.abs(Xs @ s - y) / y) * 100)
 
     scales = {n: float(v) for n, v in zip(CURVES, after) if v != 1.0 or n in table.scales}
     overhead = {n: float(v) for n, v in zip(UNKNOWNS[len(CURVES):], after[len(CURVES):]) if v > 0}
-    report = CalibrationReport(scales, overhead, err(before), err(after), len(y))
+    report = CalibrationReport(scales, overhead, err(before, X * design.slowdown(table.contention)[:, None]), err(after, Xk), len(y),
+                               contention=float(contention))
     previous = table.variability or Variability()
-    predicted = X @ after
+    predicted = Xk @ after
     stage, enc = design.stage_work_rows(), design.encoder_rows()
     fitted = Variability(stage=fit_spread(predicted[stage], y[stage], previous.stage),
                          encoder=fit_spread(predicted[enc], y[enc], previous.encoder), p2p=previous.p2p)
     variability = fitted if fitted != Variability() else table.variability
-    return replace(table, scales=scales, overhead=overhead, variability=variability), report
+    return replace(table, scales=scales, overhead=overhead, variability=variability, contention=float(contention)), report

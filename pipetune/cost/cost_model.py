@@ -90,7 +90,8 @@ class MicroBatchShapes:
 class StageCosts:
     """Seconds and bytes: backbone per micro-batch (rows) and stage (columns); encoder per
     sub-microbatch (``sub_batches``) and encoder chunk. ``p2p``, ``encoder_p2p`` and
-    ``feature_p2p`` are one message of each kind (see the module doc; a gradient costs as much)."""
+    ``feature_p2p`` are one message of each kind (see the module doc; a gradient costs as much).
+    ``contention``: the table's (see ``pipetune.simulate.contention``)."""
 
     fwd: np.ndarray
     bwd: np.ndarray
@@ -104,6 +105,7 @@ class StageCosts:
     encoder_activation_bytes: np.ndarray
     image_feature_bytes: np.ndarray
     extrapolated: int
+    contention: float = 0.0
 
 
 def rank_work(placement, costs) -> np.ndarray:
@@ -281,4 +283,5 @@ class CostModel:
             encoder_activation_bytes=images[:, None] * self.encoder_bytes_per_image_chunk[None, :],
             image_feature_bytes=images * mem["image_feature_bytes"],
             extrapolated=extrapolated + n1 + n2,
+            contention=self.table.contention,
         )

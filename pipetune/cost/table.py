@@ -14,6 +14,9 @@ File format (JSON, ``format = "pipetune.latency_table"``, ``version = 1``)::
      "variability": {kind: {"log_var", "log_var_s", "min_s"}},  # optional: spread of measured
                                           # action times, kind in stage / encoder / p2p (from
                                           # calibration; absent = no jitter; see cost.variability)
+     "contention": kappa,                 # optional: work slows by 1 + kappa while another rank
+                                          # is busy (from calibration on runtime timelines; 0 when
+                                          # absent; see simulate.contention)
      "notes": [...]}
 
 Curves (seconds per call, per layer where it says so):
@@ -98,6 +101,7 @@ class LatencyTable:
     scales: dict[str, float] = field(default_factory=dict)
     overhead: dict[str, float] = field(default_factory=dict)
     variability: Variability | None = None
+    contention: float = 0.0
     notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
@@ -118,6 +122,7 @@ class LatencyTable:
             "scales": dict(self.scales),
             "overhead": dict(self.overhead),
             **({"variability": self.variability.to_dict()} if self.variability is not None else {}),
+            **({"contention": self.contention} if self.contention else {}),
             "notes": list(self.notes),
         }
 
@@ -201,6 +206,9 @@ def table_from_dict(raw: dict, *, where: str = "latency table") -> LatencyTable:
     overhead = {k: _number(raw.get("overhead", {}), k, "overhead", fail) for k in raw.get("overhead", {})}
     if any(k not in OVERHEAD_KEYS for k in overhead):
         fail(f"overhead must hold {OVERHEAD_KEYS} as finite numbers >= 0, got {overhead}")
+    contention = raw.get("contention", 0.0)
+    if not (_is_number(contention) and contention >= 0):
+        fail(f"contention must be a finite number >= 0 (the slow-down of work while another rank is busy), got {contention!r}")
     return LatencyTable(
         model=model,
         curves=curves,
@@ -215,6 +223,7 @@ def table_from_dict(raw: dict, *, where: str = "latency table") -> LatencyTable:
         scales=scales,
         overhead=overhead,
         variability=_variability(raw["variability"], fail) if "variability" in raw else None,
+        contention=float(contention),
         notes=tuple(str(n) for n in raw.get("notes", ())),
     )
 

@@ -35,7 +35,7 @@ from pipetune.plan.plan import IterationPlan, plan_from_table
 from pipetune.plan.search import Planner, _Candidate
 from pipetune.schedule.table import ScheduleTable
 from pipetune.simulate.lower_bound import placement_lower_bound
-from pipetune.simulate.simulator import Latencies
+from pipetune.simulate.simulator import Latencies, simulate
 
 LEADS = (0, 1, 2)
 MAX_CLUSTERS = 3
@@ -88,7 +88,7 @@ class SeparatedPlanner(Planner):
             max_seq_len=self.config.max_seq_len,
             image_sub_batch=self.cost.layout.image_sub_batch,
             mode=self.config.mode.value,
-            predicted_s=c.schedule.makespan,
+            predicted_s=simulate(c.schedule.table, c.lat).makespan if c.lat.contention else c.schedule.makespan,
             lower_bound_s=lower_bound_s,
             peak_bytes=tuple(float(x) for x in c.schedule.peak_bytes + self.states),
             estimate=self.cost.table.estimate,

@@ -22,6 +22,7 @@ import numpy as np
 
 from pipetune.schedule.lowering import MessageKind
 from pipetune.schedule.table import Action, Buffer, Module, Op, ScheduleTable
+from pipetune.simulate.contention import concurrent_time, overlap_with_others
 from pipetune.simulate.dag import KINDS, MESSAGE_KINDS, CompiledSchedule, compile_schedule
 
 CHUNK = 512  # candidates per pass: [nodes x CHUNK] arrays stay in cache
@@ -36,7 +37,8 @@ class Latencies:
     frozen; ``encoder_p2p``: one message between encoder chunks; ``feature_p2p``: one
     sub-microbatch's image features to backbone chunk 0; ``image_feature_bytes``: those features
     held there). Left out, encoder arrays are zeros with one chunk and ``n = m``, and ``p2p`` and
-    ``activation_bytes`` zeros.
+    ``activation_bytes`` zeros. ``contention``: the slow-down of work while another rank is busy
+    (``pipetune.simulate.contention``); every makespan adds it times the concurrent time.
     """
 
     fwd: np.ndarray
@@ -49,6 +51,7 @@ class Latencies:
     encoder_p2p: np.ndarray | None = field(default=None, kw_only=True)
     feature_p2p: np.ndarray | None = field(default=None, kw_only=True)
     encoder_activation_bytes: np.ndarray | None = field(default=None, kw_only=True)
+    contention: float = field(default=0.0, kw_only=True)
 
     def __post_init__(self) -> None:
         m = self.fwd.shape[0]
@@ -66,7 +69,7 @@ class Latencies:
         """From ``pipetune.cost.StageCosts``."""
         return cls(costs.fwd, costs.bwd, costs.encoder, costs.p2p, costs.activation_bytes, costs.image_feature_bytes,
                    encoder_bwd=costs.encoder_bwd, encoder_p2p=costs.encoder_p2p, feature_p2p=costs.feature_p2p,
-                   encoder_activation_bytes=costs.encoder_activation_bytes)
+                   encoder_activation_bytes=costs.encoder_activation_bytes, contention=costs.contention)
 
     @classmethod
     def uniform(cls, m: int, S: int, t_f: float, t_b: float, *, t_e: float = 0.0, p2p: float = 0.0) -> "Latencies":
@@ -164,6 +167,20 @@ def _run(dag: CompiledSchedule, g: _Gathered, slots: np.ndarray):
     return start, end, pre
 
 
+def _busy(dag: CompiledSchedule, start: np.ndarray, end: np.ndarray, pre: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Every busy interval, ``[2N, C]`` starts and ends: each node, and the floating work before it
+    (run from the end of its rank's previous node)."""
+    prev = dag.rank_prev
+    free = np.where((prev >= 0)[:, None], end[np.maximum(prev, 0)], 0.0)
+    return np.concatenate([start, free]), np.concatenate([end, free + pre])
+
+
+def _makespan(dag: CompiledSchedule, start: np.ndarray, end: np.ndarray, pre: np.ndarray, contention: float) -> np.ndarray:
+    """``[C]``: the last end, plus ``contention`` times the concurrent time."""
+    span = end.max(axis=0)
+    return span + contention * concurrent_time(*_busy(dag, start, end, pre)) if contention else span
+
+
 def _peak_memory(dag: CompiledSchedule, g: _Gathered, slots: np.ndarray) -> np.ndarray:
     """Peak bytes per rank ``[C, R]``."""
     C = g.buf_bytes.shape[0]
@@ -239,8 +256,7 @@ def evaluate(
     for lo in range(0, len(orders), CHUNK):
         o, slots = orders[lo : lo + CHUNK], float_slots[lo : lo + CHUNK]
         g = _gather(dag, lat, o)
-        _, end, _ = _run(dag, g, slots)
-        spans.append(end.max(axis=0))
+        spans.append(_makespan(dag, *_run(dag, g, slots), lat.contention))
         if memory:
             peaks.append(_peak_memory(dag, g, slots))
     return BatchResult(np.concatenate(spans), np.concatenate(peaks) if memory else None)
@@ -252,6 +268,8 @@ def makespans_over(dag: CompiledSchedule, lats: Sequence[Latencies], orders: np.
     pass. Arguments as ``evaluate``'s."""
     for lat in lats:
         _check_shapes(dag, lat)
+    if len({lat.contention for lat in lats}) > 1:
+        raise ValueError("makespans_over: the latencies differ in contention; time them separately")
     orders = _orders(dag, orders)
     if float_slots is None:
         float_slots = np.broadcast_to(dag.float_slot, (len(orders), len(dag.float_slot)))
@@ -262,8 +280,7 @@ def makespans_over(dag: CompiledSchedule, lats: Sequence[Latencies], orders: np.
         gs = [_gather(dag, lat, o) for lat in lats]
         g = _Gathered(np.hstack([x.dur for x in gs]), np.hstack([x.comm for x in gs]), np.vstack([x.float_dur for x in gs]),
                       np.vstack([x.buf_bytes for x in gs]))
-        _, end, _ = _run(dag, g, np.vstack([slots] * K))
-        out.append(end.max(axis=0).reshape(K, len(o)))
+        out.append(_makespan(dag, *_run(dag, g, np.vstack([slots] * K)), lats[0].contention).reshape(K, len(o)))
     return np.hstack(out)
 
 
@@ -278,7 +295,10 @@ class TimedAction:
 
 @dataclass(frozen=True)
 class SimResult:
-    """One schedule, timed. ``bubble_ratio`` = idle time / (ranks x makespan)."""
+    """One schedule, timed. ``bubble_ratio`` = idle time / (ranks x makespan). With contention
+    (``Latencies.contention``), ``actions`` keep their uncontended times, ``contention_s`` is what
+    the makespan adds for them, and each rank's busy time adds its share (its work's overlap with
+    other ranks' times the contention)."""
 
     table: ScheduleTable
     actions: tuple[TimedAction, ...]
@@ -287,6 +307,7 @@ class SimResult:
     idle: np.ndarray
     bubble_ratio: float
     peak_bytes: np.ndarray
+    contention_s: float = 0.0
 
     def time_of(self, text: str) -> tuple[float, float]:
         a = Action.parse(text)
@@ -321,8 +342,15 @@ def simulate(table: ScheduleTable, lat: Latencies) -> SimResult:
                     timed.append(TimedAction(r, f, t, t + d, precomputed=slot != dag.float_first_use[index[f]]))
                     t += d
                 waiting = []
-    makespan = float(end.max())
     busy = np.array([float((end[nodes] - start[nodes]).sum() + pre[nodes].sum()) for nodes in dag.rank_nodes])
+    extra = 0.0
+    if lat.contention:
+        b0, b1 = _busy(dag, start[:, None], end[:, None], pre[:, None])
+        overlap = overlap_with_others(b0[:, 0], b1[:, 0])
+        N = dag.num_nodes
+        busy += lat.contention * np.array([overlap[nodes].sum() + overlap[N + nodes].sum() for nodes in dag.rank_nodes])
+        extra = lat.contention * float(concurrent_time(b0, b1)[0])
+    makespan = float(end.max()) + extra
     idle = makespan - busy
     peaks = _peak_memory(dag, g, slots)[0]
     return SimResult(
@@ -333,4 +361,5 @@ def simulate(table: ScheduleTable, lat: Latencies) -> SimResult:
         idle=idle,
         bubble_ratio=float(idle.sum() / (len(busy) * makespan)) if makespan > 0 else 0.0,
         peak_bytes=peaks,
+        contention_s=extra,
     )

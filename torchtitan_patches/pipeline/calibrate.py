@@ -16,6 +16,7 @@ from pipetune.cost.table import CURVES, LatencyTable
 from pipetune.data.batch import BatchMeta
 from pipetune.plan.plan import IterationPlan
 from pipetune.schedule.table import Op
+from pipetune.simulate.contention import overlap_with_others
 from pipetune.simulate.jitter import expected_time
 from pipetune.simulate.simulator import Latencies, SimResult, TimedAction, simulate
 
@@ -24,11 +25,13 @@ def timeline_observations(timeline: list[TimedAction], plan: IterationPlan, meta
     """Per micro-batch and backbone stage, its forward + backward time; per encoder action on
     images, its time (forward or backward, on its chunk, at the sub-microbatch's charged image
     count). A stage's forward and backward are summed because where the bookkeeping between them
-    is charged is arbitrary; their sum is not."""
+    is charged is arbitrary; their sum is not. Each carries the seconds it overlapped other ranks'
+    actions (the contention fit, ``pipetune.simulate.contention``)."""
     shapes = plan.shapes(meta)
-    work: dict[tuple[int, int], float] = {}
+    overlap = overlap_with_others([t.start for t in timeline], [t.end for t in timeline])
+    work: dict[tuple[int, int], list[float]] = {}
     out = []
-    for t in timeline:
+    for t, shared in zip(timeline, overlap.tolist()):
         a = t.action
         if a.is_encoder:
             j = plan.sub_mb_parent[a.unit]
@@ -36,10 +39,12 @@ def timeline_observations(timeline: list[TimedAction], plan: IterationPlan, meta
             images = plan.image_sub_batch or int(one.images[0])
             if one.images[0]:
                 out.append(Observation(replace(one, images=np.array([images])), t.end - t.start, stage=a.chunk, kind="encoder",
-                                       part="fwd" if a.op is Op.FORWARD else "bwd"))
+                                       part="fwd" if a.op is Op.FORWARD else "bwd", concurrent_s=shared))
         else:
-            work[(a.chunk, a.unit)] = work.get((a.chunk, a.unit), 0.0) + t.end - t.start
-    out += [Observation(shapes.take([mb]), sec, stage=s) for (s, mb), sec in sorted(work.items())]
+            acc = work.setdefault((a.chunk, a.unit), [0.0, 0.0])
+            acc[0] += t.end - t.start
+            acc[1] += shared
+    out += [Observation(shapes.take([mb]), sec, stage=s, concurrent_s=shared) for (s, mb), (sec, shared) in sorted(work.items())]
     return out
 
 
