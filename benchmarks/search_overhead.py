@@ -11,6 +11,11 @@ from the deterministic search's, and the mean cut in expected time against the d
 search's plans (both scored on the same draws). Analytical tables carry no variability model, so one is
 assumed (``--log-var``, ``--log-var-s``: log-ratio variance ``log_var + log_var_s / d`` of a
 stage's forward + backward and of an encoder forward); it is not measured on a GPU.
+
+Last, the cost of pricing contention (``pipetune.simulate.contention``; ``--contention`` kappa,
+0.3 by default: what calibration found on the 2-core test machine with a background process) at
+GBS 128 and 512: search time p50 / max with kappa 0 and kappa, and how often the plan and its
+micro-batch size change.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ def main() -> None:
     ap.add_argument("--mix", default="datamix2")
     ap.add_argument("--log-var", type=float, default=0.0025, help="assumed log-ratio variance floor (0.0025: 5 %% sd)")
     ap.add_argument("--log-var-s", type=float, default=2.5e-4, help="assumed log-ratio variance x seconds (short actions)")
+    ap.add_argument("--contention", type=float, default=0.3, help="assumed contention kappa for the last section")
     args = ap.parse_args()
     model = load_model_config("13b")
     hw = load_hardware("a100")
@@ -50,8 +56,9 @@ def main() -> None:
         stream = BatchStream(num_rows=len(data), gbs=gbs, seed=0)
         return [batch_meta(data, stream, step, tokens_per_image=576, max_seq_len=8192) for step in range(args.iters)]
 
-    def run(gbs: int, draws: int = 0) -> list:
-        planner = PlannerConfig(max_seq_len=8192, memory_bytes=hw.memory_bytes, jitter_draws=draws).build(model, cost)
+    def run(gbs: int, draws: int = 0, kappa: float = 0.0) -> list:
+        priced = CostModel(replace(table, contention=kappa), cost.layout) if kappa else cost
+        planner = PlannerConfig(max_seq_len=8192, memory_bytes=hw.memory_bytes, jitter_draws=draws).build(model, priced)
         return [planner.plan(meta) for meta in metas(gbs)]
 
     def expected(plan, meta, draws: int) -> float:
@@ -78,6 +85,16 @@ def main() -> None:
             mbs = np.mean([p.mbs != b.mbs for p, b in zip(plans, base)])
             cut = np.mean([1 - p.predicted_s / expected(b, meta, draws) for p, b, meta in zip(plans, base, metas(gbs))]) if draws else 0.0
             print(f"{gbs:5d} {draws:5d} {np.percentile(t, 50):8.3f} {t.max():8.3f} {changed:12.0%} {mbs:11.0%} {cut:12.2%}")
+    print(f"\ncontention priced (kappa {args.contention:g})")
+    print(f"{'gbs':>5} {'kappa':>5} {'p50 (s)':>8} {'max (s)':>8} {'plan changed':>12} {'mbs changed':>11}")
+    for gbs in JITTER_GBS:
+        base = deterministic[gbs]
+        for kappa in (0.0, args.contention):
+            plans = base if kappa == 0 else run(gbs, kappa=kappa)
+            t = np.array([p.search_s for p in plans])
+            changed = np.mean([(p.micro_batches, p.ranks) != (b.micro_batches, b.ranks) for p, b in zip(plans, base)])
+            mbs = np.mean([p.mbs != b.mbs for p, b in zip(plans, base)])
+            print(f"{gbs:5d} {kappa:5.2f} {np.percentile(t, 50):8.3f} {t.max():8.3f} {changed:12.0%} {mbs:11.0%}")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 planner and ``pipetune plan --layout separated``."""
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -157,6 +158,15 @@ def test_separated_plans_fit_simulate_to_their_prediction_and_round_trip(heavy):
         assert back == plan
         check(plan.table())
         assert len(lower_all(plan.table())) == 4
+
+
+def test_separated_plans_predict_contention_like_the_simulator(heavy):
+    model, cost, metas = heavy
+    hot = CostModel(replace(cost.table, contention=0.3), cost.layout, recompute_encoder=True)
+    plan = PlannerConfig(max_seq_len=4096, memory_bytes=H100.memory_bytes).build(model, hot).plan(metas[0])
+    lat = Latencies.from_costs(hot.stage_costs(plan.shapes(metas[0])))
+    assert plan.predicted_s == pytest.approx(simulate(plan.table(), lat).makespan)
+    assert plan.predicted_s > simulate(plan.table(), replace(lat, contention=0.0)).makespan
 
 
 def test_malformed_separated_plans_are_refused_by_name(heavy):

@@ -1,9 +1,10 @@
 """Per plan family, how far measured steps run from the calibrated prediction.
 
-The online calibration refits per-component scales and per-call overheads to recent action
-times, but some costs depend on the plan as a whole: a plan of many small micro-batches has more
-synchronisation points, each of which waits for the slowest of two jittering ranks, and under
-contention its messages and kernel launches slow down more than the table's per-call terms say.
+The online calibration refits per-component scales, per-call overheads and the contention term
+(work slowed while another rank is busy) to recent action times, but some costs depend on the
+plan as a whole: a plan of many small micro-batches has more synchronisation points, each of
+which waits for the slowest of two jittering ranks, and under contention its messages and
+wake-ups slow down more than the table's per-call terms say.
 The calibration sees mostly the plans the planner prefers, so such a bias against one micro-batch
 size can persist and keep the planner choosing it.
 

@@ -73,8 +73,8 @@ def simulate_plan(cost: CostModel, plan: IterationPlan, meta: BatchMeta) -> SimR
 
 
 def fit_steps(base: CostModel, steps: Sequence[MeasuredStep], *, jitter_draws: int = 0) -> tuple[CostModel, CalibrationReport]:
-    """``base``'s table fitted to ``steps``: per-component scales, per-call overheads and the
-    variability model from the action times, then every component scaled by the median ratio of
+    """``base``'s table fitted to ``steps``: per-component scales, per-call overheads, contention
+    and the variability model from the action times, then every component scaled by the median ratio of
     measured to predicted iteration time (``makespan_factor``).
 
     The per-action fit predicts each action's typical time, but an iteration is a longest path

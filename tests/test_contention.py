@@ -1,0 +1,142 @@
+"""Contention: concurrent time, its price in the simulator, and its fit from measured timelines."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from pipetune.config import load_hardware, load_model_config
+from pipetune.cost import CostModel, StageLayout, analytical_table
+from pipetune.cost.table import LatencyTableError, table_from_dict
+from pipetune.data import BatchStream, batch_meta, make_mix
+from pipetune.plan import PlannerConfig
+from pipetune.simulate import Latencies, TimedAction, compile_schedule, evaluate, simulate
+from pipetune.simulate.contention import concurrent_time, overlap_with_others
+from torchtitan_patches.pipeline.calibrate import MeasuredStep, fit_steps, simulate_plan
+
+
+def brute(start, end, rank, dt=1e-3):
+    """Concurrent time and per-interval overlap with other ranks, on a fine grid."""
+    t = np.arange(0, end.max() + dt, dt) + dt / 2
+    on = (t[None] >= start[:, None]) & (t[None] < end[:, None])
+    ranks_on = np.array([on[rank == r].any(axis=0) for r in np.unique(rank)])
+    others = np.array([(ranks_on.sum(axis=0) - ranks_on[list(np.unique(rank)).index(r)]) > 0 for r in rank])
+    return float((ranks_on.sum(axis=0) >= 2).sum() * dt), (on & others).sum(axis=1) * dt
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_concurrent_time_and_overlap_match_a_fine_grid(seed):
+    rng = np.random.default_rng(seed)
+    start, end, rank = [], [], []
+    for r in range(3):  # each rank: back-to-back or gapped intervals that never overlap each other
+        t = rng.uniform(0, 0.5)
+        for _ in range(rng.integers(2, 7)):
+            d = rng.uniform(0.05, 0.6)
+            start.append(t), end.append(t + d), rank.append(r)
+            t += d + rng.choice([0.0, rng.uniform(0, 0.4)])
+    start, end, rank = map(np.array, (start, end, rank))
+    total, overlap = brute(start, end, rank)
+    assert concurrent_time(start[:, None], end[:, None])[0] == pytest.approx(total, abs=5e-3)
+    np.testing.assert_allclose(overlap_with_others(start, end), overlap, atol=5e-3)
+
+
+@pytest.fixture(scope="module")
+def job():
+    model = load_model_config("7b")
+    cost = CostModel(analytical_table(model, load_hardware("a100"), tp=4), StageLayout.even(32, 2))
+    data = make_mix("datamix2", 3000, 0)
+    stream = BatchStream(num_rows=len(data), gbs=32)
+    metas = [batch_meta(data, stream, s, tokens_per_image=576, max_seq_len=4096) for s in range(10)]
+    return model, cost, metas
+
+
+def with_contention(cost: CostModel, kappa: float) -> CostModel:
+    return CostModel(replace(cost.table, contention=kappa), cost.layout)
+
+
+def test_makespan_adds_kappa_times_concurrent_time_and_one_micro_batch_pays_nothing(job):
+    model, cost, metas = job
+    for mbs in (1, 4):
+        plan = PlannerConfig(mode="balanced", mbs=mbs, max_seq_len=4096, memory_bytes=80e9).build(model, cost).plan(metas[0])
+        lat = Latencies.from_costs(cost.stage_costs(plan.shapes(metas[0])))
+        free = simulate(plan.table(), lat)
+        busy = [a for a in free.actions]
+        shared = concurrent_time(np.array([[a.start] for a in busy]), np.array([[a.end] for a in busy]))[0]
+        hot = simulate(plan.table(), replace(lat, contention=0.5))
+        assert hot.makespan == pytest.approx(free.makespan + 0.5 * shared)
+        assert hot.contention_s == pytest.approx(0.5 * shared)
+        assert hot.busy.sum() - free.busy.sum() == pytest.approx(0.5 * overlap_with_others([a.start for a in busy], [a.end for a in busy]).sum())
+        dag = compile_schedule(plan.table())
+        assert evaluate(dag, replace(lat, contention=0.5), np.arange(plan.num_micro_batches)[None]).makespan[0] == pytest.approx(hot.makespan)
+        if plan.num_micro_batches == 1:  # one micro-batch: the ranks never work at once
+            assert shared == 0 and hot.makespan == free.makespan
+        else:
+            assert shared > 0.1 * free.makespan
+
+
+def contended_timeline(cost: CostModel, plan, meta, kappa: float, rng, noise: float) -> tuple[list[TimedAction], float]:
+    """What a machine with contention ``kappa`` records, by the model's own account: the simulated
+    timeline with time stretched by ``1 + kappa`` wherever two ranks work at once (so each action
+    gains kappa times its overlap with other ranks, and that overlap grows by ``1 + kappa``), then
+    lognormal noise on each action's duration (a rank's later actions wait for its earlier ones)."""
+    acts = list(simulate_plan(cost, plan, meta).actions)
+    points = np.unique([t for a in acts for t in (a.start, a.end)])
+    mid = (points[:-1] + points[1:]) / 2
+    ranks = np.array([len({a.rank for a in acts if a.start <= m < a.end}) for m in mid])
+    warped = dict(zip(points.tolist(), np.concatenate([[0.0], np.cumsum(np.diff(points) * (1 + kappa * (ranks >= 2)))]) + points[0]))
+    out, free = [], {}
+    for a in sorted(acts, key=lambda a: (a.rank, a.start)):  # a rank still runs one action at a time
+        start = max(warped[a.start], free.get(a.rank, 0.0))
+        free[a.rank] = start + (warped[a.end] - warped[a.start]) * (np.exp(noise * rng.standard_normal()) if noise else 1.0)
+        out.append(TimedAction(a.rank, a.action, start, free[a.rank], a.precomputed))
+    return out, max(free.values())
+
+
+def steps_of(model, truth: CostModel, base: CostModel, metas, mbs_list, kappa, noise=0.0, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for meta, mbs in zip(metas, mbs_list):
+        plan = PlannerConfig(mode="balanced", mbs=mbs, max_seq_len=4096, memory_bytes=80e9).build(model, truth).plan(meta)
+        timeline, span = contended_timeline(truth, plan, meta, kappa, rng, noise)
+        out.append(MeasuredStep.from_timelines(base, [timeline], plan, meta, span))
+    return out
+
+
+@pytest.mark.parametrize("kappa", [0.0, 0.5])
+def test_calibration_recovers_contention_and_predicts_the_other_family(job, kappa):
+    """The machine: the table with rest-of-layer work 30 % slower, plus contention kappa. Fitted on
+    plans of many small micro-batches only (mbs 1, about 7 per batch), the table predicts plans of
+    one large micro-batch (mbs 12: the ranks never work at once) within 3 %; the same fit without
+    overlaps (what calibration did before contention) folds the slow-down into the scales and
+    over-predicts them."""
+    model, base, metas = job
+    truth = CostModel(replace(base.table, scales={"rest": 1.3}), base.layout)
+    steps = steps_of(model, truth, base, metas[:8], [1] * 8, kappa, noise=0.03)
+    cost, report = fit_steps(base, steps)
+    assert report.contention == pytest.approx(kappa, abs=0.1)
+    blind = fit_steps(base, [replace(s, design=replace(s.design, overlap=np.zeros(len(s.design.y)))) for s in steps])[0]
+    for meta in metas[8:]:
+        plan = PlannerConfig(mode="balanced", mbs=12, max_seq_len=4096, memory_bytes=80e9).build(model, truth).plan(meta)
+        assert plan.num_micro_batches == 1
+        true_s = contended_timeline(truth, plan, meta, kappa, None, 0.0)[1]
+        assert simulate_plan(cost, plan, meta).makespan == pytest.approx(true_s, rel=0.03)
+        if kappa:
+            assert simulate_plan(blind, plan, meta).makespan > 1.1 * true_s
+
+
+def test_isolated_timings_leave_contention_as_it_was(job):
+    model, base, metas = job
+    prior = CostModel(replace(base.table, contention=0.2), base.layout)
+    steps = steps_of(model, base, prior, metas[:4], [2] * 4, 0.0)
+    isolated = [replace(s, design=replace(s.design, overlap=np.zeros(len(s.design.y)))) for s in steps]
+    assert fit_steps(prior, isolated)[1].contention == 0.2
+
+
+def test_table_keeps_contention_and_refuses_a_bad_one(job):
+    _, base, _ = job
+    raw = replace(base.table, contention=0.25).to_dict()
+    assert table_from_dict(raw).contention == 0.25
+    assert "contention" not in base.table.to_dict()
+    for bad in (-0.1, "0.3", float("nan")):
+        with pytest.raises(LatencyTableError, match="contention must be a finite number >= 0"):
+            table_from_dict({**raw, "contention": bad})
