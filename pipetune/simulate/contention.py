@@ -13,9 +13,10 @@ The model has one number, ``contention`` (kappa, ``LatencyTable.contention``): e
 which an action runs while at least one other rank is busy costs ``1 + kappa`` seconds. To first
 order a schedule's makespan grows by ``kappa`` times its *concurrent time* (the time during which
 two or more ranks are busy), which ``concurrent_time`` finds for a block of candidates in one
-vectorised sweep; the simulator adds it to every makespan. Calibration fits kappa from measured
-timelines: an action's measured time is its uncontended time plus ``kappa / (1 + kappa)`` times
-its measured overlap with other ranks' work (``overlap_with_others``), linear in that factor.
+vectorised sweep; the simulator adds it to every makespan. Calibration
+(``pipetune.cost.calibration``) fits kappa from measured timelines: an action that overlapped
+other ranks' work (``overlap_with_others``) for a fraction ``phi`` of its uncontended time took
+``1 + kappa phi`` times that time.
 Limits: first order (the schedule's order of work is that of the uncontended simulation; a
 stretch that would reorder waits is not followed) and one number for every kind of work and any
 number of busy ranks.
