@@ -61,6 +61,12 @@ def main() -> None:
         planner = PlannerConfig(max_seq_len=8192, memory_bytes=hw.memory_bytes, jitter_draws=draws).build(model, priced)
         return [planner.plan(meta) for meta in metas(gbs)]
 
+    def changes(plans: list, base: list) -> tuple[float, float]:
+        """How often ``plans`` differ from ``base``'s: the plan (micro-batches, order or encoder
+        placement), and its micro-batch size."""
+        return (float(np.mean([(p.micro_batches, p.ranks) != (b.micro_batches, b.ranks) for p, b in zip(plans, base)])),
+                float(np.mean([p.mbs != b.mbs for p, b in zip(plans, base)])))
+
     def expected(plan, meta, draws: int) -> float:
         """``plan``'s expected time on the draws the planner (seed 0) uses for this step."""
         lat = Latencies.from_costs(cost.stage_costs(plan.shapes(meta)))
@@ -81,8 +87,7 @@ def main() -> None:
         for draws in DRAWS:
             plans = base if draws == 0 else run(gbs, draws)
             t = np.array([p.search_s for p in plans])
-            changed = np.mean([(p.micro_batches, p.ranks) != (b.micro_batches, b.ranks) for p, b in zip(plans, base)])
-            mbs = np.mean([p.mbs != b.mbs for p, b in zip(plans, base)])
+            changed, mbs = changes(plans, base)
             cut = np.mean([1 - p.predicted_s / expected(b, meta, draws) for p, b, meta in zip(plans, base, metas(gbs))]) if draws else 0.0
             print(f"{gbs:5d} {draws:5d} {np.percentile(t, 50):8.3f} {t.max():8.3f} {changed:12.0%} {mbs:11.0%} {cut:12.2%}")
     print(f"\ncontention priced (kappa {args.contention:g})")
@@ -92,8 +97,7 @@ def main() -> None:
         for kappa in (0.0, args.contention):
             plans = base if kappa == 0 else run(gbs, kappa=kappa)
             t = np.array([p.search_s for p in plans])
-            changed = np.mean([(p.micro_batches, p.ranks) != (b.micro_batches, b.ranks) for p, b in zip(plans, base)])
-            mbs = np.mean([p.mbs != b.mbs for p, b in zip(plans, base)])
+            changed, mbs = changes(plans, base)
             print(f"{gbs:5d} {kappa:5.2f} {np.percentile(t, 50):8.3f} {t.max():8.3f} {changed:12.0%} {mbs:11.0%}")
 
 

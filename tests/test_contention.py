@@ -50,17 +50,13 @@ def job():
     return model, cost, metas
 
 
-def with_contention(cost: CostModel, kappa: float) -> CostModel:
-    return CostModel(replace(cost.table, contention=kappa), cost.layout)
-
-
 def test_makespan_adds_kappa_times_concurrent_time_and_one_micro_batch_pays_nothing(job):
     model, cost, metas = job
     for mbs in (1, 4):
         plan = PlannerConfig(mode="balanced", mbs=mbs, max_seq_len=4096, memory_bytes=80e9).build(model, cost).plan(metas[0])
         lat = Latencies.from_costs(cost.stage_costs(plan.shapes(metas[0])))
         free = simulate(plan.table(), lat)
-        busy = [a for a in free.actions]
+        busy = list(free.actions)
         shared = concurrent_time(np.array([[a.start] for a in busy]), np.array([[a.end] for a in busy]))[0]
         hot = simulate(plan.table(), replace(lat, contention=0.5))
         assert hot.makespan == pytest.approx(free.makespan + 0.5 * shared)

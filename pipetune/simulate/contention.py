@@ -27,34 +27,29 @@ from __future__ import annotations
 import numpy as np
 
 
-def _sweep(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For intervals ``[K, C]`` (no two of one rank overlapping): seconds of each interval during
-    which another interval runs, ``[K, C]``, and the concurrent time per column, ``[C]``."""
-    K = start.shape[0]
+def overlaps(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For intervals ``[K, C]`` (no two of one rank overlapping: a rank runs one action at a
+    time): seconds of each interval during which another rank's interval runs, ``[K, C]``, and
+    the concurrent time (at least two running) per column, ``[C]``."""
+    K, C = start.shape
+    if K == 0:
+        return np.zeros((0, C)), np.zeros(C)
     times = np.concatenate([start, end])
     order = np.argsort(times, axis=0, kind="stable")
     at = np.take_along_axis(times, order, axis=0)
     busy = np.cumsum(np.where(order < K, 1, -1), axis=0)
     both = np.where(busy[:-1] >= 2, np.diff(at, axis=0), 0.0)
-    cum = np.concatenate([np.zeros((1, times.shape[1])), np.cumsum(both, axis=0)])
+    cum = np.concatenate([np.zeros((1, C)), np.cumsum(both, axis=0)])
     where = np.empty_like(order)
-    np.put_along_axis(where, order, np.arange(2 * K)[:, None].repeat(times.shape[1], axis=1), axis=0)
-    overlap = np.take_along_axis(cum, where[K:], axis=0) - np.take_along_axis(cum, where[:K], axis=0)
-    return overlap, cum[-1]
+    np.put_along_axis(where, order, np.arange(2 * K)[:, None].repeat(C, axis=1), axis=0)
+    return np.take_along_axis(cum, where[K:], axis=0) - np.take_along_axis(cum, where[:K], axis=0), cum[-1]
 
 
 def concurrent_time(start: np.ndarray, end: np.ndarray) -> np.ndarray:
-    """Seconds during which at least two of the intervals ``[K, C]`` run, per column ``[C]``.
-    Intervals of one rank must not overlap (a rank runs one action at a time)."""
-    if start.shape[0] == 0:
-        return np.zeros(start.shape[1:])
-    return _sweep(start, end)[1]
+    """Seconds during which at least two of the intervals ``[K, C]`` run, per column ``[C]``."""
+    return overlaps(start, end)[1]
 
 
-def overlap_with_others(start: np.ndarray, end: np.ndarray) -> np.ndarray:
-    """Per interval (1-D arrays, one rank's intervals never overlapping each other), the seconds
-    during which another rank's interval runs."""
-    start, end = np.asarray(start, np.float64), np.asarray(end, np.float64)
-    if start.size == 0:
-        return np.zeros(0)
-    return _sweep(start[:, None], end[:, None])[0][:, 0]
+def overlap_with_others(start, end) -> np.ndarray:
+    """``overlaps``' per-interval seconds for one timeline (1-D starts and ends)."""
+    return overlaps(np.asarray(start, np.float64)[:, None], np.asarray(end, np.float64)[:, None])[0][:, 0]

@@ -22,7 +22,7 @@ import numpy as np
 
 from pipetune.schedule.lowering import MessageKind
 from pipetune.schedule.table import Action, Buffer, Module, Op, ScheduleTable
-from pipetune.simulate.contention import concurrent_time, overlap_with_others
+from pipetune.simulate.contention import concurrent_time, overlaps
 from pipetune.simulate.dag import KINDS, MESSAGE_KINDS, CompiledSchedule, compile_schedule
 
 CHUNK = 512  # candidates per pass: [nodes x CHUNK] arrays stay in cache
@@ -345,11 +345,10 @@ def simulate(table: ScheduleTable, lat: Latencies) -> SimResult:
     busy = np.array([float((end[nodes] - start[nodes]).sum() + pre[nodes].sum()) for nodes in dag.rank_nodes])
     extra = 0.0
     if lat.contention:
-        b0, b1 = _busy(dag, start[:, None], end[:, None], pre[:, None])
-        overlap = overlap_with_others(b0[:, 0], b1[:, 0])
+        shared, concurrent = overlaps(*_busy(dag, start[:, None], end[:, None], pre[:, None]))
         N = dag.num_nodes
-        busy += lat.contention * np.array([overlap[nodes].sum() + overlap[N + nodes].sum() for nodes in dag.rank_nodes])
-        extra = lat.contention * float(concurrent_time(b0, b1)[0])
+        busy += lat.contention * np.array([shared[nodes, 0].sum() + shared[N + nodes, 0].sum() for nodes in dag.rank_nodes])
+        extra = lat.contention * float(concurrent[0])
     makespan = float(end.max()) + extra
     idle = makespan - busy
     peaks = _peak_memory(dag, g, slots)[0]
