@@ -10,16 +10,24 @@ measured guard), through ``benchmarks/titan_jobs.py``.
    every micro-batch size; they feed the online calibration and are not scored) and then
    ``--steps`` steps, refitting the table online after every step (``--online-window``). Every
    step is a different plan (micro-batch count, sizes, order, encoder placement).
-3. Rounds 2..``--rounds`` replay each job's recorded plans (``--pipetune.replay``), the modes'
-   order rotating between rounds, so that a plan's measured time is the median of runs minutes
-   apart and drift in the machine's speed hits every mode alike.
+3. Rounds 2..``--rounds``: one job per mix replays the three jobs' recorded plans side by side
+   (``--pipetune.replay a,b,c``): every batch runs each mode's plan back to back, the first of them
+   rotating with the batch and the round. A plan's measured time is the median of its runs (its
+   own job's and the side-by-side ones, minutes apart); the measured *cut* comes from the
+   side-by-side rounds only, where the plans it compares ran seconds apart, so that the machine's
+   drift between jobs (measured at up to 20 points of cut between back-to-back jobs) does not
+   enter it.
 4. Printed per mix and mode, and overall, over the scored steps: mean |error| and Spearman rank
    correlation of (a) the planner's own prediction, made online before the step ran, and (b) the
    simulator under the profiled table calibrated on every run of all the *other* plans of the mix
-   (leave-one-plan-out: accuracy once calibrated, without the planner's lag); measured and
-   predicted cut of pipetune vs original and vs balanced per mix; the noise floor (one run vs the
-   median of its plan's runs, and two single runs of the same plan), and the cut measured within
-   each round (its spread is the measured cut's own noise); the guard's fallback steps.
+   (leave-one-plan-out: accuracy once calibrated, without the planner's lag). Per mix, pipetune's
+   cut vs original and vs balanced: measured (side by side), and predicted three ways: by the
+   pipetune job's online model for both plans of each batch (the window of steps before it: the
+   gain pipetune claims when it plans), by each job's planner for its own plans (three models
+   calibrated in three jobs, so the drift between them enters), and by the held-out calibration.
+   The noise floor: one run vs the median of its plan's runs, two single runs of the same plan,
+   and the cut measured in each side-by-side round (their spread is the measured cut's own
+   noise); the guard's fallback steps.
 
 ``--background N`` runs N CPU-bound processes beside the jobs (contention: the setting in which
 plans of many small micro-batches were measured 27 % slower than predicted).
@@ -51,7 +59,7 @@ from pipetune.plan.plan import IterationPlan  # noqa: E402
 from pipetune.schedule.table import Action  # noqa: E402
 from pipetune.simulate import TimedAction  # noqa: E402
 from torchtitan_patches.data import DataLoaderConfig  # noqa: E402
-from torchtitan_patches.pipeline.calibrate import MeasuredStep, held_out_times  # noqa: E402
+from torchtitan_patches.pipeline.calibrate import MeasuredStep, fit_steps, held_out_times, simulate_plan  # noqa: E402
 from torchtitan_patches.titan import config_registry  # noqa: E402
 from torchtitan_patches.titan.model_spec import planning_model_config  # noqa: E402
 from pipetune.cost import CostModel, StageLayout, load_latency_table  # noqa: E402
@@ -75,11 +83,13 @@ def run_mix(mix: str, work: Path, table: Path, args) -> dict[str, list[dict]]:
     common = {"dataloader.dataset_path": out / "data", "pipetune.latency_table": out / "table.json", "debug.seed": 0,
               "dataloader.gbs": args.gbs, "training.seq_len": args.seq_len, "pipetune.online_window": args.online_window,
               "pipetune.calibrate_steps": args.calibrate_steps, "training.steps": args.calibrate_steps + args.steps}
-    jobs = {mode: [] for mode in MODES}
-    for k in range(args.rounds):
-        for mode in MODES[k % len(MODES):] + MODES[:k % len(MODES)]:  # rotating, so that drift hits every mode alike
-            how = {"pipetune.mode": mode} if k == 0 else {"pipetune.replay": out / f"{mode}_0" / "pipetune" / "steps.jsonl"}
-            jobs[mode].append(run_job(out / f"{mode}_{k}", {**common, **how}))
+    jobs = {mode: [run_job(out / f"{mode}_0", {**common, "pipetune.mode": mode})] for mode in MODES}
+    for k in range(1, args.rounds):
+        order = MODES[k % len(MODES):] + MODES[:k % len(MODES)]
+        runs = run_job(out / f"side_by_side_{k}", {**common, "pipetune.replay": ",".join(
+            str(out / f"{mode}_0" / "pipetune" / "steps.jsonl") for mode in order)})
+        for i, mode in enumerate(order):
+            jobs[mode].append([r for r in runs if r["replay_of"] == i])
     scored = {}
     for mode, rounds in jobs.items():
         recs = [r for r in rounds[0] if r["batch"] >= args.calibrate_steps + args.warmup]
@@ -90,23 +100,41 @@ def run_mix(mix: str, work: Path, table: Path, args) -> dict[str, list[dict]]:
             r["timelines"] = [timeline(x) for x in again]
             r["measured_s"] = float(np.median(r["runs"]))
         scored[mode] = recs
-    add_held_out(scored, out, args)
-    return scored
-
-
-def add_held_out(scored: dict[str, list[dict]], out: Path, args) -> None:
-    """``held_out_s`` per step: the profiled table fitted to every run of the mix's other plans."""
     config = config_registry.pipetune_muse_glimmer_mm()
     model = planning_model_config(config.model_spec, image_grid=config.pipetune.image_grid)
     loader = DataLoaderConfig(data=str(out / "data"), gbs=args.gbs, max_seq_len=args.seq_len, seed=0, overlong=Overlong.TRUNCATE,
                               packing=PackingConfig(max_seq_len=args.seq_len)).build(model)
+    profiled = CostModel(load_latency_table(out / "table.json", model=model, tp=1), StageLayout.from_sizes(jobs["pipetune"][0][0]["layout"]))
+    add_held_out(scored, loader, profiled)
+    add_own_view(scored, jobs["pipetune"][0], loader, profiled, args.online_window)
+    return scored
+
+
+def add_held_out(scored: dict[str, list[dict]], loader, profiled: CostModel) -> None:
+    """``held_out_s`` per step: the profiled table fitted to every run of the mix's other plans."""
     recs = [r for mode in MODES for r in scored[mode]]
-    layout = StageLayout.from_sizes(recs[0]["layout"])
-    profiled = CostModel(load_latency_table(out / "table.json", model=model, tp=1), layout)
     steps = [MeasuredStep.from_timelines(profiled, r["timelines"], IterationPlan.from_json(r["plan"]), loader.meta(r["batch"]),
                                          r["measured_s"]) for r in recs]
     for r, t in zip(recs, held_out_times(profiled, steps)):
         r["held_out_s"] = t
+
+
+def add_own_view(scored: dict[str, list[dict]], tuned_job: list[dict], loader, profiled: CostModel, window: int) -> None:
+    """``own_s`` per scored step of every mode: the time of that mode's plan under the pipetune
+    job's online model of the batch (the profiled table fitted to the job's last ``window`` steps
+    before it, as its trainer refits, leaving out its first step), so the gain pipetune predicts
+    over another mode is one model's, as when it plans."""
+    by_batch = {mode: {r["batch"]: r for r in recs} for mode, recs in scored.items()}
+    history = []
+    for r in tuned_job:
+        if r["batch"] in by_batch["pipetune"]:
+            cost = fit_steps(profiled, history[-window:])[0]
+            for mode in MODES:
+                x = by_batch[mode][r["batch"]]
+                x["own_s"] = simulate_plan(cost, IterationPlan.from_json(x["plan"]), loader.meta(x["batch"])).makespan
+        if r["step"] > 1:
+            history.append(MeasuredStep.from_timelines(profiled, [timeline(r)], IterationPlan.from_json(r["plan"]),
+                                                       loader.meta(r["batch"]), r["measured_s"]))
 
 
 def errors(measured, predicted) -> tuple[float, float]:
@@ -132,19 +160,27 @@ def report(results: dict[str, dict[str, list[dict]]], args) -> None:
     he, hrho = errors(m, [r["held_out_s"] for r in every])
     print(f"{'all':9} {'':9} {len(every):5d} {'':9} {'':10} {e:7.1f}% {rho:9.3f} {he:8.1f}% {hrho:9.3f}")
     spread = np.mean([abs(x - r["measured_s"]) / r["measured_s"] for r in every for x in r["runs"]]) * 100
-    pair = np.mean([abs(r["runs"][0] - r["runs"][1]) / r["measured_s"] for r in every]) * 100 if args.rounds > 1 else float("nan")
+    pair = np.mean([abs(r["runs"][0] - r["runs"][1]) / r["measured_s"] for r in every]) * 100
     print(f"noise: one run vs the median of its plan's {args.rounds} runs {spread:.1f}% (mean |difference|); "
           f"two runs of one plan {pair:.1f}%")
     for mix, scored in results.items():
-        mean = {mode: (np.mean([r["measured_s"] for r in recs]), np.mean([r["predicted_s"] for r in recs])) for mode, recs in scored.items()}
-        cuts = ", ".join(f"vs {base}: measured {1 - mean['pipetune'][0] / mean[base][0]:+.1%}, predicted "
-                         f"{1 - mean['pipetune'][1] / mean[base][1]:+.1%}" for base in ("original", "balanced"))
-        rounds = {mode: np.array([r["runs"] for r in recs]).mean(axis=0) for mode, recs in scored.items()}
-        paired = "/".join(f"{1 - p / o:+.1%}" for p, o in zip(rounds["pipetune"], rounds["original"]))
+        side = {mode: np.array([r["runs"][1:] for r in recs]) for mode, recs in scored.items()}  # [plan, side-by-side round]
+        measured = {mode: np.median(t, axis=1) for mode, t in side.items()}
+        for base in ("original", "balanced"):
+            pred = {key: cut({mode: np.array([r[key] for r in recs]) for mode, recs in scored.items()}, base)
+                    for key in ("own_s", "predicted_s", "held_out_s")}
+            rounds = "/".join(f"{1 - p.sum() / b.sum():+.1%}" for p, b in zip(side["pipetune"].T, side[base].T))
+            print(f"{mix}: pipetune vs {base}: measured {cut(measured, base):+.1%} (side-by-side rounds {rounds}); predicted by "
+                  f"pipetune's model {pred['own_s']:+.1%}, by each job's planner {pred['predicted_s']:+.1%}, held-out "
+                  f"{pred['held_out_s']:+.1%}")
         kinds = [r.get("kind") for r in scored["pipetune"]]
-        print(f"{mix}: pipetune {cuts}; guard ran the baseline on {kinds.count('baseline')} of {len(kinds)} steps "
+        print(f"{mix}: guard ran the baseline on {kinds.count('baseline')} of {len(kinds)} steps "
               f"({sum(r.get('guard') == 'fallback' for r in scored['pipetune'])} in fallback)")
-        print(f"{mix}: measured cut vs original in each round (the modes' jobs of one round run back to back): {paired}")
+
+
+def cut(times: dict[str, np.ndarray], base: str) -> float:
+    """Pipetune's cut of the summed time of the same batches vs mode ``base``."""
+    return float(1 - times["pipetune"].sum() / times[base].sum())
 
 
 def main() -> None:
@@ -155,12 +191,15 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1, help="first steps after calibration left out of the scores")
     ap.add_argument("--calibrate-steps", type=int, default=8)
     ap.add_argument("--online-window", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=3, help="runs of every plan (the first trains, the others replay it)")
+    ap.add_argument("--rounds", type=int, default=3, help="runs of every plan (>= 2: the first trains, the others replay "
+                    "the modes' plans side by side)")
     ap.add_argument("--gbs", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--samples", type=int, default=4000)
     ap.add_argument("--background", type=int, default=0, help="CPU-bound processes to run beside the jobs")
     args = ap.parse_args()
+    if args.rounds < 2:
+        ap.error("--rounds must be >= 2: the measured cut comes from the side-by-side replays")
     work = args.out or Path(tempfile.mkdtemp(prefix="pipetune-sim-vs-real-"))
     work.mkdir(parents=True, exist_ok=True)
     prepare(work / "profile", "pipetune_muse_glimmer_mm", "--samples", "200")

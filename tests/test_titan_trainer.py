@@ -129,7 +129,7 @@ def test_step_one_gradients_equal_the_unsplit_model(job, tmp_path, monkeypatch, 
 
 def test_bad_job_settings_are_named(tmp_path):
     from torchtitan_patches.titan.dataloader import PipeTuneTitanDataLoader
-    from torchtitan_patches.titan.plan_source import load_replay
+    from torchtitan_patches.titan.plan_source import load_replay, load_replays
     from torchtitan_patches.titan.trainer import PipeTuneSettings
 
     with pytest.raises(ValueError, match="'fast'"):
@@ -148,6 +148,14 @@ def test_bad_job_settings_are_named(tmp_path):
         load_replay(bad)
     with pytest.raises(ValueError, match="not a text file of pipetune step records"):
         bad.write_bytes(b"\xff\xfe")
+        load_replay(bad)
+    short, long = tmp_path / "short.jsonl", tmp_path / "long.jsonl"
+    short.write_text('{"batch": 0, "plan": "{}"}\n')
+    long.write_text('{"batch": 0, "plan": "{}"}\n{"batch": 1, "plan": "{}"}\n')
+    with pytest.raises(ValueError, match=r"long.jsonl records batches 0..1 \(2\) but .*short.jsonl records 0..0 \(1\)"):
+        load_replays([str(short), str(long)])
+    with pytest.raises(ValueError, match="holds no step records"):
+        bad.write_text("")
         load_replay(bad)
     with pytest.raises(ValueError, match="dataset_path is empty"):
         PipeTuneTitanDataLoader.Config().build(seq_len=512)
@@ -183,12 +191,32 @@ def test_the_guard_falls_back_while_tuned_plans_are_slowed_and_returns(job, tmp_
 
 def test_a_replayed_job_runs_the_recorded_plans_with_the_same_losses(job, tmp_path):
     """``--pipetune.replay`` runs an earlier job's recorded plans (how benchmarks time one plan
-    several times); on the same data and weights the losses are the same, bit for bit."""
-    recorded, replayed = tmp_path / "recorded", tmp_path / "replayed"
-    _torchrun(["-m", "torchtitan.train", *_args(job, recorded, "--training.steps", "3")])
-    _torchrun(["-m", "torchtitan.train", *_args(job, replayed, "--training.steps", "3", "--pipetune.replay",
-                                                 str(recorded / "pipetune" / "steps.jsonl"), "--pipetune.mode", "original")])
-    a, b = _records(recorded), _records(replayed)
+    several times); on the same data and weights the losses are the same, bit for bit. Given two
+    jobs' records, every step runs both jobs' plans of its batch, the first of them alternating:
+    step 0's runs reproduce each job's loss bit for bit (the same initial weights, no update
+    between the runs), and later steps, trained on the last run's gradients, stay within float
+    rounding of both jobs' losses (every plan of a batch gives the same gradients)."""
+    steps = "3"
+    tuned, original = tmp_path / "tuned", tmp_path / "original"
+    _torchrun(["-m", "torchtitan.train", *_args(job, tuned, "--training.steps", steps, "--pipetune.max_mbs", "2")])
+    _torchrun(["-m", "torchtitan.train", *_args(job, original, "--training.steps", steps, "--pipetune.mode", "original")])
+    files = [d / "pipetune" / "steps.jsonl" for d in (tuned, original)]
+    _torchrun(["-m", "torchtitan.train", *_args(job, tmp_path / "replayed", "--training.steps", steps, "--pipetune.replay",
+                                                 str(files[0]), "--pipetune.mode", "original")])
+    a, b = _records(tuned), _records(tmp_path / "replayed")
     assert [r["kind"] for r in b] == ["replay"] * 3
     for x, y in zip(a, b):
         assert (x["samples"], x["order"], x["mode"], x["loss"]) == (y["samples"], y["order"], y["mode"], y["loss"])
+
+    _torchrun(["-m", "torchtitan.train", *_args(job, tmp_path / "both", "--training.steps", steps, "--pipetune.replay",
+                                                 ",".join(map(str, files)))])
+    recorded = [{r["batch"]: r for r in _records(d)} for d in (tuned, original)]
+    assert any(recorded[0][k]["samples"] != recorded[1][k]["samples"] for k in recorded[0]), "the two jobs ran the same plans"
+    runs = _records(tmp_path / "both")
+    assert [(r["batch"], r["replay_of"]) for r in runs] == [(0, 0), (0, 1), (1, 1), (1, 0), (2, 0), (2, 1)]
+    for r in runs:
+        x = recorded[r["replay_of"]][r["batch"]]
+        assert (r["samples"], r["order"], r["mode"], r["kind"]) == (x["samples"], x["order"], x["mode"], "replay")
+        if r["batch"] == 0:
+            assert r["loss"] == x["loss"]
+        assert r["loss"] == pytest.approx(x["loss"], rel=1e-4)

@@ -247,6 +247,12 @@ class PipeTuneDataLoader(StatefulDataLoader):
             overlong=self.config.overlong,
         )
 
+    def pack(self, step: int, id_groups: list[list[int]]) -> GlobalBatch:
+        """Batch ``step`` packed as ``id_groups`` (checked to cover it exactly once), built in this
+        process: the same batch under another plan, outside the stream (it moves no state)."""
+        meta = self.meta(step)
+        return self.dataset.__getitems__(BatchSpec(meta, groups_from_ids(meta, id_groups)))
+
     def upcoming(self, k: int) -> list[BatchMeta]:
         """Metadata of the next ``k`` batches this loader will yield, before their tensors exist."""
         return [self.meta(s) for s in range(self._next_step, self._next_step + k)]

@@ -63,7 +63,20 @@ def load_replay(path: str | Path) -> dict[int, str]:
             out[int(rec["batch"])] = rec["plan"]
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"pipetune.replay: {path}, line {k}: not a pipetune step record with a plan ({e})") from None
+    if not out:
+        raise ValueError(f"pipetune.replay: {path} holds no step records; give the steps.jsonl of a job that ran")
     return out
+
+
+def load_replays(paths: list[str]) -> list[dict[int, str]]:
+    """``load_replay`` of each path; files replayed side by side must record the same batches."""
+    replays = [load_replay(path) for path in paths]
+    for path, other in zip(paths[1:], replays[1:]):
+        if other.keys() != replays[0].keys():
+            raise ValueError(f"pipetune.replay: {path} records batches {min(other)}..{max(other)} ({len(other)}) but "
+                             f"{paths[0]} records {min(replays[0])}..{max(replays[0])} ({len(replays[0])}); files "
+                             "replayed side by side must record the same batches")
+    return replays
 
 
 class PlanSource:

@@ -66,15 +66,17 @@ from pipetune.plan.async_planner import AsyncPlanner
 from pipetune.plan.compare import best_static_planner
 from pipetune.plan.guard import Guard, GuardConfig, GuardState, PlanKind
 from pipetune.plan.layout import LayoutSearch, sample_batches
+from pipetune.plan.plan import IterationPlan
 from pipetune.schedule.table import Placement
 from pipetune.simulate import TimedAction
+from torchtitan_patches.data.micro_batch import GlobalBatch
 from torchtitan_patches.pipeline.calibrate import MeasuredStep, OnlineCalibrator
 from torchtitan_patches.pipeline.executor import ImageShapes, PlanExecutor
 from torchtitan_patches.pipeline.plan_channel import PlanChannel
 from torchtitan_patches.titan.cpu_device import use_cpu
 from torchtitan_patches.titan.dataloader import PipeTuneTitanDataLoader
 from torchtitan_patches.titan.model_spec import planning_model_config
-from torchtitan_patches.titan.plan_source import PlanSource, StepKind, load_replay
+from torchtitan_patches.titan.plan_source import PlanSource, StepKind, load_replays
 from torchtitan_patches.titan.stages import TitanStage, encoder_chunks, keep_encoder_chunks
 from torchtitan_patches.titan.tokenizer import text_encoder
 from torchtitan_patches.titan.torch_compat import fill_gaps
@@ -147,9 +149,14 @@ class PipeTuneSettings(Configurable):
         deterministic simulation; else >= 2). Needs ``online_window``: the spread is fitted online
         from the measured action times (``pipetune.cost.variability``)."""
 
-        replay: str = ""
-        """Run the plans recorded in an earlier job's ``pipetune/steps.jsonl`` instead of planning
-        (same data set, batch size, seed and sequence length; each plan is checked against its batch)."""
+        replay: list[str] = field(default_factory=list)
+        """Run the plans recorded in earlier jobs' ``pipetune/steps.jsonl`` instead of planning (same
+        data set, batch size, seed and sequence length; each plan is checked against its batch). With
+        several files (``a,b,c``, recording the same batches), every step runs each file's plan of its
+        batch back to back, the file that runs first rotating with the step, and keeps the last run's
+        gradients (every plan of a batch gives the same gradients); one record per run, ``replay_of``
+        naming the file. Plans so timed seconds apart are compared without the drift of the
+        machine's speed between jobs."""
 
         def __post_init__(self) -> None:
             Mode(self.mode)
@@ -318,7 +325,9 @@ class PipeTuneTrainer(Trainer):
     def _plan_source(self, config: Config, loader) -> PlanSource:
         """Rank 0's planners: the job's mode, the calibration cycle, and the guard's baseline."""
         pt, seq, seed = config.pipetune, config.training.seq_len, config.debug.seed or 0
-        replay = load_replay(pt.replay) if pt.replay else None
+        replays = load_replays(pt.replay)
+        replay = replays[0] if replays else None
+        self.other_replays = replays[1:]
         cost, memory = self.profiled, pt.memory_gib * 2**30
         tuned = PlannerConfig(mode=Mode(pt.mode), max_seq_len=seq, memory_bytes=memory, max_mbs=pt.max_mbs, mbs=pt.mbs or None,
                               seed=seed, jitter_draws=pt.jitter_draws).build(self.planning_model, cost)
@@ -354,20 +363,22 @@ class PipeTuneTrainer(Trainer):
             yield batch
 
     def train_step(self, data_iterator):
-        self.optimizers.zero_grad()
         lr_metrics = self.lr_schedulers.get_metrics()
         batch = next(data_iterator)
-        plan = self.channel.pop(batch.step)
+        runs = [(batch, self.channel.pop(batch.step)), *self._replayed_beside(batch.step)]
         self.ntokens_seen += sum(mb.num_tokens for mb in batch.micro_batches)
-        with self.train_context():
-            res = self.executor.run(batch, plan)
+        first = batch.step % len(runs)
+        for k in [*range(first, len(runs)), *range(first)]:
+            self.optimizers.zero_grad()  # the last run's gradients are the step's
+            with self.train_context():
+                res = self.executor.run(*runs[k])
+            record = self._record(*runs[k], res, replay_of=k if len(runs) > 1 else None)
         grad_norm = dist_utils.clip_grad_norm_(
             [p for m in self.model_parts for p in m.parameters()], self.config.training.max_norm, foreach=True,
             pp_mesh=self.parallel_dims.get_optional_mesh("pp"), ep_enabled=self.parallel_dims.ep_enabled)
         self.checkpointer.maybe_wait_for_staging()
         self.optimizers.step()
         self.lr_schedulers.step()
-        record = self._record(batch, plan, res)
         if self.metrics_processor.should_log(self.step):
             extra = {f"pipetune/{k}": record[k] for k in ("mbs", "micro_batches", "precomputed_encoders", "predicted_s", "measured_s")}
             if self.rank == 0:
@@ -375,9 +386,21 @@ class PipeTuneTrainer(Trainer):
             self.metrics_processor.log(self.step, record["loss"], record["loss"], float(grad_norm.item()),
                                        extra_metrics={**extra, **lr_metrics})
 
-    def _record(self, batch, plan, res) -> dict:
+    def _replayed_beside(self, step: int) -> list[tuple[GlobalBatch, IterationPlan]]:
+        """The plans of batch ``step`` in the second and later ``pipetune.replay`` files (rank 0
+        sends them) with the batch packed as each says."""
+        if len(self.config.pipetune.replay) < 2:
+            return []
+        box = [[r[step] for r in self.other_replays] if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        loader = self.dataloader.inner
+        ids = loader.meta(step).table.ids
+        plans = [IterationPlan.from_json(js, batch_ids=ids) for js in box[0]]
+        return [(loader.pack(step, [list(mb) for mb in p.micro_batches]), p) for p in plans]
+
+    def _record(self, batch, plan, res, *, replay_of: int | None = None) -> dict:
         """Gather every rank's timing and loss (gloo); on rank 0 feed the calibration, correction
-        and guard, and write the record."""
+        and guard (a run of a later replay file feeds nothing), and write the record."""
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, (res.start, res.end, res.timeline, res.loss, res.overhead_s), group=self.control)
         start = min(g[0] for g in every)
@@ -390,8 +413,13 @@ class PipeTuneTrainer(Trainer):
                   "measured_s": measured, "plan_setup_s": max(g[4] for g in every), "loss": loss, "fallback": plan.fallback, "layout": self.layout.layers_per_stage(),
                   "separated": self.layout.is_separated,
                   "samples": [list(mb) for mb in plan.micro_batches]}
+        if replay_of is not None:
+            record["replay_of"] = replay_of
         if self.rank == 0:
-            self._learn(batch, plan, timeline, measured, record)
+            if replay_of:
+                record.update(kind=StepKind.REPLAY.value, tuned_predicted_s=plan.predicted_s, baseline_predicted_s=float("nan"))
+            else:
+                self._learn(batch, plan, timeline, measured, record)
             record["plan"] = plan.to_json()
             record["timeline"] = [[t.rank, str(t.action), t.start, t.end, t.precomputed] for t in timeline]
             self.records_path.parent.mkdir(parents=True, exist_ok=True)
