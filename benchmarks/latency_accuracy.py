@@ -27,6 +27,7 @@ os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
 from pipetune.config import load_model_config  # noqa: E402
 from pipetune.cost import CostModel, StageLayout, load_latency_table  # noqa: E402
+from pipetune.cost.calibration import Observed  # noqa: E402
 from pipetune.cost.calibration import calibrate  # noqa: E402
 from pipetune.data import make_mix, write_dataset  # noqa: E402
 from profiling.profile_layers import ProfileConfig, run_profile  # noqa: E402
@@ -37,7 +38,7 @@ MAX_SEQ_LEN = 512
 
 def predict(cost: CostModel, obs) -> float:
     c = cost.stage_costs(obs.shapes)
-    return float(c.encoder[0, 0] if obs.kind == "encoder" else c.fwd[0, obs.stage] + c.bwd[0, obs.stage])
+    return float(c.encoder[0, 0] if obs.kind is Observed.ENCODER else c.fwd[0, obs.stage] + c.bwd[0, obs.stage])
 
 
 def errors(cost: CostModel, obs) -> tuple[float, float]:
@@ -79,18 +80,18 @@ def main() -> None:
     print(f"{'mix':9} {'what':8} {'n':>4} {'mean |err| %':>12} {'spearman':>9}")
 
     def label(o):
-        return "encoder" if o.kind == "encoder" else f"stage{o.stage}"
+        return "encoder" if o.kind is Observed.ENCODER else f"stage{o.stage}"
 
     everything = {mix: a + b for mix, (a, b) in per_mix.items()}
     everything["all"] = sum(everything.values(), [])
     for mix, obs in everything.items():
         for what in sorted({label(o) for o in obs}) + (["stages"] if mix == "all" else []):
-            sel = [o for o in obs if label(o) == what or (what == "stages" and o.kind == "stage")]
+            sel = [o for o in obs if label(o) == what or (what == "stages" and o.kind is Observed.STAGE)]
             e, rho = errors(cost, sel)
             print(f"{mix:9} {what:8} {len(sel):4d} {e:12.1f} {rho:9.3f}")
 
     fit = sum((a for a, _ in per_mix.values()), [])
-    held = [o for _, b in per_mix.values() for o in b if o.kind == "stage"]
+    held = [o for _, b in per_mix.values() for o in b if o.kind is Observed.STAGE]
     calibrated, report = calibrate(table, cost, fit)
     e0, s0 = errors(cost, held)
     e1, s1 = errors(CostModel(calibrated, layout), held)

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from pipetune.config.model import ModelConfig
-from pipetune.cost.calibration import Observation
+from pipetune.cost.calibration import Observation, Observed, Part
 from pipetune.cost.cost_model import MicroBatchShapes
 from pipetune.cost.layout import StageLayout
 from pipetune.packing.batch_packer import PackingConfig
@@ -122,5 +122,5 @@ def observe(timer: StageTimer, samples, *, passes: int = 5, warmup: int = 1) -> 
         obs += [Observation(shapes, float(next(med)), stage=s) for s in range(len(timer.stages))]
         enc = float(next(med))
         if mb.num_images and timer.encoder is not None:
-            obs.append(Observation(shapes, enc, kind="encoder", part="fwd"))
+            obs.append(Observation(shapes, enc, kind=Observed.ENCODER, part=Part.FWD))
     return obs

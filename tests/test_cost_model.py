@@ -3,7 +3,7 @@ import pytest
 
 from pipetune.config import load_hardware, load_model_config
 from pipetune.cost import CostModel, LatencyTable, MicroBatchShapes, StageLayout, analytical_table
-from pipetune.cost.calibration import Observation, calibrate
+from pipetune.cost.calibration import Observation, Observed, Part, calibrate
 from pipetune.cost.cost_model import lookup
 from pipetune.cost.table import Curve, table_from_dict
 from pipetune.packing import Packing
@@ -147,9 +147,9 @@ def test_calibration_recovers_known_scales(tiny, encoder):
         for s in range(2):
             obs.append(Observation(sh, float(c.fwd[0, s] + c.bwd[0, s]), stage=s))
         if sh.images[0]:
-            obs.append(Observation(sh, float(c.encoder[0, 0]), kind="encoder", part="fwd"))
+            obs.append(Observation(sh, float(c.encoder[0, 0]), kind=Observed.ENCODER, part=Part.FWD))
             if encoder != "frozen":  # the encoder's backward is an action of its own
-                obs.append(Observation(sh, float(c.encoder_bwd[0, 0]), kind="encoder", part="bwd"))
+                obs.append(Observation(sh, float(c.encoder_bwd[0, 0]), kind=Observed.ENCODER, part=Part.BWD))
     cal, report = calibrate(base, CostModel(base, layout, recompute_encoder=recompute), obs)
     # the ridge towards the old factors (see calibration.RIDGE) leaves a small bias, larger for
     # components that are a small part of every timing (the head)
@@ -173,8 +173,8 @@ def test_calibration_recovers_per_call_overheads(tiny):
         sh = shapes_of([rng.integers(1, 100, size=int(rng.integers(1, 5))).tolist()], [0])
         c = truth.stage_costs(sh)
         for s in range(2):
-            obs.append(Observation(sh, float(c.fwd[0, s]), stage=s, part="fwd"))
-            obs.append(Observation(sh, float(c.bwd[0, s]), stage=s, part="bwd"))
+            obs.append(Observation(sh, float(c.fwd[0, s]), stage=s, part=Part.FWD))
+            obs.append(Observation(sh, float(c.bwd[0, s]), stage=s, part=Part.BWD))
     cal, report = calibrate(base, CostModel(base, layout), obs)
     assert cal.fixed("fwd") == pytest.approx(2e-3, rel=0.05) and cal.fixed("bwd") == pytest.approx(5e-3, rel=0.05)
     assert report.mean_abs_pct_error_after < 1.0 < report.mean_abs_pct_error_before

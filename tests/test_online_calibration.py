@@ -7,7 +7,8 @@ import pytest
 
 from pipetune.config import load_hardware, load_model_config
 from pipetune.cost import CostModel, StageLayout, analytical_table
-from pipetune.cost.table import Curve
+from pipetune.cost.calibration import Observed, Part
+from pipetune.cost.table import CURVES, Curve
 from pipetune.data import BatchStream, batch_meta, make_mix
 from pipetune.plan import PlannerConfig
 from torchtitan_patches.pipeline.calibrate import MeasuredStep, OnlineCalibrator, fit_steps, held_out_times, simulate_plan, timeline_observations
@@ -47,14 +48,14 @@ def test_observations_sum_forward_and_backward_per_micro_batch_and_stage(setup):
     plan = planner.plan(metas[0])
     timeline = measured(plan, metas[0], truth)
     obs = timeline_observations(timeline, plan, metas[0])
-    stage_obs = [o for o in obs if o.kind == "stage"]
+    stage_obs = [o for o in obs if o.kind is Observed.STAGE]
     assert len(stage_obs) == plan.num_micro_batches * plan.num_stages
     costs = truth.stage_costs(plan.shapes(metas[0]))
     for o in stage_obs:
         mb = next(i for i in range(plan.num_micro_batches) if np.array_equal(plan.shapes(metas[0]).take([i]).doc_lengths, o.shapes.doc_lengths))
         assert o.seconds == pytest.approx(costs.fwd[mb, o.stage] + costs.bwd[mb, o.stage])
-    enc = [o for o in obs if o.kind == "encoder"]
-    assert all(o.shapes.images[0] > 0 for o in enc)
+    enc = [o for o in obs if o.kind is Observed.ENCODER]
+    assert enc and all(o.shapes.images[0] > 0 for o in enc)
 
 
 def test_online_calibration_converges_to_the_machine(setup):
@@ -99,6 +100,26 @@ def test_set_cost_refuses_another_layout(setup):
     planner = make_planner()
     with pytest.raises(ValueError, match="same model and stage layout"):
         planner.set_cost(CostModel(base.table, StageLayout.even(32, 4)))
+
+
+def test_the_guard_prices_both_plans_of_a_batch_with_the_current_model(setup):
+    """The job's plan is made ``plan_ahead`` batches early, by an older model (here one that
+    prices everything 20 % higher); the baseline plan of the same batch is made now. When they are
+    the same plan, the guard must see the same price for both: the model's age alone must not make
+    pipetune's plan look slower than the baseline."""
+    from pipetune.plan import Mode
+    from pipetune.plan.guard import Guard
+    from torchtitan_patches.titan.plan_source import PlanSource, StepKind
+
+    base, _, metas, _ = setup
+    model, older = load_model_config("7b"), CostModel(replace(base.table, scales={c: 1.2 for c in CURVES}), base.layout)
+    balanced = PlannerConfig(mode=Mode.BALANCED, mbs=2, max_seq_len=4096, memory_bytes=80e9)
+    source = PlanSource(balanced.build(model, older), baseline=balanced.build(model, base), guard=Guard())
+    for meta in metas[:3]:
+        plan = source(meta)
+        step = source.pop(meta.step)
+        assert step.kind is StepKind.TUNED and plan.predicted_s > 1.1 * simulate_plan(base, plan, meta).makespan
+        assert step.tuned_predicted_s == step.baseline_predicted_s == simulate_plan(base, plan, meta).makespan
 
 
 def test_held_out_times_predict_each_step_from_the_others(setup):
@@ -185,8 +206,8 @@ def test_separated_plans_calibrate_encoder_chunks_forward_and_backward():
         plan = planner.plan(meta)
         timeline = measured(plan, meta, truth)
         obs = timeline_observations(timeline, plan, meta)
-        enc = [o for o in obs if o.kind == "encoder"]
-        assert {o.part for o in enc} == {"fwd", "bwd"} and {o.stage for o in enc} == {0, 1, 2, 3}
+        enc = [o for o in obs if o.kind is Observed.ENCODER]
+        assert {o.part for o in enc} == {Part.FWD, Part.BWD} and {o.stage for o in enc} == {0, 1, 2, 3}
         assert all(o.shapes.images[0] == 8 for o in enc)  # charged at the padded size
         steps.append(MeasuredStep.from_timelines(base, [timeline], plan, meta, simulate_plan(truth, plan, meta).makespan))
     fitted, _ = fit_steps(base, steps)

@@ -35,6 +35,7 @@ action timelines (``torchtitan_patches.pipeline.calibrate``).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from enum import Enum
 
 import numpy as np
 from scipy.optimize import nnls
@@ -47,22 +48,34 @@ RIDGE = 0.05
 HUBER_DELTA = 0.1
 HUBER_ROUNDS = 4
 CONTENTION_GRID = np.concatenate([np.arange(0.0, 1.0, 0.05), np.arange(1.0, 3.01, 0.25)])
-PARTS = {"fwd": ("fwd",), "bwd": ("bwd",), "fwd+bwd": ("fwd", "bwd")}
+class Observed(Enum):
+    """Whose work an observation timed."""
+
+    STAGE = "stage"
+    ENCODER = "encoder"
+
+
+class Part(Enum):
+    """Which passes an observation timed (the value: the table's curve names)."""
+
+    FWD = ("fwd",)
+    BWD = ("bwd",)
+    BOTH = ("fwd", "bwd")
 
 
 @dataclass(frozen=True)
 class Observation:
     """A measured latency (seconds) of micro-batch ``shapes`` (a single one): ``part`` of its
-    work on backbone ``stage`` (``kind="stage"``), or ``part`` of the encoder's work on its
-    ``shapes.images`` images on encoder chunk ``stage`` (``kind="encoder"``; the chunk's share of
-    the encoder's layers, see ``pipetune.cost.cost_model``). ``concurrent_s``: of ``seconds``,
+    work on backbone ``stage`` (``Observed.STAGE``), or ``part`` of the encoder's work on its
+    ``shapes.images`` images on encoder chunk ``stage`` (``Observed.ENCODER``; the chunk's share
+    of the encoder's layers, see ``pipetune.cost.cost_model``). ``concurrent_s``: of ``seconds``,
     how many ran while another rank was busy."""
 
     shapes: MicroBatchShapes
     seconds: float
     stage: int = 0
-    kind: str = "stage"
-    part: str = "fwd+bwd"
+    kind: Observed = Observed.STAGE
+    part: Part = Part.BOTH
     concurrent_s: float = 0.0
 
 
@@ -101,13 +114,13 @@ class Design:
         rows = []
         for obs in observations:
             parts, _ = cost.components(obs.shapes)
-            if obs.kind == "encoder":
-                seconds = sum(cost.encoder_curve(obs.shapes.images, w)[0][0] for w in PARTS[obs.part])
-                if cost.recompute_encoder and "bwd" in PARTS[obs.part]:
+            which = obs.part.value
+            if obs.kind is Observed.ENCODER:
+                seconds = sum(cost.encoder_curve(obs.shapes.images, w)[0][0] for w in which)
+                if cost.recompute_encoder and "bwd" in which:
                     seconds += cost.encoder_curve(obs.shapes.images, "fwd")[0][0]  # the backward re-runs the forward
                 rows.append([seconds * cost.encoder_share[obs.stage] if n == "encoder" else 0.0 for n in UNKNOWNS])
                 continue
-            which = PARTS[obs.part]
             row = [sum(parts[n][w][0, obs.stage] for w in which) if n in parts else 0.0 for n in CURVES]
             rows.append(row + [float("fwd" in which), float("bwd" in which)])
         y = np.asarray([o.seconds for o in observations], dtype=np.float64)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from pipetune.cost.calibration import CalibrationReport, Design, Observation, calibrate_design
+from pipetune.cost.calibration import CalibrationReport, Design, Observation, Observed, Part, calibrate_design
 from pipetune.cost.cost_model import CostModel
 from pipetune.cost.layout import StageLayout
 from pipetune.cost.table import CURVES, LatencyTable
@@ -38,8 +38,8 @@ def timeline_observations(timeline: list[TimedAction], plan: IterationPlan, meta
             one = shapes.take([j])
             images = plan.image_sub_batch or int(one.images[0])
             if one.images[0]:
-                out.append(Observation(replace(one, images=np.array([images])), t.end - t.start, stage=a.chunk, kind="encoder",
-                                       part="fwd" if a.op is Op.FORWARD else "bwd", concurrent_s=shared))
+                out.append(Observation(replace(one, images=np.array([images])), t.end - t.start, stage=a.chunk, kind=Observed.ENCODER,
+                                       part=Part.FWD if a.op is Op.FORWARD else Part.BWD, concurrent_s=shared))
         else:
             acc = work.setdefault((a.chunk, a.unit), [0.0, 0.0])
             acc[0] += t.end - t.start

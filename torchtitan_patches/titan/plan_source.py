@@ -4,7 +4,8 @@ Which plan a step runs, in order of precedence:
 
 1. ``replay``: a plan recorded by an earlier job of the same configuration (its ``steps.jsonl``),
    validated against this step's batch: the same plans timed again (benchmarks repeat runs so)
-   or a run's plans reproduced.
+   or a run's plans reproduced. With several files this is the first file's plan; the trainer
+   runs the others' beside it (``PipeTuneSettings.replay``).
 2. Calibration steps (the first ``calibrate_steps`` batches): balanced plans cycling through every
    micro-batch size, so the online calibration has seen each size's per-call costs before the
    planner compares sizes by them. They train like any other step.
@@ -13,7 +14,12 @@ Which plan a step runs, in order of precedence:
    configuration (packer and micro-batch size chosen once on sampled batches), which is also
    planned for every batch so that the guard compares both predictions on the same batch.
 
-Per step it keeps a ``StepPlan`` (which kind ran, both predictions) for the trainer's record.
+For the guard, both plans of a batch are priced by the same model: the calibration's current one
+(deterministic simulation). The tuned plan's own ``predicted_s`` was made ``plan_ahead`` batches
+earlier by an older model, and right after the calibration steps the model moves by several per
+cent a step; comparing it with a baseline priced now made the guard fall back on that
+difference alone (measured: a tuned plan predicted 7 % slower than the baseline, both at mbs 1).
+Per step it keeps a ``StepPlan`` (which kind ran, both prices) for the trainer's record.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from pipetune.plan.async_planner import AsyncPlanner
 from pipetune.plan.guard import Guard, PlanKind
 from pipetune.plan.plan import IterationPlan, PlanError
 from pipetune.plan.search import Planner
+from torchtitan_patches.pipeline.calibrate import simulate_plan
 
 
 class StepKind(str, Enum):
@@ -40,7 +47,8 @@ class StepKind(str, Enum):
 @dataclass(frozen=True)
 class StepPlan:
     """What rank 0 decided for one step: the plan, why it runs, and the predicted time of the
-    job's own plan and of the baseline plan for the same batch (``nan`` where not planned)."""
+    job's own plan and of the baseline plan for the same batch (with a guard: both by the
+    current model; ``nan`` where not planned)."""
 
     plan: IterationPlan
     kind: StepKind
@@ -105,11 +113,14 @@ class PlanSource:
             plan = self.calibration[meta.step % len(self.calibration)].plan(meta)
             return StepPlan(plan, StepKind.CALIBRATION, nan, nan)
         tuned = self.tuned.plan(meta)
-        base = self.baseline.plan(meta) if self.baseline is not None else None
-        base_s = base.predicted_s if base is not None else nan
-        if self.guard is not None and self.guard.choose() is PlanKind.BASELINE:
-            return StepPlan(base, StepKind.BASELINE, tuned.predicted_s, base_s)
-        return StepPlan(tuned, StepKind.TUNED, tuned.predicted_s, base_s)
+        if self.guard is None:
+            return StepPlan(tuned, StepKind.TUNED, tuned.predicted_s, nan)
+        base = self.baseline.plan(meta)
+        cost = self.baseline.cost  # the current model (set_cost reaches every planner after each step)
+        tuned_s, base_s = (simulate_plan(cost, p, meta).makespan for p in (tuned, base))
+        if self.guard.choose() is PlanKind.BASELINE:
+            return StepPlan(base, StepKind.BASELINE, tuned_s, base_s)
+        return StepPlan(tuned, StepKind.TUNED, tuned_s, base_s)
 
     def pop(self, batch_step: int) -> StepPlan:
         return self.decided.pop(batch_step)

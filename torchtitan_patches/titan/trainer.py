@@ -11,7 +11,9 @@ distributed set-up, the model (built on meta from the job's ``ModelSpec``, split
   micro-batch count, lengths, order and encoder placement, so the step runs the plan through
   ``PlanExecutor`` (order-safe on NCCL) on the parts TorchTitan built. The torch schedule that
   ``pipelining_fn`` also returns is not used. TorchTitan 0.3.0's ``schedule.step(arg_mbs=...)``,
-  which torch 2.13 lacks, is therefore never called.
+  which torch 2.13 lacks, is therefore never called. Replaying several jobs' records side by side
+  (``pipetune.replay a,b``), a step runs each job's plan of its batch, only the last run's
+  gradients kept.
 * ``batch_generator``: the dataloader yields one ``GlobalBatch`` per step (see
   ``titan.dataloader``).
 * ``state_dict``: adds the planner's state (calibration window, per-mbs correction, guard), so a
@@ -448,7 +450,8 @@ class PipeTuneTrainer(Trainer):
         if self.guard is not None and step.kind in (StepKind.TUNED, StepKind.BASELINE):
             kind = PlanKind.TUNED if step.kind is StepKind.TUNED else PlanKind.BASELINE
             before = self.guard.state
-            d = self.guard.observe(kind, measured, plan.predicted_s, step.baseline_predicted_s)
+            ran_s = step.tuned_predicted_s if kind is PlanKind.TUNED else step.baseline_predicted_s
+            d = self.guard.observe(kind, measured, ran_s, step.baseline_predicted_s)
             record.update(guard=d.state.value, guard_advantage=d.advantage)
             if d.state is not before:
                 say = logger.warning if d.state is GuardState.FALLBACK else logger.info
