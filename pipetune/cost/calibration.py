@@ -48,6 +48,8 @@ RIDGE = 0.05
 HUBER_DELTA = 0.1
 HUBER_ROUNDS = 4
 CONTENTION_GRID = np.concatenate([np.arange(0.0, 1.0, 0.05), np.arange(1.0, 3.01, 0.25)])
+
+
 class Observed(Enum):
     """Whose work an observation timed."""
 

@@ -247,10 +247,10 @@ class PipeTuneDataLoader(StatefulDataLoader):
             overlong=self.config.overlong,
         )
 
-    def pack(self, step: int, id_groups: list[list[int]]) -> GlobalBatch:
-        """Batch ``step`` packed as ``id_groups`` (checked to cover it exactly once), built in this
-        process: the same batch under another plan, outside the stream (it moves no state)."""
-        meta = self.meta(step)
+    def pack(self, meta: BatchMeta, id_groups: list[list[int]]) -> GlobalBatch:
+        """The batch of ``meta`` (from ``meta(step)``) packed as ``id_groups`` (checked to cover it
+        exactly once), built in this process: the same batch under another plan, outside the
+        stream (it moves no state)."""
         return self.dataset.__getitems__(BatchSpec(meta, groups_from_ids(meta, id_groups)))
 
     def upcoming(self, k: int) -> list[BatchMeta]:

@@ -396,9 +396,9 @@ class PipeTuneTrainer(Trainer):
         box = [[r[step] for r in self.other_replays] if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=0, group=self.control)
         loader = self.dataloader.inner
-        ids = loader.meta(step).table.ids
-        plans = [IterationPlan.from_json(js, batch_ids=ids) for js in box[0]]
-        return [(loader.pack(step, [list(mb) for mb in p.micro_batches]), p) for p in plans]
+        meta = loader.meta(step)
+        plans = [IterationPlan.from_json(js, batch_ids=meta.table.ids) for js in box[0]]
+        return [(loader.pack(meta, [list(mb) for mb in p.micro_batches]), p) for p in plans]
 
     def _record(self, batch, plan, res, *, replay_of: int | None = None) -> dict:
         """Gather every rank's timing and loss (gloo); on rank 0 feed the calibration, correction
