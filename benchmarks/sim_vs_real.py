@@ -32,7 +32,14 @@ measured guard), through ``benchmarks/titan_jobs.py``.
 ``--background N`` runs N CPU-bound processes beside the jobs (contention: the setting in which
 plans of many small micro-batches were measured 27 % slower than predicted).
 
+The predicted cut hinges on the contention kappa (``pipetune.simulate.contention``): pipetune's
+plans overlap the ranks' work, ``original``'s single micro-batch does not. So the report also
+gives the kappa pipetune's model fitted and the cut its model predicts with kappa held at each of
+``--kappas`` (everything else fitted as before). ``--reanalyse`` reports on an earlier run's
+records in ``--out`` without running anything (give that run's options).
+
     .venv/bin/python benchmarks/sim_vs_real.py --out out/sim_vs_real [--background 1]
+    .venv/bin/python benchmarks/sim_vs_real.py --out out/sim_vs_real --reanalyse
 """
 
 from __future__ import annotations
@@ -44,12 +51,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 from scipy.stats import spearmanr
 
-from titan_jobs import prepare, run_job
+from titan_jobs import prepare, read_records, run_job
 
 os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
@@ -72,9 +80,8 @@ def timeline(rec: dict) -> list[TimedAction]:
     return [TimedAction(r, Action.parse(a), s, e, p) for r, a, s, e, p in rec["timeline"]]
 
 
-def run_mix(mix: str, work: Path, table: Path, args) -> dict[str, list[dict]]:
-    """Every mode's job and its replays; per mode the scored step records, each with
-    ``runs`` (measured time per round) and ``measured_s`` (their median)."""
+def run_jobs(mix: str, work: Path, table: Path, args) -> None:
+    """Every mode's job of ``mix`` and the side-by-side replays of their plans."""
     out = work / mix
     if not (out / "table.json").exists():
         out.mkdir(parents=True, exist_ok=True)
@@ -83,12 +90,26 @@ def run_mix(mix: str, work: Path, table: Path, args) -> dict[str, list[dict]]:
     common = {"dataloader.dataset_path": out / "data", "pipetune.latency_table": out / "table.json", "debug.seed": 0,
               "dataloader.gbs": args.gbs, "training.seq_len": args.seq_len, "pipetune.online_window": args.online_window,
               "pipetune.calibrate_steps": args.calibrate_steps, "training.steps": args.calibrate_steps + args.steps}
-    jobs = {mode: [run_job(out / f"{mode}_0", {**common, "pipetune.mode": mode})] for mode in MODES}
+    for mode in MODES:
+        run_job(out / f"{mode}_0", {**common, "pipetune.mode": mode})
     for k in range(1, args.rounds):
-        order = MODES[k % len(MODES):] + MODES[:k % len(MODES)]
-        runs = run_job(out / f"side_by_side_{k}", {**common, "pipetune.replay": ",".join(
-            str(out / f"{mode}_0" / "pipetune" / "steps.jsonl") for mode in order)})
-        for i, mode in enumerate(order):
+        run_job(out / f"side_by_side_{k}", {**common, "pipetune.replay": ",".join(
+            str(out / f"{mode}_0" / "pipetune" / "steps.jsonl") for mode in side_by_side_order(k))})
+
+
+def side_by_side_order(k: int) -> tuple[str, ...]:
+    """The modes in the order side-by-side round ``k`` replays them (the first rotates)."""
+    return MODES[k % len(MODES):] + MODES[:k % len(MODES)]
+
+
+def read_mix(mix: str, work: Path, args) -> dict[str, list[dict]]:
+    """The records of ``mix``'s jobs: per mode the scored step records, each with ``runs``
+    (measured time per round) and ``measured_s`` (their median)."""
+    out = work / mix
+    jobs = {mode: [read_records(out / f"{mode}_0")] for mode in MODES}
+    for k in range(1, args.rounds):
+        runs = read_records(out / f"side_by_side_{k}")
+        for i, mode in enumerate(side_by_side_order(k)):
             jobs[mode].append([r for r in runs if r["replay_of"] == i])
     scored = {}
     for mode, rounds in jobs.items():
@@ -106,7 +127,7 @@ def run_mix(mix: str, work: Path, table: Path, args) -> dict[str, list[dict]]:
                               packing=PackingConfig(max_seq_len=args.seq_len)).build(model)
     profiled = CostModel(load_latency_table(out / "table.json", model=model, tp=1), StageLayout.from_sizes(jobs["pipetune"][0][0]["layout"]))
     add_held_out(scored, loader, profiled)
-    add_own_view(scored, jobs["pipetune"][0], loader, profiled, args.online_window)
+    add_own_view(scored, jobs["pipetune"][0], loader, profiled, args.online_window, args.kappas)
     return scored
 
 
@@ -119,19 +140,27 @@ def add_held_out(scored: dict[str, list[dict]], loader, profiled: CostModel) -> 
         r["held_out_s"] = t
 
 
-def add_own_view(scored: dict[str, list[dict]], tuned_job: list[dict], loader, profiled: CostModel, window: int) -> None:
+def add_own_view(scored: dict[str, list[dict]], tuned_job: list[dict], loader, profiled: CostModel, window: int,
+                 kappas: list[float]) -> None:
     """``own_s`` per scored step of every mode: the time of that mode's plan under the pipetune
     job's online model of the batch (the profiled table fitted to the job's last ``window`` steps
     before it, as its trainer refits, leaving out its first step), so the gain pipetune predicts
-    over another mode is one model's, as when it plans."""
+    over another mode is one model's, as when it plans; ``own_kappa`` (pipetune's steps): the
+    contention kappa that model fitted. ``held_s[k]``: the same model fitted with kappa held at
+    each of ``kappas`` (how much of the predicted cut is kappa's)."""
     by_batch = {mode: {r["batch"]: r for r in recs} for mode, recs in scored.items()}
+    held = {k: CostModel(replace(profiled.table, contention=k), profiled.layout) for k in kappas}
     history = []
     for r in tuned_job:
         if r["batch"] in by_batch["pipetune"]:
-            cost = fit_steps(profiled, history[-window:])[0]
+            cost, fitted = fit_steps(profiled, history[-window:])
+            by_batch["pipetune"][r["batch"]]["own_kappa"] = fitted.contention
+            costs = {k: fit_steps(base, history[-window:], fit_contention=False)[0] for k, base in held.items()}
             for mode in MODES:
                 x = by_batch[mode][r["batch"]]
-                x["own_s"] = simulate_plan(cost, IterationPlan.from_json(x["plan"]), loader.meta(x["batch"])).makespan
+                plan, meta = IterationPlan.from_json(x["plan"]), loader.meta(x["batch"])
+                x["own_s"] = simulate_plan(cost, plan, meta).makespan
+                x["held_s"] = {k: simulate_plan(c, plan, meta).makespan for k, c in costs.items()}
         if r["step"] > 1:
             history.append(MeasuredStep.from_timelines(profiled, [timeline(r)], IterationPlan.from_json(r["plan"]),
                                                        loader.meta(r["batch"]), r["measured_s"]))
@@ -170,9 +199,13 @@ def report(results: dict[str, dict[str, list[dict]]], args) -> None:
             pred = {key: cut({mode: np.array([r[key] for r in recs]) for mode, recs in scored.items()}, base)
                     for key in ("own_s", "predicted_s", "held_out_s")}
             rounds = "/".join(f"{1 - p.sum() / b.sum():+.1%}" for p, b in zip(side["pipetune"].T, side[base].T))
+            held = "/".join(f"{cut({mode: np.array([r['held_s'][k] for r in recs]) for mode, recs in scored.items()}, base):+.1%}"
+                            for k in args.kappas)
             print(f"{mix}: pipetune vs {base}: measured {cut(measured, base):+.1%} (side-by-side rounds {rounds}); predicted by "
                   f"pipetune's model {pred['own_s']:+.1%}, by each job's planner {pred['predicted_s']:+.1%}, held-out "
-                  f"{pred['held_out_s']:+.1%}")
+                  f"{pred['held_out_s']:+.1%}; pipetune's model with kappa held at {'/'.join(map(str, args.kappas))}: {held}")
+        print(f"{mix}: kappa fitted by pipetune's model: mean {np.mean([r['own_kappa'] for r in scored['pipetune']]):.2f}, range "
+              f"{min(r['own_kappa'] for r in scored['pipetune']):.2f}-{max(r['own_kappa'] for r in scored['pipetune']):.2f}")
         kinds = [r.get("kind") for r in scored["pipetune"]]
         print(f"{mix}: guard ran the baseline on {kinds.count('baseline')} of {len(kinds)} steps "
               f"({sum(r.get('guard') == 'fallback' for r in scored['pipetune'])} in fallback)")
@@ -197,21 +230,37 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--samples", type=int, default=4000)
     ap.add_argument("--background", type=int, default=0, help="CPU-bound processes to run beside the jobs")
+    ap.add_argument("--kappas", default="0,0.1,0.25,0.5", type=lambda v: [float(x) for x in v.split(",")],
+                    help="contention kappas at which pipetune's model is also fitted with kappa held")
+    ap.add_argument("--reanalyse", action="store_true", help="report on the jobs already in --out (same options as that run) "
+                    "instead of running them")
     args = ap.parse_args()
     if args.rounds < 2:
         ap.error("--rounds must be >= 2: the measured cut comes from the side-by-side replays")
+    mixes = args.mixes.split(",")
+    if args.reanalyse:
+        if args.out is None:
+            ap.error("--reanalyse needs --out: the directory of an earlier run")
+        jobs = [f"{mode}_0" for mode in MODES] + [f"side_by_side_{k}" for k in range(1, args.rounds)]
+        missing = [str(args.out / mix / job) for mix in mixes for job in jobs if not (args.out / mix / job / "pipetune").is_dir()]
+        if missing:
+            ap.error(f"--reanalyse: no records of these jobs (run with the options of that run): {', '.join(missing)}")
     work = args.out or Path(tempfile.mkdtemp(prefix="pipetune-sim-vs-real-"))
     work.mkdir(parents=True, exist_ok=True)
-    prepare(work / "profile", "pipetune_muse_glimmer_mm", "--samples", "200")
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.background)]
-    try:
-        results = {mix: run_mix(mix, work, work / "profile" / "table.json", args) for mix in args.mixes.split(",")}
-    finally:
-        for h in hogs:
-            h.kill()
+    if not args.reanalyse:
+        prepare(work / "profile", "pipetune_muse_glimmer_mm", "--samples", "200")
+        hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.background)]
+        try:
+            for mix in mixes:
+                run_jobs(mix, work, work / "profile" / "table.json", args)
+        finally:
+            for h in hogs:
+                h.kill()
+    results = {mix: read_mix(mix, work, args) for mix in mixes}
     print(f"TorchTitan muse_glimmer debugmodel_mm, 2 gloo ranks, GBS {args.gbs}, seq_len {args.seq_len}; per job "
           f"{args.calibrate_steps} calibration + {args.steps} steps ({args.warmup} left out), online window {args.online_window}, "
-          f"{args.rounds} runs per plan; {args.background} CPU-bound background process(es)")
+          f"{args.rounds} runs per plan; " + (f"re-analysed from {work}" if args.reanalyse else
+                                              f"{args.background} CPU-bound background process(es)"))
     report(results, args)
     (work / "summary.json").write_text(json.dumps({mix: {mode: [{k: v for k, v in r.items() if k != "timelines"} for r in recs]
                                                          for mode, recs in s.items()} for mix, s in results.items()}))

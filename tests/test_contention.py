@@ -120,6 +120,22 @@ def test_calibration_recovers_contention_and_predicts_the_other_family(job, kapp
             assert simulate_plan(blind, plan, meta).makespan > 1.1 * true_s
 
 
+def test_a_held_contention_is_kept_and_the_other_family_priced_by_it(job):
+    """``fit_contention=False`` keeps the table's kappa and fits the rest around it: held at the
+    machine's kappa, the fit on mbs-1 plans prices one-micro-batch plans right; held at 0, the
+    slow-down goes into the scales and those plans come out too slow."""
+    model, base, metas = job
+    truth = CostModel(replace(base.table, scales={"rest": 1.3}), base.layout)
+    steps = steps_of(model, truth, base, metas[:8], [1] * 8, 0.5, noise=0.03)
+    fits = {k: fit_steps(CostModel(replace(base.table, contention=k), base.layout), steps, fit_contention=False) for k in (0.0, 0.5)}
+    assert [(cost.table.contention, report.contention) for cost, report in fits.values()] == [(0.0, 0.0), (0.5, 0.5)]
+    for meta in metas[8:]:
+        plan = PlannerConfig(mode="balanced", mbs=12, max_seq_len=4096, memory_bytes=80e9).build(model, truth).plan(meta)
+        true_s = contended_timeline(truth, plan, meta, 0.5, None, 0.0)[1]
+        assert simulate_plan(fits[0.5][0], plan, meta).makespan == pytest.approx(true_s, rel=0.03)
+        assert simulate_plan(fits[0.0][0], plan, meta).makespan > 1.1 * true_s
+
+
 def test_isolated_timings_leave_contention_as_it_was(job):
     model, base, metas = job
     prior = CostModel(replace(base.table, contention=0.2), base.layout)

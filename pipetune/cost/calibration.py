@@ -18,7 +18,7 @@ Observations from a pipeline's own timelines also carry their overlap with other
 (``pipetune.simulate.contention``) with them: an observation overlapped for a fraction ``phi`` of
 its uncontended time takes ``1 + kappa phi`` times that time, so each kappa on a grid scales the
 rows and the linear fit above is solved per kappa; the kappa of least (Huber) loss, its ridge
-term towards the table's kappa included, wins. The overlap enters as a fraction, not as seconds:
+term towards the table's kappa included, wins (``fit_contention=False`` holds the table's kappa). The overlap enters as a fraction, not as seconds:
 overlapped seconds grow with the observation's own noise and, where nearly every action overlaps
 (deep pipelines), would trade one-for-one against the scales. Isolated timings have no overlap
 and leave kappa as it was.
@@ -172,8 +172,9 @@ def _fit(X: np.ndarray, y: np.ndarray, before: np.ndarray, used: np.ndarray, pri
     return fit, float(_huber(rel).sum() + 0.5 * np.sum((prior @ (fit - before[used])) ** 2))
 
 
-def calibrate_design(table: LatencyTable, design: Design) -> tuple[LatencyTable, CalibrationReport]:
-    """``calibrate`` on prepared rows (built from ``table``'s curves and layout)."""
+def calibrate_design(table: LatencyTable, design: Design, *, fit_contention: bool = True) -> tuple[LatencyTable, CalibrationReport]:
+    """``calibrate`` on prepared rows (built from ``table``'s curves and layout); with
+    ``fit_contention=False`` the table's kappa is held."""
     X, y = design.X, design.y
     if not len(y):
         raise ValueError("calibration needs at least one measured observation")
@@ -183,7 +184,7 @@ def calibrate_design(table: LatencyTable, design: Design) -> tuple[LatencyTable,
     used = np.flatnonzero(np.abs(X).sum(axis=0) > 0)
     is_scale = used < len(CURVES)
     prior = np.sqrt(RIDGE) * np.diag(np.where(is_scale, 1.0, 1.0 / np.median(y)))
-    grid = CONTENTION_GRID if design.overlap.any() else np.array([table.contention])
+    grid = CONTENTION_GRID if fit_contention and design.overlap.any() else np.array([table.contention])
     best = None
     for kappa in grid:
         fit, loss = _fit(X * design.slowdown(kappa)[:, None], y, before, used, prior)

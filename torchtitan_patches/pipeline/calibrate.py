@@ -72,10 +72,12 @@ def simulate_plan(cost: CostModel, plan: IterationPlan, meta: BatchMeta) -> SimR
     return simulate(plan.table(), Latencies.from_costs(cost.stage_costs(plan.shapes(meta))))
 
 
-def fit_steps(base: CostModel, steps: Sequence[MeasuredStep], *, jitter_draws: int = 0) -> tuple[CostModel, CalibrationReport]:
+def fit_steps(base: CostModel, steps: Sequence[MeasuredStep], *, jitter_draws: int = 0,
+              fit_contention: bool = True) -> tuple[CostModel, CalibrationReport]:
     """``base``'s table fitted to ``steps``: per-component scales, per-call overheads, contention
-    and the variability model from the action times, then every component scaled by the median ratio of
-    measured to predicted iteration time (``makespan_factor``).
+    (unless ``fit_contention=False``: ``base``'s is held) and the variability model from the action
+    times, then every component scaled by the median ratio of measured to predicted iteration time
+    (``makespan_factor``).
 
     The per-action fit predicts each action's typical time, but an iteration is a longest path
     through actions that jitter: a late message delays everything behind it while an early one
@@ -85,7 +87,7 @@ def fit_steps(base: CostModel, steps: Sequence[MeasuredStep], *, jitter_draws: i
     per-action noise, which accounts for part of that shortfall and, unlike a common factor, for
     its dependence on the plan; with 0, the deterministic simulation. A common factor leaves the
     ranking of plans as it was."""
-    table, report = calibrate_design(base.table, Design.stack([step.design for step in steps]))
+    table, report = calibrate_design(base.table, Design.stack([step.design for step in steps]), fit_contention=fit_contention)
     cost = CostModel(table, base.layout, recompute_encoder=base.recompute_encoder)
     variability = table.variability if jitter_draws else None
 
