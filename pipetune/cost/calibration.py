@@ -18,10 +18,10 @@ Observations from a pipeline's own timelines also carry their overlap with other
 (``pipetune.simulate.contention``) with them: an observation overlapped for a fraction ``phi`` of
 its uncontended time takes ``1 + kappa phi`` times that time, so each kappa on a grid scales the
 rows and the linear fit above is solved per kappa; the kappa of least (Huber) loss, its ridge
-term towards the table's kappa included, wins (``fit_contention=False`` holds the table's kappa). The overlap enters as a fraction, not as seconds:
-overlapped seconds grow with the observation's own noise and, where nearly every action overlaps
-(deep pipelines), would trade one-for-one against the scales. Isolated timings have no overlap
-and leave kappa as it was.
+term towards the table's kappa included, wins (``fit_contention=False`` holds the table's
+kappa). The overlap enters as a fraction, not as seconds: overlapped seconds grow with the
+observation's own noise and, where nearly every action overlaps (deep pipelines), would trade
+one-for-one against the scales. Isolated timings have no overlap and leave kappa as it was.
 
 The residuals of the fit give the table's variability model (``pipetune.cost.variability``): the
 spread of measured over predicted time of a stage's forward + backward and of an encoder action
