@@ -196,19 +196,22 @@ def report(results: dict[str, dict[str, list[dict]]], args) -> None:
         side = {mode: np.array([r["runs"][1:] for r in recs]) for mode, recs in scored.items()}  # [plan, side-by-side round]
         measured = {mode: np.median(t, axis=1) for mode, t in side.items()}
         for base in ("original", "balanced"):
-            pred = {key: cut({mode: np.array([r[key] for r in recs]) for mode, recs in scored.items()}, base)
-                    for key in ("own_s", "predicted_s", "held_out_s")}
+            pred = {key: predicted_cut(scored, lambda r, key=key: r[key], base) for key in ("own_s", "predicted_s", "held_out_s")}
             rounds = "/".join(f"{1 - p.sum() / b.sum():+.1%}" for p, b in zip(side["pipetune"].T, side[base].T))
-            held = "/".join(f"{cut({mode: np.array([r['held_s'][k] for r in recs]) for mode, recs in scored.items()}, base):+.1%}"
-                            for k in args.kappas)
+            held = "/".join(f"{predicted_cut(scored, lambda r, k=k: r['held_s'][k], base):+.1%}" for k in args.kappas)
             print(f"{mix}: pipetune vs {base}: measured {cut(measured, base):+.1%} (side-by-side rounds {rounds}); predicted by "
                   f"pipetune's model {pred['own_s']:+.1%}, by each job's planner {pred['predicted_s']:+.1%}, held-out "
                   f"{pred['held_out_s']:+.1%}; pipetune's model with kappa held at {'/'.join(map(str, args.kappas))}: {held}")
-        print(f"{mix}: kappa fitted by pipetune's model: mean {np.mean([r['own_kappa'] for r in scored['pipetune']]):.2f}, range "
-              f"{min(r['own_kappa'] for r in scored['pipetune']):.2f}-{max(r['own_kappa'] for r in scored['pipetune']):.2f}")
+        kappa = [r["own_kappa"] for r in scored["pipetune"]]
+        print(f"{mix}: kappa fitted by pipetune's model: mean {np.mean(kappa):.2f}, range {min(kappa):.2f}-{max(kappa):.2f}")
         kinds = [r.get("kind") for r in scored["pipetune"]]
         print(f"{mix}: guard ran the baseline on {kinds.count('baseline')} of {len(kinds)} steps "
               f"({sum(r.get('guard') == 'fallback' for r in scored['pipetune'])} in fallback)")
+
+
+def predicted_cut(scored: dict[str, list[dict]], time_of, base: str) -> float:
+    """``cut`` of the times ``time_of(record)`` of every mode's scored steps."""
+    return cut({mode: np.array([time_of(r) for r in recs]) for mode, recs in scored.items()}, base)
 
 
 def cut(times: dict[str, np.ndarray], base: str) -> float:

@@ -10,8 +10,10 @@ from pipetune.cost import CostModel, StageLayout, analytical_table
 from pipetune.cost.calibration import Observed, Part
 from pipetune.cost.table import CURVES, Curve
 from pipetune.data import BatchStream, batch_meta, make_mix
-from pipetune.plan import PlannerConfig
+from pipetune.plan import Mode, PlannerConfig
+from pipetune.plan.guard import Guard
 from torchtitan_patches.pipeline.calibrate import MeasuredStep, OnlineCalibrator, fit_steps, held_out_times, simulate_plan, timeline_observations
+from torchtitan_patches.titan.plan_source import PlanSource, StepKind
 
 
 def bend(curve: Curve, k: float) -> Curve:
@@ -107,10 +109,6 @@ def test_the_guard_prices_both_plans_of_a_batch_with_the_current_model(setup):
     prices everything 20 % higher); the baseline plan of the same batch is made now. When they are
     the same plan, the guard must see the same price for both: the model's age alone must not make
     pipetune's plan look slower than the baseline."""
-    from pipetune.plan import Mode
-    from pipetune.plan.guard import Guard
-    from torchtitan_patches.titan.plan_source import PlanSource, StepKind
-
     base, _, metas, _ = setup
     model, older = load_model_config("7b"), CostModel(replace(base.table, scales={c: 1.2 for c in CURVES}), base.layout)
     balanced = PlannerConfig(mode=Mode.BALANCED, mbs=2, max_seq_len=4096, memory_bytes=80e9)
