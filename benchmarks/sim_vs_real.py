@@ -67,7 +67,7 @@ from pipetune.plan.plan import IterationPlan  # noqa: E402
 from pipetune.schedule.table import Action  # noqa: E402
 from pipetune.simulate import TimedAction  # noqa: E402
 from torchtitan_patches.data import DataLoaderConfig  # noqa: E402
-from torchtitan_patches.pipeline.calibrate import MeasuredStep, fit_steps, held_out_times, simulate_plan  # noqa: E402
+from torchtitan_patches.pipeline.calibrate import MeasuredStep, OnlineCalibrator, fit_steps, held_out_times, simulate_plan  # noqa: E402
 from torchtitan_patches.titan import config_registry  # noqa: E402
 from torchtitan_patches.titan.model_spec import planning_model_config  # noqa: E402
 from pipetune.cost import CostModel, StageLayout, load_latency_table  # noqa: E402
@@ -143,27 +143,31 @@ def add_held_out(scored: dict[str, list[dict]], loader, profiled: CostModel) -> 
 def add_own_view(scored: dict[str, list[dict]], tuned_job: list[dict], loader, profiled: CostModel, window: int,
                  kappas: list[float]) -> None:
     """``own_s`` per scored step of every mode: the time of that mode's plan under the pipetune
-    job's online model of the batch (the profiled table fitted to the job's last ``window`` steps
-    before it, as its trainer refits, leaving out its first step), so the gain pipetune predicts
-    over another mode is one model's, as when it plans; ``own_kappa`` (pipetune's steps): the
-    contention kappa that model fitted. ``held_s[k]``: the same model fitted with kappa held at
-    each of ``kappas`` (how much of the predicted cut is kappa's)."""
+    job's online model of the batch (an ``OnlineCalibrator`` fed the job's records as its trainer
+    feeds it, leaving out its first step), so the gain pipetune predicts over another mode is one
+    model's, as when it plans; ``own_kappa`` (pipetune's steps): that model's contention kappa
+    (with serial calibration runs, the one measured on them). ``held_s[k]``: the same window
+    fitted with kappa held at each of ``kappas`` (how much of the predicted cut is kappa's)."""
     by_batch = {mode: {r["batch"]: r for r in recs} for mode, recs in scored.items()}
     held = {k: CostModel(replace(profiled.table, contention=k), profiled.layout) for k in kappas}
-    history = []
+    calibrator = OnlineCalibrator(profiled.table, profiled.layout, window)
     for r in tuned_job:
-        if r["batch"] in by_batch["pipetune"]:
-            cost, fitted = fit_steps(profiled, history[-window:])
+        if r["batch"] in by_batch["pipetune"] and not r.get("serial"):
+            cost, fitted = calibrator.fit()
             by_batch["pipetune"][r["batch"]]["own_kappa"] = fitted.contention
-            costs = {k: fit_steps(base, history[-window:], fit_contention=False)[0] for k, base in held.items()}
+            costs = {k: fit_steps(base, calibrator.steps, fit_contention=False)[0] for k, base in held.items()}
             for mode in MODES:
                 x = by_batch[mode][r["batch"]]
                 plan, meta = IterationPlan.from_json(x["plan"]), loader.meta(x["batch"])
                 x["own_s"] = simulate_plan(cost, plan, meta).makespan
                 x["held_s"] = {k: simulate_plan(c, plan, meta).makespan for k, c in costs.items()}
         if r["step"] > 1:
-            history.append(MeasuredStep.from_timelines(profiled, [timeline(r)], IterationPlan.from_json(r["plan"]),
-                                                       loader.meta(r["batch"]), r["measured_s"]))
+            step = MeasuredStep.from_timelines(profiled, [timeline(r)], IterationPlan.from_json(r["plan"]), loader.meta(r["batch"]),
+                                               r["measured_s"])
+            if r.get("serial"):
+                calibrator.observe_serial(step)
+            else:
+                calibrator.update(step, calibration=r["kind"] == "calibration")
 
 
 def errors(measured, predicted) -> tuple[float, float]:
@@ -203,7 +207,7 @@ def report(results: dict[str, dict[str, list[dict]]], args) -> None:
                   f"pipetune's model {pred['own_s']:+.1%}, by each job's planner {pred['predicted_s']:+.1%}, held-out "
                   f"{pred['held_out_s']:+.1%}; pipetune's model with kappa held at {'/'.join(map(str, args.kappas))}: {held}")
         kappa = [r["own_kappa"] for r in scored["pipetune"]]
-        print(f"{mix}: kappa fitted by pipetune's model: mean {np.mean(kappa):.2f}, range {min(kappa):.2f}-{max(kappa):.2f}")
+        print(f"{mix}: kappa in pipetune's model (measured on serial calibration runs where the job ran them): mean {np.mean(kappa):.2f}, range {min(kappa):.2f}-{max(kappa):.2f}")
         kinds = [r.get("kind") for r in scored["pipetune"]]
         print(f"{mix}: guard ran the baseline on {kinds.count('baseline')} of {len(kinds)} steps "
               f"({sum(r.get('guard') == 'fallback' for r in scored['pipetune'])} in fallback)")

@@ -12,7 +12,7 @@ from pipetune.data import BatchStream, batch_meta, make_mix
 from pipetune.plan import PlannerConfig
 from pipetune.simulate import Latencies, TimedAction, compile_schedule, evaluate, simulate
 from pipetune.simulate.contention import concurrent_time, overlap_with_others
-from torchtitan_patches.pipeline.calibrate import MeasuredStep, fit_steps, simulate_plan
+from torchtitan_patches.pipeline.calibrate import MeasuredStep, OnlineCalibrator, fit_steps, simulate_plan
 
 
 def brute(start, end, rank, dt=1e-3):
@@ -134,6 +134,41 @@ def test_a_held_contention_is_kept_and_the_other_family_priced_by_it(job):
         true_s = contended_timeline(truth, plan, meta, 0.5, None, 0.0)[1]
         assert simulate_plan(fits[0.5][0], plan, meta).makespan == pytest.approx(true_s, rel=0.03)
         assert simulate_plan(fits[0.0][0], plan, meta).makespan > 1.1 * true_s
+
+
+@pytest.mark.parametrize("kappa", [0.0, 0.5])
+def test_serial_twins_measure_contention_and_the_window_holds_it(job, kappa):
+    """Calibration steps run their plan pipelined and serially (``IterationPlan.serialised``: the
+    same actions, no overlap): the calibrator takes kappa from those pairs, within 0.05 of the
+    machine's, and holds it while its window moves on to the planner's plans. The window here
+    carries no information on kappa (every row's overlap replaced by the step's mean, as when
+    nearly every action overlaps alike): fitted alone it moves kappa off the machine's; held,
+    kappa stays. The calibrator's state restores to the same fit."""
+    model, base, metas = job
+    truth = CostModel(replace(base.table, scales={"rest": 1.3}), base.layout)
+    rng = np.random.default_rng(0)
+    cal = OnlineCalibrator(base.table, base.layout, 4)
+    for i, meta in enumerate(metas[:4]):
+        plan = PlannerConfig(mode="balanced", mbs=1 + i % 2, max_seq_len=4096, memory_bytes=80e9).build(model, truth).plan(meta)
+        twin = plan.serialised()
+        assert (twin.micro_batches, twin.order) == (plan.micro_batches, plan.order) and twin.ranks != plan.ranks
+        for p in (plan, twin):
+            timeline, span = contended_timeline(truth, p, meta, kappa, rng, 0.03)
+            step = MeasuredStep.from_timelines(base, [timeline], p, meta, span)
+            cal.update(step, calibration=True) if p is plan else cal.observe_serial(step)
+    assert cal.contention == pytest.approx(kappa, abs=0.05)
+    steps = steps_of(model, truth, base, metas[4:8], [1] * 4, kappa, noise=0.03, seed=1)
+    flat = [replace(s, design=replace(s.design, overlap=np.full(len(s.design.y), s.design.overlap.mean()))) for s in steps]
+    alone = OnlineCalibrator(base.table, base.layout, 4)
+    for s in flat:
+        cost, report = cal.update(s)
+        alone.update(s)
+    assert report.contention == cost.table.contention == cal.contention and list(cal.steps) == flat
+    if kappa:
+        assert abs(alone.fit()[1].contention - kappa) > 0.1
+    again = OnlineCalibrator(base.table, base.layout, 4)
+    restored, _ = again.load_state_dict(cal.state_dict())
+    assert restored.table == cost.table
 
 
 def test_isolated_timings_leave_contention_as_it_was(job):

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe, _PipelineScheduleRuntime
 
-from pipetune.schedule import Action, Op, Placement, ScheduleError, ScheduleTable, gpipe, one_f_one_b, place_encoders
+from pipetune.schedule import Action, Op, Placement, ScheduleError, ScheduleTable, gpipe, one_f_one_b, place_encoders, serial
 from pipetune.simulate import Latencies, compile_schedule, evaluate, simulate
 from pipetune.simulate.lower_bound import makespan_lower_bound
 from pipetune.simulate.trace import chrome_trace, write_trace
@@ -126,6 +126,28 @@ def test_precomputed_encoders_fill_gaps_without_overlap_and_after_their_data():
     # held image features raise rank 0's peak; other ranks are unaffected
     assert res.peak_bytes[0] > simulate(plain, lat).peak_bytes[0]
     assert res.peak_bytes[1:] == pytest.approx(simulate(plain, lat).peak_bytes[1:])
+
+
+@pytest.mark.parametrize("encoder", [False, True])
+def test_a_serial_table_runs_the_pipelined_actions_one_rank_at_a_time(encoder):
+    """The serial schedule: the actions of 1F1B on the same order, and under any latencies no two
+    ranks busy at once, so its makespan is the sum of every action and message."""
+    S, m = 3, 5
+    rng = np.random.default_rng(1)
+    order = rng.permutation(m)
+    lat = Latencies(rng.random((m, S)) + 0.5, rng.random((m, S)) + 1.0, rng.random(m) * 0.8, np.full(m, 0.05),
+                    np.ones((m, S)), np.full(m, 10.0), encoder_bwd=rng.random(m) * 1.5 if encoder else None)
+    table = serial(S, order, encoder=encoder, encoder_trained=encoder)
+    table.validate()
+    assert sorted(map(str, (a for r in table.ranks for a in r))) == sorted(
+        map(str, (a for r in one_f_one_b(S, order, encoder=encoder, encoder_trained=encoder).ranks for a in r)))
+    res = simulate(table, lat)
+    spans = sorted((t.start, t.end) for t in res.actions)
+    assert all(x[1] <= y[0] + 1e-12 for x, y in zip(spans, spans[1:]))
+    messages = m * 2 * (S - 1) * 0.05
+    work = lat.fwd.sum() + lat.bwd.sum() + (lat.encoder.sum() + lat.encoder_bwd.sum() if encoder else 0.0)
+    assert res.makespan == pytest.approx(work + messages)
+    assert simulate(one_f_one_b(S, order, encoder=encoder, encoder_trained=encoder), lat).makespan < res.makespan
 
 
 def test_peak_memory_follows_in_flight_counts():

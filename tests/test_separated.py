@@ -190,6 +190,8 @@ def test_malformed_separated_plans_are_refused_by_name(heavy):
     images[int(np.argmax(images))] += 8
     with pytest.raises(PlanError, match="needs .* sub-microbatches"):
         plan.image_ranges(images)
+    with pytest.raises(PlanError, match="only a co-located plan .* runs serially"):
+        plan.serialised()
 
 
 def test_separated_layout_wins_on_the_heavy_encoder_in_simulation(capsys):

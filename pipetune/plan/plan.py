@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from pipetune.cost.cost_model import MicroBatchShapes
 from pipetune.data.batch import BatchMeta
 from pipetune.packing.packing import Packing
-from pipetune.schedule.schedules import SCHEDULES, place_encoders
+from pipetune.schedule.schedules import SCHEDULES, place_encoders, serial
 from pipetune.schedule.table import Action, Placed, Placement, ScheduleError, ScheduleTable
 
 PLAN_FORMAT = "pipetune.iteration_plan"
@@ -78,6 +78,18 @@ class IterationPlan(Placed):
             sub_mb_parent=self.sub_mb_parent,
             name=self.mode,
         )
+
+    def serialised(self) -> "IterationPlan":
+        """The same micro-batches in the same order on the ``serial`` schedule: the same actions
+        with no two ranks computing at once (what the online calibration compares with this plan
+        to measure contention). Co-located plans with stage ``s`` on rank ``s`` only."""
+        p = self.placement
+        table = serial(p.num_stages, self.order, encoder=self.encoder, encoder_trained=p.encoder_trained)
+        if table.placement != p:
+            raise PlanError(f"step {self.step}: only a co-located plan with stage s on rank s runs serially; this one places "
+                            f"backbone chunks on ranks {list(p.backbone)} and encoder chunks on {list(p.encoder)}")
+        return replace(self, ranks=tuple(tuple(str(a) for a in r) for r in table.ranks), predicted_s=float("nan"),
+                       lower_bound_s=float("nan"))
 
     def image_ranges(self, images_per_mb) -> list[tuple[int, int, int]]:
         """``(micro-batch, first image, images)`` of every sub-microbatch, given each micro-batch's

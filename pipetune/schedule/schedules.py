@@ -77,7 +77,19 @@ def gpipe(num_stages: int, order: Sequence[int], *, encoder: bool = False, encod
     return _table(per_stage, len(order), placement, "GPipe")
 
 
-SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe}
+def serial(num_stages: int, order: Sequence[int], *, encoder: bool = False, encoder_trained: bool = False) -> ScheduleTable:
+    """No pipelining: each micro-batch's forward and backward run on every stage before the next
+    micro-batch starts, so no two ranks ever compute at once. The same actions as a pipelined
+    table of the same micro-batches, without overlap: calibration times both to measure what
+    ranks working at once cost each other (``pipetune.simulate.contention``); never a plan to
+    train with."""
+    order = _check_order(order)
+    per_stage = [[Action(s, op, mb) for mb in order for op in (Op.FORWARD, Op.BACKWARD)] for s in range(num_stages)]
+    placement = Placement.colocated(num_stages, encoder=encoder, encoder_trained=encoder_trained)
+    return _table(per_stage, len(order), placement, "serial", (1,) * num_stages)
+
+
+SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe, "serial": serial}
 
 
 def place_encoders(table: ScheduleTable, before: dict[int, int]) -> ScheduleTable:

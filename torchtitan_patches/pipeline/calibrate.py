@@ -130,6 +130,14 @@ class OnlineCalibrator:
     change, so a one-off calibration ages; refitting on a sliding window keeps the planner's
     predictions close to what the pipeline currently does. Always refits from the profiled base
     table, so errors do not compound. ``jitter_draws``: the planner's (see ``fit_steps``).
+
+    The contention kappa is the exception when the calibration steps also ran their plans
+    serially (``observe_serial``): then it is fitted on the calibration steps' runs, pipelined and
+    serial, and held in every window's fit. A window of the planner's own plans cannot pin it:
+    they overlap alike, so kappa trades against the scales, and a kappa fitted too low there
+    priced a one-micro-batch plan 10-20 % too slow under a CPU-bound neighbour (predicted cut vs
+    ``original`` off by 10 points, ``benchmarks/sim_vs_real.py``). A serial run times the same
+    actions as its pipelined twin without overlap, so their ratio is kappa's alone.
     """
 
     def __init__(self, base: LatencyTable, layout: StageLayout, window: int, *, jitter_draws: int = 0,
@@ -137,8 +145,47 @@ class OnlineCalibrator:
         self.base = CostModel(base, layout, recompute_encoder=recompute_encoder)
         self.steps: deque[MeasuredStep] = deque(maxlen=window)
         self.jitter_draws = jitter_draws
+        self.calibration_runs: list[MeasuredStep] = []
+        self.serial_runs = 0
+        self.contention: float | None = None  # measured on serial runs, then held
 
-    def update(self, step: MeasuredStep) -> tuple[CostModel, CalibrationReport]:
-        """Add one step and refit."""
+    def update(self, step: MeasuredStep, *, calibration: bool = False) -> tuple[CostModel, CalibrationReport]:
+        """Add one step (``calibration``: one of the calibration steps, whose runs fit kappa) and refit."""
         self.steps.append(step)
-        return fit_steps(self.base, self.steps, jitter_draws=self.jitter_draws)
+        if calibration:
+            self._add_calibration_run(step, serial=False)
+        return self.fit()
+
+    def observe_serial(self, step: MeasuredStep) -> tuple[CostModel, CalibrationReport] | None:
+        """Add a calibration step's plan run serially (``IterationPlan.serialised``), refit kappa
+        on the calibration runs and refit the window holding it (``None`` while the window is
+        empty). The serial run does not enter the window: the window prices the planner's plans."""
+        self._add_calibration_run(step, serial=True)
+        return self.fit() if self.steps else None
+
+    def _add_calibration_run(self, step: MeasuredStep, *, serial: bool) -> None:
+        self.calibration_runs.append(step)
+        self.serial_runs += serial
+        if self.serial_runs:
+            design = Design.stack([run.design for run in self.calibration_runs])
+            self.contention = calibrate_design(self.base.table, design)[1].contention
+
+    def fit(self) -> tuple[CostModel, CalibrationReport]:
+        """The base table fitted to the window (kappa held once measured on serial runs)."""
+        if self.contention is None:
+            return fit_steps(self.base, self.steps, jitter_draws=self.jitter_draws)
+        base = CostModel(replace(self.base.table, contention=self.contention), self.base.layout,
+                         recompute_encoder=self.base.recompute_encoder)
+        return fit_steps(base, self.steps, jitter_draws=self.jitter_draws, fit_contention=False)
+
+    def state_dict(self) -> dict:
+        return {"window": list(self.steps), "calibration_runs": self.calibration_runs, "serial_runs": self.serial_runs,
+                "contention": self.contention}
+
+    def load_state_dict(self, state: dict) -> tuple[CostModel, CalibrationReport] | None:
+        """Restore and refit (``None``: nothing measured yet)."""
+        self.steps.clear()
+        self.steps.extend(state["window"])
+        self.calibration_runs, self.serial_runs = list(state["calibration_runs"]), state["serial_runs"]
+        self.contention = state["contention"]
+        return self.fit() if self.steps else None

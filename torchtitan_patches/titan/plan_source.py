@@ -57,7 +57,8 @@ class StepPlan:
 
 
 def load_replay(path: str | Path) -> dict[int, str]:
-    """Plans by batch step from a job's ``steps.jsonl`` (each record's ``plan``)."""
+    """Plans by batch step from a job's ``steps.jsonl`` (each record's ``plan``; serial twins of
+    calibration steps left out)."""
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as e:
@@ -68,7 +69,8 @@ def load_replay(path: str | Path) -> dict[int, str]:
     for k, line in enumerate(lines, 1):
         try:
             rec = json.loads(line)
-            out[int(rec["batch"])] = rec["plan"]
+            if not rec.get("serial"):  # a calibration step's serial twin is not the job's plan
+                out[int(rec["batch"])] = rec["plan"]
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"pipetune.replay: {path}, line {k}: not a pipetune step record with a plan ({e})") from None
     if not out:

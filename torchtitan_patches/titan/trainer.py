@@ -135,6 +135,13 @@ class PipeTuneSettings(Configurable):
         """The first N steps train with balanced plans cycling through every micro-batch size, so
         the online calibration has measured each size before the planner compares them."""
 
+        calibrate_serial: bool = True
+        """Calibration steps of more than one micro-batch also run their plan serially (no two
+        ranks computing at once) beside the pipelined run, and the online calibration fits the
+        contention kappa on those pairs and holds it (``OnlineCalibrator``). Costs one serial run
+        per such step. Co-located layouts only (a separated plan's serial twin is not defined, so
+        there the window fits kappa with everything else)."""
+
         guard: bool = True
         """pipetune mode: fall back to the best fixed configuration while pipetune's plans are
         measured slower than it (``pipetune.plan.guard``; probes the baseline every
@@ -367,14 +374,17 @@ class PipeTuneTrainer(Trainer):
     def train_step(self, data_iterator):
         lr_metrics = self.lr_schedulers.get_metrics()
         batch = next(data_iterator)
-        runs = [(batch, self.channel.pop(batch.step)), *self._replayed_beside(batch.step)]
+        plan = self.channel.pop(batch.step)
+        twin = self._serial_twin(batch.step, plan)
+        runs = [(batch, plan), *self._replayed_beside(batch.step), *([(batch, twin)] if twin else [])]
         self.ntokens_seen += sum(mb.num_tokens for mb in batch.micro_batches)
         first = batch.step % len(runs)
+        replayed = len(self.config.pipetune.replay) > 1
         for k in [*range(first, len(runs)), *range(first)]:
             self.optimizers.zero_grad()  # the last run's gradients are the step's
             with self.train_context():
                 res = self.executor.run(*runs[k])
-            record = self._record(*runs[k], res, replay_of=k if len(runs) > 1 else None)
+            record = self._record(*runs[k], res, replay_of=k if replayed else None, serial=runs[k][1] is twin)
         grad_norm = dist_utils.clip_grad_norm_(
             [p for m in self.model_parts for p in m.parameters()], self.config.training.max_norm, foreach=True,
             pp_mesh=self.parallel_dims.get_optional_mesh("pp"), ep_enabled=self.parallel_dims.ep_enabled)
@@ -388,6 +398,13 @@ class PipeTuneTrainer(Trainer):
             self.metrics_processor.log(self.step, record["loss"], record["loss"], float(grad_norm.item()),
                                        extra_metrics={**extra, **lr_metrics})
 
+    def _serial_twin(self, step: int, plan: IterationPlan) -> IterationPlan | None:
+        """The serial run of a calibration step's plan (``calibrate_serial``; every rank decides alike)."""
+        pt = self.config.pipetune
+        if pt.calibrate_serial and not pt.replay and step < pt.calibrate_steps and plan.num_micro_batches > 1 and not plan.separated:
+            return plan.serialised()
+        return None
+
     def _replayed_beside(self, step: int) -> list[tuple[GlobalBatch, IterationPlan]]:
         """The plans of batch ``step`` in the second and later ``pipetune.replay`` files (rank 0
         sends them) with the batch packed as each says."""
@@ -400,9 +417,10 @@ class PipeTuneTrainer(Trainer):
         plans = [IterationPlan.from_json(js, batch_ids=meta.table.ids) for js in box[0]]
         return [(loader.pack(meta, [list(mb) for mb in p.micro_batches]), p) for p in plans]
 
-    def _record(self, batch, plan, res, *, replay_of: int | None = None) -> dict:
+    def _record(self, batch, plan, res, *, replay_of: int | None = None, serial: bool = False) -> dict:
         """Gather every rank's timing and loss (gloo); on rank 0 feed the calibration, correction
-        and guard (a run of a later replay file feeds nothing), and write the record."""
+        and guard (a run of a later replay file feeds nothing, a serial twin only the contention
+        fit), and write the record."""
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, (res.start, res.end, res.timeline, res.loss, res.overhead_s), group=self.control)
         start = min(g[0] for g in every)
@@ -417,9 +435,14 @@ class PipeTuneTrainer(Trainer):
                   "samples": [list(mb) for mb in plan.micro_batches]}
         if replay_of is not None:
             record["replay_of"] = replay_of
+        if serial:
+            record["serial"] = True
         if self.rank == 0:
             if replay_of:
                 record.update(kind=StepKind.REPLAY.value, tuned_predicted_s=plan.predicted_s, baseline_predicted_s=float("nan"))
+            elif serial:
+                record.update(kind=StepKind.CALIBRATION.value, tuned_predicted_s=float("nan"), baseline_predicted_s=float("nan"))
+                self._learn_contention(batch, plan, timeline, measured, record)
             else:
                 self._learn(batch, plan, timeline, measured, record)
             record["plan"] = plan.to_json()
@@ -432,6 +455,17 @@ class PipeTuneTrainer(Trainer):
                         f"measured {measured * 1e3:.1f} ms" + (f"; guard {record['guard']}" if "guard" in record else ""))
         return record
 
+    def _learn_contention(self, batch, plan, timeline, measured: float, record: dict) -> None:
+        """Rank 0, after a serial twin (not on the first step): refit kappa on the calibration runs."""
+        if self.step == 1 or self.calibrator is None:
+            return
+        meta = self.dataloader.inner.meta(batch.step)
+        fitted = self.calibrator.observe_serial(MeasuredStep.from_timelines(self.profiled, [timeline], plan, meta, measured))
+        record["contention"] = self.calibrator.contention
+        if fitted is not None:
+            for planner in self.planners:
+                planner.set_cost(fitted[0])
+
     def _learn(self, batch, plan, timeline, measured: float, record: dict) -> None:
         """Rank 0, after a step: refit the table (not on the first step, which pays one-off
         warm-up costs), update the per-mbs correction and the guard, and note them in ``record``."""
@@ -441,7 +475,9 @@ class PipeTuneTrainer(Trainer):
             return
         if self.calibrator is not None:
             meta = self.dataloader.inner.meta(batch.step)
-            cost, _ = self.calibrator.update(MeasuredStep.from_timelines(self.profiled, [timeline], plan, meta, measured))
+            cost, _ = self.calibrator.update(MeasuredStep.from_timelines(self.profiled, [timeline], plan, meta, measured),
+                                             calibration=step.kind is StepKind.CALIBRATION)
+            record["contention"] = cost.table.contention
             for planner in self.planners:
                 planner.set_cost(cost)
         if self.correction is not None:
@@ -459,7 +495,7 @@ class PipeTuneTrainer(Trainer):
                     f"the baseline, log ratio: {d.advantage:+.3f} +- {d.stderr:.3f})")
 
     def state_dict(self) -> dict:
-        state = {"window": list(self.calibrator.steps) if self.calibrator else [],
+        state = {"calibrator": self.calibrator.state_dict() if self.calibrator else None,
                  "guard": self.guard.state_dict() if getattr(self, "guard", None) else None,
                  "correction": self.correction.state_dict() if getattr(self, "correction", None) else None}
         return {**super().state_dict(), f"pipetune_rank_{self.rank}": pickle.dumps(state)}
@@ -478,11 +514,10 @@ class PipeTuneTrainer(Trainer):
         if self.correction is not None and state["correction"] is not None:
             self.correction.load_state_dict(state["correction"])
             self.planners[0].set_correction(self.correction.factors())
-        if self.calibrator is not None and state["window"]:
-            self.calibrator.steps.extend(state["window"])
-            cost, _ = self.calibrator.update(self.calibrator.steps.pop())
+        fitted = self.calibrator.load_state_dict(state["calibrator"]) if self.calibrator is not None and state["calibrator"] else None
+        if fitted is not None:
             for planner in self.planners:
-                planner.set_cost(cost)
+                planner.set_cost(fitted[0])
 
     def close(self) -> None:
         if getattr(self, "async_planner", None) is not None:
