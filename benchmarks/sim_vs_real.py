@@ -7,7 +7,8 @@ measured guard), through ``benchmarks/titan_jobs.py``.
 
 1. Profile the job's planning shapes on this CPU once (``torchtitan_patches.titan.prepare``).
 2. Per data mix, every mode trains ``--calibrate-steps`` calibration steps (balanced plans at
-   every micro-batch size; they feed the online calibration and are not scored) and then
+   every micro-batch size, each also run serially to measure the contention kappa; they feed the
+   online calibration and are not scored) and then
    ``--steps`` steps, refitting the table online after every step (``--online-window``). Every
    step is a different plan (micro-batch count, sizes, order, encoder placement).
 3. Rounds 2..``--rounds``: one job per mix replays the three jobs' recorded plans side by side
@@ -34,7 +35,7 @@ plans of many small micro-batches were measured 27 % slower than predicted).
 
 The predicted cut hinges on the contention kappa (``pipetune.simulate.contention``): pipetune's
 plans overlap the ranks' work, ``original``'s single micro-batch does not. So the report also
-gives the kappa pipetune's model fitted and the cut its model predicts with kappa held at each of
+gives the kappa in pipetune's model and the cut its model predicts with kappa held at each of
 ``--kappas`` (everything else fitted as before). ``--reanalyse`` reports on an earlier run's
 records in ``--out`` without running anything (give that run's options).
 

@@ -155,7 +155,10 @@ def test_serial_twins_measure_contention_and_the_window_holds_it(job, kappa):
         for p in (plan, twin):
             timeline, span = contended_timeline(truth, p, meta, kappa, rng, 0.03)
             step = MeasuredStep.from_timelines(base, [timeline], p, meta, span)
-            cal.update(step, calibration=True) if p is plan else cal.observe_serial(step)
+            if p is plan:
+                cal.update(step, calibration=True)
+            else:
+                cal.observe_serial(step)
     assert cal.contention == pytest.approx(kappa, abs=0.05)
     steps = steps_of(model, truth, base, metas[4:8], [1] * 4, kappa, noise=0.03, seed=1)
     flat = [replace(s, design=replace(s.design, overlap=np.full(len(s.design.y), s.design.overlap.mean()))) for s in steps]

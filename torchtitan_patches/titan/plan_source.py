@@ -8,7 +8,8 @@ Which plan a step runs, in order of precedence:
    runs the others' beside it (``PipeTuneSettings.replay``).
 2. Calibration steps (the first ``calibrate_steps`` batches): balanced plans cycling through every
    micro-batch size, so the online calibration has seen each size's per-call costs before the
-   planner compares sizes by them. They train like any other step.
+   planner compares sizes by them. They train like any other step (the trainer also runs each
+   one serially: ``PipeTuneSettings.calibrate_serial``).
 3. Otherwise the job's planner (``AsyncPlanner``, planning ahead), unless the measured guard
    (``pipetune.plan.guard``, pipetune mode only) asks for the baseline: the best fixed
    configuration (packer and micro-batch size chosen once on sampled batches), which is also

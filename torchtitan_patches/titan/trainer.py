@@ -13,11 +13,12 @@ distributed set-up, the model (built on meta from the job's ``ModelSpec``, split
   ``pipelining_fn`` also returns is not used. TorchTitan 0.3.0's ``schedule.step(arg_mbs=...)``,
   which torch 2.13 lacks, is therefore never called. Replaying several jobs' records side by side
   (``pipetune.replay a,b``), a step runs each job's plan of its batch, only the last run's
-  gradients kept.
+  gradients kept; a calibration step runs its plan pipelined and serially likewise
+  (``calibrate_serial``: the contention fit's pairs).
 * ``batch_generator``: the dataloader yields one ``GlobalBatch`` per step (see
   ``titan.dataloader``).
-* ``state_dict``: adds the planner's state (calibration window, per-mbs correction, guard), so a
-  resumed job plans as the uninterrupted one would.
+* ``state_dict``: adds the planner's state (calibration window and runs, per-mbs correction,
+  guard), so a resumed job plans as the uninterrupted one would.
 
 The stage layout comes from pipetune (``pipetune.layout``: even, explicit, or searched) and is
 handed to TorchTitan's splitter as ``parallelism.module_fqns_per_model_part``, so planner and
@@ -450,7 +451,7 @@ class PipeTuneTrainer(Trainer):
             self.records_path.parent.mkdir(parents=True, exist_ok=True)
             with self.records_path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
-            logger.info(f"pipetune step {self.step}: {record['kind']} plan ({plan.mode}), mbs {plan.mbs}, {plan.num_micro_batches} "
+            logger.info(f"pipetune step {self.step}: {record['kind']}{' serial' if serial else ''} plan ({plan.mode}), mbs {plan.mbs}, {plan.num_micro_batches} "
                         f"micro-batches, {record['precomputed_encoders']} encoders pre-computed, predicted {plan.predicted_s * 1e3:.1f} ms, "
                         f"measured {measured * 1e3:.1f} ms" + (f"; guard {record['guard']}" if "guard" in record else ""))
         return record
@@ -514,7 +515,8 @@ class PipeTuneTrainer(Trainer):
         if self.correction is not None and state["correction"] is not None:
             self.correction.load_state_dict(state["correction"])
             self.planners[0].set_correction(self.correction.factors())
-        fitted = self.calibrator.load_state_dict(state["calibrator"]) if self.calibrator is not None and state["calibrator"] else None
+        saved = state.get("calibrator")  # absent from checkpoints of older pipetune versions: refit from scratch
+        fitted = self.calibrator.load_state_dict(saved) if self.calibrator is not None and saved else None
         if fitted is not None:
             for planner in self.planners:
                 planner.set_cost(fitted[0])
