@@ -208,7 +208,8 @@ def report(results: dict[str, dict[str, list[dict]]], args) -> None:
                   f"pipetune's model {pred['own_s']:+.1%}, by each job's planner {pred['predicted_s']:+.1%}, held-out "
                   f"{pred['held_out_s']:+.1%}; pipetune's model with kappa held at {'/'.join(map(str, args.kappas))}: {held}")
         kappa = [r["own_kappa"] for r in scored["pipetune"]]
-        print(f"{mix}: kappa in pipetune's model (measured on serial calibration runs where the job ran them): mean {np.mean(kappa):.2f}, range {min(kappa):.2f}-{max(kappa):.2f}")
+        print(f"{mix}: kappa in pipetune's model (measured on serial calibration runs where the job ran them): "
+              f"mean {np.mean(kappa):.2f}, range {min(kappa):.2f}-{max(kappa):.2f}")
         kinds = [r.get("kind") for r in scored["pipetune"]]
         print(f"{mix}: guard ran the baseline on {kinds.count('baseline')} of {len(kinds)} steps "
               f"({sum(r.get('guard') == 'fallback' for r in scored['pipetune'])} in fallback)")

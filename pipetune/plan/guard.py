@@ -6,9 +6,10 @@ micro-batch size, what a careful user would run instead), its measured time, and
 times of both plans for that same batch, by one model (predictions by models of different age
 would bias the advantage by how much the model changed). The guard keeps, per kind, the log
 ratio of measured to predicted time (the model's bias on that kind of plan: contention,
-per-micro-batch overheads and jitter the latency table lacks). A tuned step's *advantage* is ``log(predicted baseline time x
-baseline bias) - log(measured time)``: what the baseline would have taken on the same batch, as
-measured on the baseline's own recent steps, against what the tuned plan took.
+per-micro-batch overheads and jitter the latency table lacks). A tuned step's *advantage* is
+``log(predicted baseline time x baseline bias) - log(measured time)``: what the baseline would
+have taken on the same batch, as measured on the baseline's own recent steps, against what the
+tuned plan took.
 
 Policy (``GuardConfig``):
 

@@ -451,8 +451,9 @@ class PipeTuneTrainer(Trainer):
             self.records_path.parent.mkdir(parents=True, exist_ok=True)
             with self.records_path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
-            logger.info(f"pipetune step {self.step}: {record['kind']}{' serial' if serial else ''} plan ({plan.mode}), mbs {plan.mbs}, {plan.num_micro_batches} "
-                        f"micro-batches, {record['precomputed_encoders']} encoders pre-computed, predicted {plan.predicted_s * 1e3:.1f} ms, "
+            logger.info(f"pipetune step {self.step}: {record['kind']}{' serial' if serial else ''} plan ({plan.mode}), mbs {plan.mbs}, "
+                        f"{plan.num_micro_batches} micro-batches, {record['precomputed_encoders']} encoders pre-computed, predicted "
+                        f"{plan.predicted_s * 1e3:.1f} ms, "
                         f"measured {measured * 1e3:.1f} ms" + (f"; guard {record['guard']}" if "guard" in record else ""))
         return record
 
@@ -460,12 +461,18 @@ class PipeTuneTrainer(Trainer):
         """Rank 0, after a serial twin (not on the first step): refit kappa on the calibration runs."""
         if self.step == 1 or self.calibrator is None:
             return
-        meta = self.dataloader.inner.meta(batch.step)
-        fitted = self.calibrator.observe_serial(MeasuredStep.from_timelines(self.profiled, [timeline], plan, meta, measured))
+        fitted = self.calibrator.observe_serial(self._measured_step(batch, plan, timeline, measured))
         record["contention"] = self.calibrator.contention
         if fitted is not None:
-            for planner in self.planners:
-                planner.set_cost(fitted[0])
+            self._set_cost(fitted[0])
+
+    def _measured_step(self, batch, plan, timeline, measured: float) -> MeasuredStep:
+        return MeasuredStep.from_timelines(self.profiled, [timeline], plan, self.dataloader.inner.meta(batch.step), measured)
+
+    def _set_cost(self, cost) -> None:
+        """Every planner of rank 0 prices with the latest calibrated model."""
+        for planner in self.planners:
+            planner.set_cost(cost)
 
     def _learn(self, batch, plan, timeline, measured: float, record: dict) -> None:
         """Rank 0, after a step: refit the table (not on the first step, which pays one-off
@@ -475,12 +482,10 @@ class PipeTuneTrainer(Trainer):
         if self.step == 1 or step.kind is StepKind.REPLAY:
             return
         if self.calibrator is not None:
-            meta = self.dataloader.inner.meta(batch.step)
-            cost, _ = self.calibrator.update(MeasuredStep.from_timelines(self.profiled, [timeline], plan, meta, measured),
+            cost, _ = self.calibrator.update(self._measured_step(batch, plan, timeline, measured),
                                              calibration=step.kind is StepKind.CALIBRATION)
             record["contention"] = cost.table.contention
-            for planner in self.planners:
-                planner.set_cost(cost)
+            self._set_cost(cost)
         if self.correction is not None:
             self.correction.observe(plan.mbs, measured, plan.predicted_s)
             self.planners[0].set_correction(self.correction.factors())
@@ -518,8 +523,7 @@ class PipeTuneTrainer(Trainer):
         saved = state.get("calibrator")  # absent from checkpoints of older pipetune versions: refit from scratch
         fitted = self.calibrator.load_state_dict(saved) if self.calibrator is not None and saved else None
         if fitted is not None:
-            for planner in self.planners:
-                planner.set_cost(fitted[0])
+            self._set_cost(fitted[0])
 
     def close(self) -> None:
         if getattr(self, "async_planner", None) is not None:
