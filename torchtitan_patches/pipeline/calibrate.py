@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from pipetune.cost.calibration import CalibrationReport, Design, Observation, Observed, Part, calibrate_design
+from pipetune.cost.calibration import CONTENTION_GRID, CalibrationReport, Design, Observation, Observed, Part, calibrate_design
 from pipetune.cost.cost_model import CostModel
 from pipetune.cost.layout import StageLayout
 from pipetune.cost.table import CURVES, LatencyTable
@@ -123,6 +123,30 @@ def held_out_times(base: CostModel, steps: Sequence[MeasuredStep]) -> list[float
             for k, step in enumerate(steps)]
 
 
+def twin_contention(base: CostModel, runs: Sequence[MeasuredStep], twins: Sequence[tuple[MeasuredStep, MeasuredStep]]) -> float:
+    """The contention kappa (on ``CONTENTION_GRID``) whose model, ``base`` fitted to ``runs`` with
+    kappa held, best predicts each ``(pipelined, serial)`` twin's measured ratio of iteration
+    times (least squares of log ratios).
+
+    The ratio, not the action times: what contention costs a plan is how much longer its
+    overlapped iteration takes, and on a loaded CPU the action times carry costs the ratio does
+    not (a sender descheduled while posting its message is timed into its next action, which on a
+    rank that then waits for a message overlaps the wait; fitting kappa to action times put it at
+    0.30-0.50 on pairs whose ratios wanted 0.50-0.75, ``benchmarks/sim_vs_real.py``)."""
+    if not twins:
+        raise ValueError("twin_contention needs at least one (pipelined, serial) pair of runs")
+    design = Design.stack([run.design for run in runs])
+    measured = np.log([p.measured_s / s.measured_s for p, s in twins])
+
+    def loss(kappa: float) -> float:
+        table, _ = calibrate_design(replace(base.table, contention=kappa), design, fit_contention=False)
+        cost = CostModel(table, base.layout, recompute_encoder=base.recompute_encoder)
+        ratio = [simulate_plan(cost, p.plan, p.meta).makespan / simulate_plan(cost, s.plan, s.meta).makespan for p, s in twins]
+        return float(np.sum((np.log(ratio) - measured) ** 2))
+
+    return float(min(CONTENTION_GRID.tolist(), key=loss))
+
+
 class OnlineCalibrator:
     """Refits the profiled table to the last ``window`` steps after every step (``fit_steps``).
 
@@ -132,10 +156,10 @@ class OnlineCalibrator:
     table, so errors do not compound. ``jitter_draws``: the planner's (see ``fit_steps``).
 
     The contention kappa is the exception when the calibration steps also ran their plans
-    serially (``observe_serial``): then it is fitted on the calibration steps' runs, pipelined and
-    serial, and held in every window's fit. A window of the planner's own plans cannot pin it:
-    they overlap alike, so kappa trades against the scales, and a kappa fitted too low there
-    priced a one-micro-batch plan 10-20 % too slow under a CPU-bound neighbour (predicted cut vs
+    serially (``observe_serial``): then it is measured on those pairs (``twin_contention``) and
+    held in every window's fit. A window of the planner's own plans cannot pin it: they overlap
+    alike, so kappa trades against the scales, and a kappa fitted too low there priced a
+    one-micro-batch plan 10-20 % too slow under a CPU-bound neighbour (predicted cut vs
     ``original`` off by 10 points, ``benchmarks/sim_vs_real.py``). A serial run times the same
     actions as its pipelined twin without overlap, so their ratio is kappa's alone.
     """
@@ -146,8 +170,8 @@ class OnlineCalibrator:
         self.steps: deque[MeasuredStep] = deque(maxlen=window)
         self.jitter_draws = jitter_draws
         self.calibration_runs: list[MeasuredStep] = []
-        self.serial_runs = 0
-        self.contention: float | None = None  # measured on serial runs, then held
+        self.twins: list[tuple[MeasuredStep, MeasuredStep]] = []  # (pipelined, serial) runs of one plan
+        self.contention: float | None = None  # measured on the twins, then held
 
     def update(self, step: MeasuredStep, *, calibration: bool = False) -> tuple[CostModel, CalibrationReport]:
         """Add one step (``calibration``: one of the calibration steps, whose runs fit kappa) and refit."""
@@ -164,11 +188,11 @@ class OnlineCalibrator:
         return self.fit() if self.steps else None
 
     def _add_calibration_run(self, step: MeasuredStep, *, serial: bool) -> None:
+        twin = next((run for run in self.calibration_runs if run.plan.step == step.plan.step), None)
         self.calibration_runs.append(step)
-        self.serial_runs += serial
-        if self.serial_runs:
-            design = Design.stack([run.design for run in self.calibration_runs])
-            self.contention = calibrate_design(self.base.table, design)[1].contention
+        if twin is not None:
+            self.twins.append((twin, step) if serial else (step, twin))
+            self.contention = twin_contention(self.base, self.calibration_runs, self.twins)
 
     def fit(self) -> tuple[CostModel, CalibrationReport]:
         """The base table fitted to the window (kappa held once measured on serial runs)."""
@@ -179,13 +203,13 @@ class OnlineCalibrator:
         return fit_steps(base, self.steps, jitter_draws=self.jitter_draws, fit_contention=False)
 
     def state_dict(self) -> dict:
-        return {"window": list(self.steps), "calibration_runs": self.calibration_runs, "serial_runs": self.serial_runs,
+        return {"window": list(self.steps), "calibration_runs": self.calibration_runs, "twins": self.twins,
                 "contention": self.contention}
 
     def load_state_dict(self, state: dict) -> tuple[CostModel, CalibrationReport] | None:
         """Restore and refit (``None``: nothing measured yet)."""
         self.steps.clear()
         self.steps.extend(state["window"])
-        self.calibration_runs, self.serial_runs = list(state["calibration_runs"]), state["serial_runs"]
+        self.calibration_runs, self.twins = list(state["calibration_runs"]), list(state.get("twins", []))
         self.contention = state["contention"]
         return self.fit() if self.steps else None
