@@ -18,7 +18,8 @@ vectorised sweep; the simulator adds it to every makespan. Calibration
 other ranks' work (``overlap_with_others``) for a fraction ``phi`` of its uncontended time took
 ``1 + kappa phi`` times that time. Where every action overlaps alike kappa trades against the
 scales, so the trainer measures it on pairs: a calibration step's plan run pipelined and serially
-(``pipetune.schedule.schedules.serial``).
+(``pipetune.schedule.schedules.serial``), taking the kappa that prices the ratio of their iteration
+times (``torchtitan_patches.pipeline.calibrate.twin_contention``).
 Limits: first order (the schedule's order of work is that of the uncontended simulation; a
 stretch that would reorder waits is not followed) and one number for every kind of work and any
 number of busy ranks.

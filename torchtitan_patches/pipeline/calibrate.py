@@ -129,10 +129,11 @@ def twin_contention(base: CostModel, runs: Sequence[MeasuredStep], twins: Sequen
     times (least squares of log ratios).
 
     The ratio, not the action times: what contention costs a plan is how much longer its
-    overlapped iteration takes, and on a loaded CPU the action times carry costs the ratio does
-    not (a sender descheduled while posting its message is timed into its next action, which on a
-    rank that then waits for a message overlaps the wait; fitting kappa to action times put it at
-    0.30-0.50 on pairs whose ratios wanted 0.50-0.75, ``benchmarks/sim_vs_real.py``)."""
+    overlapped iteration takes, and on a loaded CPU the action times do not add up to the
+    iteration times. Replayed along their dependencies, a serial run's recorded action times
+    exceeded its measured iteration time by 0.2-3.0 % beside one CPU-bound process (0.0 % on a
+    quiet machine), and kappa fitted to the action times came out 0.30-0.50 on the pairs of
+    ``benchmarks/sim_vs_real.py``'s background runs, where their ratios want 0.50-0.75."""
     if not twins:
         raise ValueError("twin_contention needs at least one (pipelined, serial) pair of runs")
     design = Design.stack([run.design for run in runs])
@@ -181,8 +182,8 @@ class OnlineCalibrator:
         return self.fit()
 
     def observe_serial(self, step: MeasuredStep) -> tuple[CostModel, CalibrationReport] | None:
-        """Add a calibration step's plan run serially (``IterationPlan.serialised``), refit kappa
-        on the calibration runs and refit the window holding it (``None`` while the window is
+        """Add a calibration step's plan run serially (``IterationPlan.serialised``), re-measure
+        kappa on the twins and refit the window holding it (``None`` while the window is
         empty). The serial run does not enter the window: the window prices the planner's plans."""
         self._add_calibration_run(step, serial=True)
         return self.fit() if self.steps else None
@@ -195,7 +196,7 @@ class OnlineCalibrator:
             self.contention = twin_contention(self.base, self.calibration_runs, self.twins)
 
     def fit(self) -> tuple[CostModel, CalibrationReport]:
-        """The base table fitted to the window (kappa held once measured on serial runs)."""
+        """The base table fitted to the window (kappa held once measured on twins)."""
         if self.contention is None:
             return fit_steps(self.base, self.steps, jitter_draws=self.jitter_draws)
         base = CostModel(replace(self.base.table, contention=self.contention), self.base.layout,

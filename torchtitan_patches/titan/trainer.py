@@ -138,8 +138,9 @@ class PipeTuneSettings(Configurable):
 
         calibrate_serial: bool = True
         """Calibration steps of more than one micro-batch also run their plan serially (no two
-        ranks computing at once) beside the pipelined run, and the online calibration fits the
-        contention kappa on those pairs and holds it (``OnlineCalibrator``). Costs one serial run
+        ranks computing at once) beside the pipelined run, and the online calibration measures the
+        contention kappa on those pairs' ratios of iteration times and holds it (``OnlineCalibrator``,
+        ``twin_contention``). Costs one serial run
         per such step. Co-located layouts only (a separated plan's serial twin is not defined, so
         there the window fits kappa with everything else)."""
 
@@ -458,7 +459,7 @@ class PipeTuneTrainer(Trainer):
         return record
 
     def _learn_contention(self, batch, plan, timeline, measured: float, record: dict) -> None:
-        """Rank 0, after a serial twin (not on the first step): refit kappa on the calibration runs."""
+        """Rank 0, after a serial twin (not on the first step): re-measure kappa on the twins."""
         if self.step == 1 or self.calibrator is None:
             return
         fitted = self.calibrator.observe_serial(self._measured_step(batch, plan, timeline, measured))
