@@ -231,7 +231,9 @@ def main() -> None:
     ap.add_argument("--mixes", default=",".join(MIXES))
     ap.add_argument("--steps", type=int, default=16, help="scored steps per job (after the calibration steps)")
     ap.add_argument("--warmup", type=int, default=1, help="first steps after calibration left out of the scores")
-    ap.add_argument("--calibrate-steps", type=int, default=8)
+    ap.add_argument("--calibrate-steps", type=int, default=16, help="calibration steps per job; those of several "
+                    "micro-batches also run serially, the pairs kappa is measured on (8 steps gave 3-5 pairs per job, and "
+                    "under one CPU-bound process kappa came out 0.5-0.8 from run to run; 16 gave 5-11)")
     ap.add_argument("--online-window", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3, help="runs of every plan (>= 2: the first trains, the others replay "
                     "the modes' plans side by side)")
