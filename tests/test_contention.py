@@ -137,6 +137,26 @@ def test_a_held_contention_is_kept_and_the_other_family_priced_by_it(job):
         assert simulate_plan(fits[0.0][0], plan, meta).makespan > 1.1 * true_s
 
 
+def twin_calibrator(model, truth: CostModel, base: CostModel, metas, kappa: float, *, iteration_kappa: float | None = None,
+                    serial_first: bool = False) -> OnlineCalibrator:
+    """An ``OnlineCalibrator`` fed, per batch, a balanced plan (mbs 1 or 2) and its serial twin as
+    calibration runs, timed on ``truth`` with contention ``kappa`` (iteration times as under
+    ``iteration_kappa`` where given), the twin first if ``serial_first``."""
+    rng = np.random.default_rng(0)
+    cal = OnlineCalibrator(base.table, base.layout, 4)
+    for i, meta in enumerate(metas):
+        plan = PlannerConfig(mode="balanced", mbs=1 + i % 2, max_seq_len=4096, memory_bytes=80e9).build(model, truth).plan(meta)
+        twin = plan.serialised()
+        assert (twin.micro_batches, twin.order) == (plan.micro_batches, plan.order) and twin.ranks != plan.ranks
+        for p in (twin, plan) if serial_first else (plan, twin):
+            timeline, span = contended_timeline(truth, p, meta, kappa, rng, 0.03)
+            if iteration_kappa is not None:
+                _, span = contended_timeline(truth, p, meta, iteration_kappa, rng, 0.0)
+            step = MeasuredStep.from_timelines(base, [timeline], p, meta, span)
+            cal.update(step, calibration=True) if p is plan else cal.observe_serial(step)
+    return cal
+
+
 @pytest.mark.parametrize("kappa", [0.0, 0.5])
 def test_serial_twins_measure_contention_and_the_window_holds_it(job, kappa):
     """Calibration steps run their plan pipelined and serially (``IterationPlan.serialised``: the
@@ -147,19 +167,7 @@ def test_serial_twins_measure_contention_and_the_window_holds_it(job, kappa):
     kappa stays. The calibrator's state restores to the same fit."""
     model, base, metas = job
     truth = CostModel(replace(base.table, scales={"rest": 1.3}), base.layout)
-    rng = np.random.default_rng(0)
-    cal = OnlineCalibrator(base.table, base.layout, 4)
-    for i, meta in enumerate(metas[:4]):
-        plan = PlannerConfig(mode="balanced", mbs=1 + i % 2, max_seq_len=4096, memory_bytes=80e9).build(model, truth).plan(meta)
-        twin = plan.serialised()
-        assert (twin.micro_batches, twin.order) == (plan.micro_batches, plan.order) and twin.ranks != plan.ranks
-        for p in (plan, twin):
-            timeline, span = contended_timeline(truth, p, meta, kappa, rng, 0.03)
-            step = MeasuredStep.from_timelines(base, [timeline], p, meta, span)
-            if p is plan:
-                cal.update(step, calibration=True)
-            else:
-                cal.observe_serial(step)
+    cal = twin_calibrator(model, truth, base, metas[:4], kappa)
     assert cal.contention == pytest.approx(kappa, abs=0.05)
     steps = steps_of(model, truth, base, metas[4:8], [1] * 4, kappa, noise=0.03, seed=1)
     flat = [replace(s, design=replace(s.design, overlap=np.full(len(s.design.y), s.design.overlap.mean()))) for s in steps]
@@ -183,15 +191,7 @@ def test_twins_measure_the_contention_iteration_times_show_where_action_times_un
     what the calibrator holds) it is 0.5 and prices those ratios within 1 %."""
     model, base, metas = job
     truth = CostModel(replace(base.table, scales={"rest": 1.3}), base.layout)
-    rng = np.random.default_rng(0)
-    cal = OnlineCalibrator(base.table, base.layout, 4)
-    for i, meta in enumerate(metas[:4]):
-        plan = PlannerConfig(mode="balanced", mbs=1 + i % 2, max_seq_len=4096, memory_bytes=80e9).build(model, truth).plan(meta)
-        for p in (plan.serialised(), plan):
-            timeline, _ = contended_timeline(truth, p, meta, 0.2, rng, 0.03)
-            _, span = contended_timeline(truth, p, meta, 0.5, rng, 0.0)
-            step = MeasuredStep.from_timelines(base, [timeline], p, meta, span)
-            cal.update(step, calibration=True) if p is plan else cal.observe_serial(step)
+    cal = twin_calibrator(model, truth, base, metas[:4], 0.2, iteration_kappa=0.5, serial_first=True)
     runs = Design.stack([run.design for run in cal.calibration_runs])
     acted = calibrate_design(base.table, runs)[1].contention
     assert acted == pytest.approx(0.2, abs=0.05) and cal.contention == pytest.approx(0.5, abs=0.05)
