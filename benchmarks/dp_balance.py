@@ -15,7 +15,8 @@ from pipetune.config import load_hardware, load_model_config
 from pipetune.cost import CostModel, StageLayout, analytical_table
 from pipetune.data import make_mix
 from pipetune.plan.dp_balance import compare_dp
-from pipetune.plan.search import Mode, PlannerConfig
+from pipetune.plan.mode import Mode
+from pipetune.plan.search import PlannerConfig
 
 
 def main() -> None:

@@ -245,13 +245,10 @@ def separated_setup(rank: int, opts: dict):
     ``rank``, encoder chunks ``k`` with ``k mod 2 == rank`` of ``2 * K`` chunks."""
     model = load_model_config("tiny")
     model = replace(model, encoder=replace(model.encoder, n_layers=ENCODER_LAYERS, frozen=not opts.get("trained")))
-    K = opts.get("segments", 2)
-    n = 2 * K
-    base, extra = divmod(ENCODER_LAYERS, n)
-    sizes = np.array([base + (k < extra) for k in range(n)])
-    chunk_ranges = [(int(e - z), int(e)) for z, e in zip(sizes, np.cumsum(sizes))]
-    chunks = build_encoder_chunks(model, chunk_ranges, [k for k in range(n) if k % 2 == rank], seed=0)
-    _, stages = build_stages(model, [(0, 2), (2, 4)], [rank], max_seq_len=4 * MAX_SEQ_LEN, seed=0, attention_backend="sdpa",
+    layout = StageLayout.even(model.backbone.n_layers, 2).separated(ENCODER_LAYERS, opts.get("segments", 2), opts.get("sub_batch", 2))
+    n = len(layout.encoder_chunks)
+    chunks = build_encoder_chunks(model, list(layout.encoder_chunks), [k for k in range(n) if k % 2 == rank], seed=0)
+    _, stages = build_stages(model, list(layout.layer_ranges), [rank], max_seq_len=4 * MAX_SEQ_LEN, seed=0, attention_backend="sdpa",
                              colocated_encoder=False)
     ex = PlanExecutor(stages, chunks, dim=model.backbone.dim, rank=rank, image_shapes=ImageShapes.of(model.encoder),
                       strict_order=opts.get("strict", False), compute_dtype=DTYPES[opts.get("dtype", "fp32")])

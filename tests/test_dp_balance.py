@@ -8,7 +8,8 @@ from pipetune.data import make_mix
 from pipetune.data.batch import batch_meta
 from pipetune.data.stream import BatchStream
 from pipetune.plan.dp_balance import balance, lpt_split
-from pipetune.plan.search import Mode, PlannerConfig
+from pipetune.plan.mode import Mode
+from pipetune.plan.search import PlannerConfig
 
 
 def test_lpt_split_is_a_partition_with_equal_counts():

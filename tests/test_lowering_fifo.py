@@ -16,7 +16,7 @@ from collections import deque
 import numpy as np
 import pytest
 
-from pipetune.schedule import SCHEDULES, Action, Op, Placement, ScheduleError, ScheduleTable, place_encoders
+from pipetune.schedule import Action, Op, Placement, Schedule, ScheduleError, ScheduleTable, place_encoders
 from pipetune.schedule.lowering import Compute, Direction, Message, Post, Transfer, Wait, inputs, lower, lower_all, outputs
 from random_schedules import random_separated_table
 
@@ -176,7 +176,7 @@ def random_table(rng: np.random.Generator, *, kinds=("flat", "interleaved", "v")
     m = int(rng.integers(1, 65)) if rng.random() < 0.3 else int(rng.integers(1, 17))
     encoder = bool(rng.random() < 0.7) if encoder is None else encoder
     trained = encoder and bool(rng.random() < 0.3)
-    virtual = SCHEDULES[str(rng.choice(["1f1b", "gpipe"]))](S, rng.permutation(m).tolist(), encoder=encoder, encoder_trained=trained)
+    virtual = Schedule(rng.choice([Schedule.ONE_F_ONE_B, Schedule.GPIPE])).build(S, rng.permutation(m).tolist(), encoder=encoder, encoder_trained=trained)
     placement = Placement.colocated(S, encoder=encoder, encoder_trained=trained, stage_rank=stage_rank)
     table = merge_onto_ranks(rng, virtual, placement, [list(r) for r in virtual.ranks])
     if encoder and rng.random() < 0.8:
@@ -208,7 +208,7 @@ def _old_lower(table: ScheduleTable, rank: int) -> list:
 def test_old_lowering_deadlocks_on_two_stage_1f1b():
     """The counterexample of issue #10: rank 0 posts RECV 1B0->0 before SEND 0F1->1, rank 1 posts
     RECV 0F1->1 before SEND 1B0->0; a strict in-order transport never completes either."""
-    table = SCHEDULES["1f1b"](2, range(4))
+    table = Schedule.ONE_F_ONE_B.build(2, range(4))
     old = [_old_lower(table, r) for r in range(2)]
     with pytest.raises(AssertionError, match="different orders"):
         assert_fifo_compatible(old)
@@ -220,7 +220,7 @@ def test_old_lowering_deadlocks_on_two_stage_1f1b():
 
 
 def test_one_micro_batch_two_stages_each_side_in_order():
-    steps = check(SCHEDULES["1f1b"](2, [0]))
+    steps = check(Schedule.ONE_F_ONE_B.build(2, [0]))
     f = Message(Action(0, Op.FORWARD, 0), Action(1, Op.FORWARD, 0))
     b = Message(Action(1, Op.BACKWARD, 0), Action(0, Op.BACKWARD, 0))
     # rank 0 posts its send and the receive of the gradient together (one batch_isend_irecv)
@@ -300,7 +300,7 @@ def test_matches_torchs_add_send_recv():
 
 def test_an_unrunnable_table_is_an_error_not_a_hang():
     """Rank 0 holds stages 0 and 2 and runs 2F0 before 0F0: no order of messages can serve it."""
-    good = SCHEDULES["gpipe"](3, [0])
+    good = Schedule.GPIPE.build(3, [0])
     ranks = ((Action(2, Op.FORWARD, 0), Action(0, Op.FORWARD, 0), Action(2, Op.BACKWARD, 0), Action(0, Op.BACKWARD, 0)),
              good.ranks[1])
     table = ScheduleTable(placement=Placement((0, 1, 0)), num_micro_batches=1, ranks=ranks)

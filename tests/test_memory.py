@@ -10,7 +10,8 @@ from pipetune.data import make_mix
 from pipetune.data.batch import batch_meta
 from pipetune.data.stream import BatchStream
 from pipetune.packing.flops import FlopsModel
-from pipetune.plan.search import Mode, PlannerConfig
+from pipetune.plan.mode import Mode
+from pipetune.plan.search import PlannerConfig
 
 
 def _heavy(recompute=False):

@@ -169,7 +169,7 @@ def test_several_stages_on_one_rank_hand_over_locally(datamix2_dir):
         m = len(batch.micro_batches)
         table = one_f_one_b(4, list(range(m))[::-1], encoder=True)
         merged = tuple(a for r in table.ranks for a in r)
-        plan = IterationPlan(step=0, mode="manual", mbs=1, max_seq_len=256, micro_batches=tuple(tuple(x) for x in batch.sample_ids),
+        plan = IterationPlan(step=0, mode=None, mbs=1, max_seq_len=256, micro_batches=tuple(tuple(x) for x in batch.sample_ids),
                              order=tuple(range(m))[::-1], ranks=(tuple(str(a) for a in _serial(merged)),),
                              placement=Placement((0, 0, 0, 0), (0,)), sub_mb_parent=tuple(range(m)), image_sub_batch=0,
                              predicted_s=0.0, lower_bound_s=0.0, peak_bytes=(), estimate=False).validate()

@@ -9,7 +9,7 @@ from pipetune.data import BatchStream, batch_meta, make_mix
 from pipetune.packing import PackingConfig
 from pipetune.plan import IterationPlan, Mode, PlanError, PlannerConfig
 from pipetune.plan.async_planner import AsyncPlanner
-from pipetune.schedule import one_f_one_b
+from pipetune.schedule import Schedule, one_f_one_b
 from pipetune.simulate import Latencies, simulate
 
 A100 = load_hardware("a100")
@@ -89,7 +89,7 @@ def test_modes_do_what_their_names_say(setup13b):
 def test_json_round_trip_and_rejection(setup13b):
     plan = planner(setup13b).plan(metas("datamix2", n=1)[0])
     back = IterationPlan.from_json(plan.to_json())
-    assert back == plan
+    assert back == plan and back.mode is Mode.PIPETUNE
     raw = json.loads(plan.to_json())
     raw["order"] = raw["order"][:-1]
     with pytest.raises(PlanError, match="not a permutation"):
@@ -108,6 +108,7 @@ def test_json_round_trip_and_rejection(setup13b):
         (lambda r: r.update(image_sub_batch=4), "one sub-microbatch per micro-batch"),
         (lambda r: r.update(peak_bytes=[1.0]), "peak_bytes has 1 entries for 4 ranks"),
         (lambda r: r["ranks"][0].insert(0, "E0B0"), "a frozen encoder has no backward actions"),
+        (lambda r: r.update(mode="fastest"), "malformed: ValueError: 'fastest' is not a valid Mode"),
     ):
         raw = json.loads(plan.to_json())
         edit(raw)
@@ -117,6 +118,14 @@ def test_json_round_trip_and_rejection(setup13b):
         plan.validate([1, 2, 3])
     with pytest.raises(PlanError, match="not JSON"):
         IterationPlan.from_json("{")
+
+
+def test_planner_config_names_what_it_does_not_know(setup13b):
+    assert planner(setup13b, schedule="gpipe").config.schedule is Schedule.GPIPE
+    with pytest.raises(ValueError, match=r"unknown schedule 'pipedream'; known: \['1f1b', 'gpipe', 'serial'\]"):
+        planner(setup13b, schedule="pipedream")
+    with pytest.raises(ValueError, match="'fast' is not a valid Mode"):
+        planner(setup13b, mode="fast")
 
 
 def test_same_seed_same_plans(setup13b):

@@ -7,6 +7,7 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
+from pipetune.plan import Mode
 from torchtitan_patches.titan import config_registry
 from torchtitan_patches.titan.trainer import PipeTuneTrainer
 
@@ -29,7 +30,7 @@ class SlowedTrainer(PipeTuneTrainer):
             return _forward(*args, **kwargs)
 
         def slowed_run(batch, plan):
-            self.slowed = plan.mode == "pipetune" and config.slow_from <= batch.step < config.slow_to
+            self.slowed = plan.mode is Mode.PIPETUNE and config.slow_from <= batch.step < config.slow_to
             return run(batch, plan)
 
         stage.forward = forward

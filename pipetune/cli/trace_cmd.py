@@ -18,7 +18,7 @@ from pipetune.cli.common import (
 from pipetune.cost import MicroBatchShapes
 from pipetune.data import BatchStream, batch_meta
 from pipetune.packing import PackingConfig
-from pipetune.schedule import SCHEDULES
+from pipetune.schedule import Schedule
 from pipetune.simulate import Latencies, simulate
 from pipetune.simulate.lower_bound import makespan_lower_bound
 from pipetune.simulate.trace import write_trace
@@ -31,7 +31,7 @@ def register(sub) -> None:
     add_batch_args(p)
     add_cost_args(p)
     p.add_argument("--packer", default="balanced", choices=["balanced", "original"])
-    p.add_argument("--schedule", default="1f1b", choices=sorted(SCHEDULES))
+    p.add_argument("--schedule", type=Schedule, default=Schedule.ONE_F_ONE_B, choices=list(Schedule))
     p.add_argument("--step", type=non_negative_int, default=0, help="which global batch to simulate")
     p.add_argument("--out", action="append", default=[], help="x.png (Gantt) or x.json (Chrome trace); repeatable")
     p.add_argument("--csv", help="also write the action table in torch's _load_csv format")
@@ -55,8 +55,8 @@ def run(args) -> int:
     )
     costs = cost.stage_costs(MicroBatchShapes.from_packing(meta.table, packing))
     lat = Latencies.from_costs(costs)
-    table = SCHEDULES[args.schedule](args.pp, range(packing.num_micro_batches), encoder=model.encoder is not None,
-                                     encoder_trained=cost.encoder_trainable)
+    table = args.schedule.build(args.pp, range(packing.num_micro_batches), encoder=model.encoder is not None,
+                                encoder_trained=cost.encoder_trainable)
     result = simulate(table, lat)
     title = f"{model.name} {args.schedule} PP{args.pp} TP{args.tp} mbs{args.mbs} {args.packer} (step {args.step})"
     for out in args.out:

@@ -1,6 +1,7 @@
 """Per-iteration planning: search, iteration plans, asynchronous planning."""
 
 from pipetune.plan.plan import IterationPlan, PlanError
-from pipetune.plan.search import Mode, Planner, PlannerConfig
+from pipetune.plan.mode import Mode
+from pipetune.plan.search import Planner, PlannerConfig
 
 __all__ = ["IterationPlan", "Mode", "PlanError", "Planner", "PlannerConfig"]

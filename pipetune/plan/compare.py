@@ -18,7 +18,8 @@ from pipetune.cost.cost_model import CostModel
 from pipetune.data.batch import BatchMeta, batch_meta
 from pipetune.data.samples import Overlong, SampleTable
 from pipetune.data.stream import BatchStream
-from pipetune.plan.search import Mode, Planner, PlannerConfig
+from pipetune.plan.mode import Mode
+from pipetune.plan.search import Planner, PlannerConfig
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,9 @@ from pipetune.cost.memory import max_micro_batch_size
 from pipetune.data.batch import BatchMeta
 from pipetune.packing.batch_packer import PackerKind, PackingConfig
 from pipetune.plan.partitioner import Partition, partition
-from pipetune.plan.search import Mode, PlannerConfig
+from pipetune.plan.mode import Mode
+from pipetune.plan.search import PlannerConfig
+from pipetune.schedule.schedules import Schedule
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,7 @@ class LayoutSearch:
         max_seq_len: int,
         memory_bytes: float,
         reserve: float = 0.1,
-        schedule: str = "1f1b",
+        schedule: Schedule = Schedule.ONE_F_ONE_B,
         max_mbs: int = 64,
         seed: int = 0,
     ):

@@ -13,7 +13,7 @@ from pipetune.data.samples import SampleTable
 from pipetune.plan.compare import ModeSummary, compare_modes
 from pipetune.plan.layout import LayoutSearch, sample_batches
 from pipetune.plan.partitioner import Partition
-from pipetune.plan.search import Mode
+from pipetune.plan.mode import Mode
 
 
 @dataclass(frozen=True)

@@ -34,10 +34,17 @@ class Partition:
     """The separated layout and the figures it was chosen from."""
 
     layout: StageLayout
-    image_sub_batch: int
-    segments: int
     encoder_s: float
     backbone_s: float
+
+    @property
+    def image_sub_batch(self) -> int:
+        return self.layout.image_sub_batch
+
+    @property
+    def segments(self) -> int:
+        """Encoder chunks per rank."""
+        return len(self.layout.encoder_chunks) // self.layout.num_stages
 
 
 def image_sub_batch_size(cost: CostModel, max_images: int, *, threshold: float = THRESHOLD) -> int:
@@ -67,4 +74,4 @@ def partition(model: ModelConfig, cost: CostModel, sample: list[MicroBatchShapes
     K = int(min(max(1, np.floor(enc / T_bb)), model.encoder.n_layers // backbone.num_stages))
     if K < 1:
         raise ValueError(f"the encoder's {model.encoder.n_layers} layers cannot be spread over {backbone.num_stages} ranks")
-    return Partition(backbone.separated(model.encoder.n_layers, K, B), B, K, float(enc), T_bb)
+    return Partition(backbone.separated(model.encoder.n_layers, K, B), float(enc), T_bb)

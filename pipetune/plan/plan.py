@@ -8,7 +8,8 @@ from dataclasses import asdict, dataclass, replace
 from pipetune.cost.cost_model import MicroBatchShapes
 from pipetune.data.batch import BatchMeta
 from pipetune.packing.packing import Packing
-from pipetune.schedule.schedules import SCHEDULES, place_encoders, serial
+from pipetune.plan.mode import Mode
+from pipetune.schedule.schedules import Schedule, place_encoders, serial
 from pipetune.schedule.table import Action, Placed, Placement, ScheduleError, ScheduleTable
 
 PLAN_FORMAT = "pipetune.iteration_plan"
@@ -37,11 +38,12 @@ class IterationPlan(Placed):
     (``PlannerConfig.jitter_draws`` with a table that has a variability model), else the
     deterministic simulation; the bound is always deterministic (and below both). ``estimate``
     says whether the latencies behind them were analytical. ``fallback`` marks a plan returned
-    because the search ran out of time.
+    because the search ran out of time. ``mode`` names the planner mode that made the plan; ``None``
+    marks one built by hand (``plan_from_table`` without a mode).
     """
 
     step: int
-    mode: str
+    mode: Mode | None
     mbs: int
     max_seq_len: int
     micro_batches: tuple[tuple[int, ...], ...]
@@ -56,6 +58,10 @@ class IterationPlan(Placed):
     estimate: bool
     search_s: float = 0.0
     fallback: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mode is not None:
+            object.__setattr__(self, "mode", Mode(self.mode))
 
     @property
     def num_micro_batches(self) -> int:
@@ -76,7 +82,7 @@ class IterationPlan(Placed):
             num_micro_batches=self.num_micro_batches,
             ranks=tuple(tuple(Action.parse(a) for a in r) for r in self.ranks),
             sub_mb_parent=self.sub_mb_parent,
-            name=self.mode,
+            name=str(self.mode or ""),
         )
 
     def serialised(self) -> "IterationPlan":
@@ -185,7 +191,7 @@ def plan_from_table(
     mbs: int,
     max_seq_len: int,
     image_sub_batch: int = 0,
-    mode: str = "manual",
+    mode: Mode | None = None,
     predicted_s: float = 0.0,
     lower_bound_s: float = 0.0,
     peak_bytes: tuple[float, ...] = (),
@@ -224,7 +230,7 @@ def build_plan(
     mbs: int,
     max_seq_len: int,
     encoder_trained: bool = False,
-    schedule: str = "1f1b",
+    schedule: Schedule = Schedule.ONE_F_ONE_B,
     encoder_before: dict[int, int] | None = None,
     **fields,
 ) -> IterationPlan:
@@ -232,7 +238,7 @@ def build_plan(
     placements (``encoder_before[mb]`` = position in stage 0's rank list, see ``place_encoders``);
     ``fields``: the other ``plan_from_table`` arguments (mode, predictions, ...)."""
     try:
-        table = SCHEDULES[schedule](num_stages, order, encoder=encoder, encoder_trained=encoder_trained)
+        table = Schedule(schedule).build(num_stages, order, encoder=encoder, encoder_trained=encoder_trained)
         if encoder and encoder_before:
             table = place_encoders(table, encoder_before)
     except ScheduleError as e:

@@ -39,7 +39,6 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import Enum
 
 import numpy as np
 
@@ -49,10 +48,12 @@ from pipetune.cost.memory import max_micro_batch_size, model_state_bytes
 from pipetune.data.batch import BatchMeta
 from pipetune.packing.batch_packer import PackerKind, PackingConfig
 from pipetune.packing.packing import Packing
+from pipetune.plan.interleave import Interleaved
+from pipetune.plan.mode import Mode
 from pipetune.plan.ordering import candidate_orders
 from pipetune.plan.plan import IterationPlan, build_plan
 from pipetune.plan.precompute import fill_gaps
-from pipetune.schedule.schedules import SCHEDULES
+from pipetune.schedule.schedules import Schedule
 from pipetune.simulate.dag import CompiledSchedule, compile_schedule
 from pipetune.simulate.jitter import JitteredLatencies, expected_makespan, jitter
 from pipetune.simulate.lower_bound import makespan_lower_bound
@@ -60,13 +61,6 @@ from pipetune.simulate.simulator import Latencies, evaluate
 
 log = logging.getLogger(__name__)
 PRECOMPUTE_OVERFLOWS = np.array([0.0, 0.5])
-
-
-class Mode(str, Enum):
-    ORIGINAL = "original"
-    BALANCED = "balanced"
-    REORDER = "reorder"
-    PIPETUNE = "pipetune"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,7 +80,7 @@ class PlannerConfig:
     reserve: float = 0.1
     mbs: int | None = None
     max_mbs: int = 64
-    schedule: str = "1f1b"
+    schedule: Schedule = Schedule.ONE_F_ONE_B
     max_clusters: int = 5
     top_sizes: int = 3
     top_orders: int = 3
@@ -96,8 +90,9 @@ class PlannerConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", Mode(self.mode))
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {self.schedule!r}; known: {sorted(SCHEDULES)}")
+        if self.schedule not in set(Schedule):
+            raise ValueError(f"unknown schedule {self.schedule!r}; known: {[s.value for s in Schedule]}")
+        object.__setattr__(self, "schedule", Schedule(self.schedule))
         if self.mbs is not None and self.mbs < 1:
             raise ValueError(f"mbs must be >= 1 (or None for the largest that fits), got {self.mbs}")
         if not 1 <= self.max_clusters <= 6:
@@ -130,7 +125,7 @@ class _Candidate:
     best_s: float = np.inf
     order: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    schedule: object = None  # the separated planner's best table (``Interleaved``)
+    schedule: Interleaved | None = None  # the separated planner's best table
 
 
 class Planner:
@@ -191,8 +186,8 @@ class Planner:
     def _dag(self, m: int) -> CompiledSchedule:
         key = (m, self.encoder)
         if key not in self._dags:
-            table = SCHEDULES[self.config.schedule](self.cost.num_stages, range(m), encoder=self.encoder,
-                                                    encoder_trained=self.cost.encoder_trainable)
+            table = self.config.schedule.build(self.cost.num_stages, range(m), encoder=self.encoder,
+                                               encoder_trained=self.cost.encoder_trainable)
             self._dags[key] = compile_schedule(table)
         return self._dags[key]
 
@@ -292,7 +287,7 @@ class Planner:
         ids = meta.table.ids
         return build_plan(
             step=meta.step,
-            mode=self.config.mode.value,
+            mode=self.config.mode,
             mbs=c.mbs,
             max_seq_len=self.config.max_seq_len,
             num_stages=self.cost.num_stages,

@@ -87,7 +87,7 @@ class SeparatedPlanner(Planner):
             mbs=c.mbs,
             max_seq_len=self.config.max_seq_len,
             image_sub_batch=self.cost.layout.image_sub_batch,
-            mode=self.config.mode.value,
+            mode=self.config.mode,
             predicted_s=simulate(c.schedule.table, c.lat).makespan if c.lat.contention else c.schedule.makespan,
             lower_bound_s=lower_bound_s,
             peak_bytes=tuple(float(x) for x in c.schedule.peak_bytes + self.states),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from enum import StrEnum
 
 from pipetune.schedule.table import Action, Module, Op, Placement, ScheduleError, ScheduleTable
 
@@ -89,7 +90,16 @@ def serial(num_stages: int, order: Sequence[int], *, encoder: bool = False, enco
     return _table(per_stage, len(order), placement, "serial", (1,) * num_stages)
 
 
-SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe, "serial": serial}
+class Schedule(StrEnum):
+    """The co-located generators by the name configs and the command line use for them."""
+
+    ONE_F_ONE_B = "1f1b"
+    GPIPE = "gpipe"
+    SERIAL = "serial"
+
+    def build(self, num_stages: int, order: Sequence[int], *, encoder: bool = False, encoder_trained: bool = False) -> ScheduleTable:
+        generator = {Schedule.ONE_F_ONE_B: one_f_one_b, Schedule.GPIPE: gpipe, Schedule.SERIAL: serial}[self]
+        return generator(num_stages, order, encoder=encoder, encoder_trained=encoder_trained)
 
 
 def place_encoders(table: ScheduleTable, before: dict[int, int]) -> ScheduleTable:

@@ -347,13 +347,14 @@ class PipeTuneTrainer(Trainer):
         calibration = [PlannerConfig(mode=Mode.BALANCED, max_seq_len=seq, memory_bytes=memory, mbs=k, seed=seed,
                                      jitter_draws=pt.jitter_draws).build(self.planning_model, cost)
                        for k in range(1, tuned.max_mbs + 1)] if pt.calibrate_steps else []
-        guarded = pt.guard and Mode(pt.mode) is Mode.PIPETUNE and replay is None
+        tuning = tuned.config.mode is Mode.PIPETUNE
+        guarded = pt.guard and tuning and replay is None
         baseline = best_static_planner(self.planning_model, cost, self._sample(config), max_seq_len=seq, memory_bytes=memory, seed=seed,
                                        max_mbs=pt.max_mbs, jitter_draws=pt.jitter_draws) if guarded else None
         self.planners = [tuned, *calibration, *([baseline] if baseline else [])]
         self.guard = Guard(GuardConfig(probe_every=pt.guard_probe_every, window=pt.guard_window,
                                        min_steps=min(4, pt.guard_window))) if guarded else None
-        self.correction = FamilyCorrection() if pt.online_window and Mode(pt.mode) is Mode.PIPETUNE else None
+        self.correction = FamilyCorrection() if pt.online_window and tuning else None
         self.async_planner = AsyncPlanner(tuned, loader.meta, budget_s=pt.budget_s, lookahead=pt.plan_ahead)
         if baseline is not None:
             logger.info(f"pipetune guard: baseline = {baseline.config.mode.value} packing at mbs {baseline.fixed_mbs} "
