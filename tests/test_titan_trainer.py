@@ -172,9 +172,9 @@ def test_the_guard_falls_back_while_tuned_plans_are_slowed_and_returns(job, tmp_
     dump = tmp_path / "slowed"
     window, slow = 4, range(8, 18)
     _torchrun(["-m", "torchtitan.train", *_args(
-        job, dump, "--training.steps", "34", "--pipetune.calibrate_steps", "4", "--pipetune.guard_probe_every", "4",
+        job, dump, "--training.steps", "56", "--pipetune.calibrate_steps", "4", "--pipetune.guard_probe_every", "4",
         "--pipetune.guard_window", str(window), "--slow_from", str(slow.start), "--slow_to", str(slow.stop), "--slow_s", "0.15",
-        module="titan_slowed_job", config="slowed_muse_glimmer_mm")], timeout=150)
+        module="titan_slowed_job", config="slowed_muse_glimmer_mm")], timeout=210)
     recs = [r for r in _records(dump) if not r.get("serial")]
     calibration = [r for r in recs if r["kind"] == "calibration"]
     assert [r["batch"] for r in calibration] == [0, 1, 2, 3] and [r["mbs"] for r in calibration] == [1, 2, 3, 4]
@@ -185,7 +185,9 @@ def test_the_guard_falls_back_while_tuned_plans_are_slowed_and_returns(job, tmp_
     for r in recs:  # a step that starts in fallback runs the baseline plan
         if states.get(r["batch"] - 1) == "fallback":
             assert r["kind"] == "baseline" and r["mode"] != "pipetune"
-    # back to pipetune's plans after the slow-down (a later fallback on noise is the guard's false-alarm rate, not tested)
+    # back to pipetune's plans after the slow-down. 56 steps leave room for one false alarm on the first retry (its
+    # backoff doubles to 16): a CI run saw one when the machine slowed by ~10 % between the last fallback steps and
+    # the retry's tuned steps, which the retry's window of 4 cannot tell from a slower plan
     assert any(b > slow.stop and states[b] == "tuned" for b in states), states
     assert not any(r["kind"] == "tuned" and r["mode"] != "pipetune" for r in recs)
 
