@@ -10,18 +10,23 @@ from pipetune.plan.guard import Guard, GuardConfig, GuardState, PlanKind
 
 
 def run(guard: Guard, steps: int | range, *, seed: int, slow: range = range(0), slowdown: float = 1.5, noise: float = 0.06,
-        advantage: float = 0.10) -> list[tuple[PlanKind, GuardState]]:
+        advantage: float = 0.10, drift: float = 1.0, drift_from: int | None = None) -> list[tuple[PlanKind, GuardState]]:
     """A trainer loop: per step the baseline plan's predicted time varies by batch, the model
     predicts pipetune's plan ``advantage`` faster and is right, measurements carry lognormal noise;
-    during ``slow`` every tuned plan takes ``slowdown`` times longer than predicted. Step ``t``'s
-    numbers depend only on ``(seed, t)``, so a run can be continued from any step."""
+    during ``slow`` every tuned plan takes ``slowdown`` times longer than predicted. The machine
+    slows by ``drift`` (every plan) from step ``drift_from`` on, or, if that is None, from the first
+    retry after ``slow`` (the worst moment for a retry judged against the fallback's steps). Step
+    ``t``'s numbers depend only on ``(seed, t)``, so a run can be continued from any step."""
     out = []
     for t in range(steps) if isinstance(steps, int) else steps:
         rng = np.random.default_rng((seed, t))
         base_pred = rng.uniform(0.8, 1.2)
         tuned_pred = base_pred * (1 - advantage)
+        if drift_from is None and t >= slow.stop and guard.state is GuardState.RETRY:
+            drift_from = t
         kind = guard.choose()
         truth = tuned_pred * (slowdown if t in slow else 1.0) if kind is PlanKind.TUNED else base_pred
+        truth *= drift if drift_from is not None and t >= drift_from else 1.0
         measured = truth * math.exp(rng.normal(0, noise))
         d = guard.observe(kind, measured, tuned_pred if kind is PlanKind.TUNED else base_pred, base_pred)
         out.append((kind, d.state))
@@ -54,6 +59,28 @@ def test_a_slow_down_makes_it_fall_back_within_a_bounded_number_of_steps_and_ret
         assert GuardState.FALLBACK not in states[back:], f"seed {seed}: fell back again after the slow-down ended"
         # a step that starts in fallback runs the baseline plan
         assert all(trace[t][0] is PlanKind.BASELINE for t in range(1, len(trace)) if states[t - 1] is GuardState.FALLBACK)
+
+
+def test_a_retry_is_not_fooled_by_a_machine_that_slowed_since_the_fallback():
+    """Pipetune 5 % faster, then slowed until step 120; the whole machine runs 15 % slower from the
+    first retry after that on. The retry interleaves baseline steps, so it measures both kinds on
+    the slower machine and returns; it never falls back again."""
+    for seed in range(20):
+        trace = run(Guard(), 400, seed=seed, slow=range(60, 120), advantage=0.05, noise=0.03, drift=1.15)
+        states = [s for _, s in trace]
+        retry = next(t for t in range(120, 400) if states[t - 1] is GuardState.RETRY)
+        assert GuardState.FALLBACK not in states[retry:], f"seed {seed}: a retry fell back on the machine's drift"
+        assert GuardState.TUNED in states[retry:]
+        kinds = [k for (k, _), s in zip(trace[retry:], states[retry - 1:]) if s is GuardState.RETRY]
+        assert kinds[:4] == [PlanKind.BASELINE, PlanKind.TUNED] * 2
+
+
+def test_a_drift_between_probes_larger_than_the_advantage_can_cause_a_fallback():
+    """The limit the retry's interleaving exists for (module doc): while tuned, the baseline is
+    judged by probes from before the drift, and a 15 % drift looks like a plan 10 % slower."""
+    fell = sum(GuardState.FALLBACK in [s for _, s in run(Guard(), 120, seed=seed, advantage=0.05,
+                                                          noise=0.03, drift=1.15, drift_from=60)] for seed in range(20))
+    assert fell >= 15
 
 
 def test_probes_run_the_baseline_every_probe_every_steps_while_tuned():

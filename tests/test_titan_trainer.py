@@ -185,10 +185,11 @@ def test_the_guard_falls_back_while_tuned_plans_are_slowed_and_returns(job, tmp_
     for r in recs:  # a step that starts in fallback runs the baseline plan
         if states.get(r["batch"] - 1) == "fallback":
             assert r["kind"] == "baseline" and r["mode"] != "pipetune"
-    # back to pipetune's plans after the slow-down. 56 steps leave room for one false alarm on the first retry (its
-    # backoff doubles to 16): a CI run saw one when the machine slowed by ~10 % between the last fallback steps and
-    # the retry's tuned steps, which the retry's window of 4 cannot tell from a slower plan
+    # back to pipetune's plans after the slow-down: a retry alternates baseline and tuned steps (8 steps for a window of
+    # 4); 56 steps leave room for one false alarm on the first retry (its backoff doubles to 16)
     assert any(b > slow.stop and states[b] == "tuned" for b in states), states
+    retry = [r["kind"] for r in recs if states.get(r["batch"] - 1) == "retry"]
+    assert retry[:2] == ["baseline", "tuned"], retry
     assert not any(r["kind"] == "tuned" and r["mode"] != "pipetune" for r in recs)
 
 

@@ -20,8 +20,18 @@ Policy (``GuardConfig``):
   below ``-margin``. The baseline bias's error uses one measurement's noise pooled over both
   kinds of plan, since a few probes cannot estimate their own spread.
 * ``FALLBACK``: baseline plans run for ``backoff`` steps, then ``RETRY``.
-* ``RETRY``: tuned plans run with an emptied window; falling back again doubles the backoff (up
-  to ``max_backoff``); a full window without falling back returns to ``TUNED`` and resets it.
+* ``RETRY``: baseline and tuned plans alternate (the baseline first), judged as above on the
+  retry's own steps only (every window emptied on entry); falling back again doubles the backoff
+  (up to ``max_backoff``); ``window`` tuned steps without falling back return to ``TUNED`` and
+  reset it. Why alternate: judged against the fallback's baseline steps, a retry reads a machine
+  that slowed since them as a slower plan. On a CPU job whose whole machine slowed ~10 % between
+  the last fallback steps and the retry, a retry with a 4-step window fell back on that alone and
+  the doubled backoff kept pipetune off for 16 more steps. Interleaved, both kinds see the same
+  machine; the price is a retry twice as long, half of it running the baseline as the fallback did.
+
+In ``TUNED`` a drift between probes that exceeds pipetune's advantage can still cause a fallback;
+it costs the fallback's steps at the baseline's speed (never a slower plan), and the paired retry
+then returns without doubling the backoff.
 
 Until the baseline has been measured, its bias is taken to be the tuned plans' (the model is
 trusted as far as it is not contradicted). Decisions take effect from the next plan requested, so
@@ -95,7 +105,7 @@ class Guard:
         if self.state is GuardState.FALLBACK:
             return PlanKind.BASELINE
         self.since_probe += 1
-        if self.state is GuardState.TUNED and self.since_probe >= self.config.probe_every:
+        if self.since_probe >= (2 if self.state is GuardState.RETRY else self.config.probe_every):
             self.since_probe = 0
             return PlanKind.BASELINE
         return PlanKind.TUNED
@@ -113,7 +123,9 @@ class Guard:
             self.fallback_left -= 1
             if self.fallback_left <= 0:
                 self.state = GuardState.RETRY
-                self.advantage.clear()
+                self.since_probe = 1  # the retry's first step runs the baseline
+                for window in (self.advantage, *self.bias.values()):
+                    window.clear()
         elif kind is PlanKind.TUNED:
             self._judge()
         return self._decision()
