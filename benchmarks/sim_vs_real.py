@@ -145,18 +145,24 @@ def add_own_view(scored: dict[str, list[dict]], tuned_job: list[dict], loader, p
                  kappas: list[float]) -> None:
     """``own_s`` per scored step of every mode: the time of that mode's plan under the pipetune
     job's online model of the batch (an ``OnlineCalibrator`` fed the job's records as its trainer
-    feeds it, leaving out its first step), so the gain pipetune predicts over another mode is one
-    model's, as when it plans; ``own_kappa`` (pipetune's steps): that model's contention kappa
-    (with serial calibration runs, the one measured on them). ``held_s[k]``: the same window
-    fitted with kappa held at each of ``kappas`` (how much of the predicted cut is kappa's)."""
+    feeds it: not its first step, nor the calibration runs of each micro-batch size's first
+    step), so the gain pipetune predicts over another mode is one model's, as when it plans;
+    ``own_kappa`` (pipetune's steps): that model's contention kappa (with serial calibration runs,
+    the one measured on them). ``held_s[k]``: the same window and anchors fitted with kappa held
+    at each of ``kappas`` (how much of the predicted cut is kappa's)."""
     by_batch = {mode: {r["batch"]: r for r in recs} for mode, recs in scored.items()}
     held = {k: CostModel(replace(profiled.table, contention=k), profiled.layout) for k in kappas}
     calibrator = OnlineCalibrator(profiled.table, profiled.layout, window)
+    sizes_run, cold = set(), set()  # as the trainer's ``cold`` steps
+    for r in tuned_job:
+        if r["mbs"] not in sizes_run:
+            sizes_run.add(r["mbs"])
+            cold.add(r["step"])
     for r in tuned_job:
         if r["batch"] in by_batch["pipetune"] and not r.get("serial"):
             cost, fitted = calibrator.fit()
             by_batch["pipetune"][r["batch"]]["own_kappa"] = fitted.contention
-            costs = {k: fit_steps(base, calibrator.steps, fit_contention=False)[0] for k, base in held.items()}
+            costs = {k: fit_steps(base, calibrator.steps, anchors=calibrator.anchors(), fit_contention=False)[0] for k, base in held.items()}
             for mode in MODES:
                 x = by_batch[mode][r["batch"]]
                 plan, meta = IterationPlan.from_json(x["plan"]), loader.meta(x["batch"])
@@ -165,10 +171,10 @@ def add_own_view(scored: dict[str, list[dict]], tuned_job: list[dict], loader, p
         if r["step"] > 1:
             step = MeasuredStep.from_timelines(profiled, [timeline(r)], IterationPlan.from_json(r["plan"]), loader.meta(r["batch"]),
                                                r["measured_s"])
-            if r.get("serial"):
+            if not r.get("serial"):
+                calibrator.update(step, calibration=r["kind"] == "calibration" and r["step"] not in cold)
+            elif r["step"] not in cold:
                 calibrator.observe_serial(step)
-            else:
-                calibrator.update(step, calibration=r["kind"] == "calibration")
 
 
 def errors(measured, predicted) -> tuple[float, float]:

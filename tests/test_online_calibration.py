@@ -210,3 +210,31 @@ def test_separated_plans_calibrate_encoder_chunks_forward_and_backward():
         steps.append(MeasuredStep.from_timelines(base, [timeline], plan, meta, simulate_plan(truth, plan, meta).makespan))
     fitted, _ = fit_steps(base, steps)
     assert fitted.table.scale("encoder") == pytest.approx(1.3, rel=0.02) and fitted.recompute_encoder
+
+
+def test_calibration_runs_anchor_the_window_and_the_window_sets_the_speed(setup):
+    """Calibration runs at every micro-batch size, then a window of mbs-1 plans only, measured on
+    a machine that has since slowed by 15 % (every action and iteration). Fitted on the window
+    alone, the model extrapolates to mbs 4 through the table's shape, which this machine does not
+    follow; anchored by the calibration runs it prices mbs 4 as the machine runs it now: the
+    anchors' shape, the window's speed."""
+    base, truth, metas, _ = setup
+    model, drift = load_model_config("7b"), 1.15
+
+    def step(mbs, meta, slow=1.0):
+        plan = PlannerConfig(mode=Mode.BALANCED, mbs=mbs, max_seq_len=4096, memory_bytes=80e9).build(model, base).plan(meta)
+        timeline = [replace(t, start=slow * t.start, end=slow * t.end) for t in measured(plan, meta, truth)]
+        return MeasuredStep.from_timelines(base, [timeline], plan, meta, slow * simulate_plan(truth, plan, meta).makespan)
+
+    anchored, alone = (OnlineCalibrator(base.table, base.layout, window=4) for _ in range(2))
+    for k, meta in enumerate(metas[:4]):
+        anchored.update(step(1 + k, meta), calibration=True)
+    for meta in metas[4:]:
+        window_step = step(1, meta, drift)
+        (cost, _), (blind, _) = anchored.update(window_step), alone.update(window_step)
+    assert len(anchored.anchors()) == 4 and not alone.anchors()
+    for meta in metas[:4]:
+        target = step(4, meta, drift)
+        true_s, plan = target.measured_s, target.plan
+        assert simulate_plan(cost, plan, meta).makespan == pytest.approx(true_s, rel=0.03)
+        assert abs(simulate_plan(blind, plan, meta).makespan / true_s - 1) > 0.06

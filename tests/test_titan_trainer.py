@@ -251,6 +251,9 @@ def test_calibration_steps_also_run_their_plans_serially(job, tmp_path):
 
         # aside from a sender's bookkeeping after its message left (measured: up to 2 ms)
         assert overlapped(twin) < 0.01 * twin["measured_s"] and overlapped(pipelined) > 0.05 * pipelined["measured_s"]
-    assert runs[3][0]["contention"] == runs[2][-1]["contention"]  # measured on the calibration runs, then held
+    assert runs[3][0]["contention"] == runs[2][-1]["contention"]  # measured on the twins, then held
+    # the size's first step is cold (one-off costs): both its runs say so, and its twin measures no kappa
+    assert [[bool(r.get("cold")) for r in runs[b]] for b in range(4)] == [[True, True], [False, False], [False, False], [False]]
+    assert "contention" not in runs[0][1]
     replayed = load_replay(dump / "pipetune" / "steps.jsonl")
     assert all(replayed[b] == next(r["plan"] for r in runs[b] if not r.get("serial")) for b in range(4))

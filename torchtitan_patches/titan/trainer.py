@@ -31,7 +31,7 @@ correction the planner compares sizes with (``pipetune.cost.correction``) and th
 configuration). Per step it writes a record to ``<dump_folder>/pipetune/steps.jsonl`` (mode, kind
 of plan and guard state, mbs, micro-batches, order, pre-computed encoders, predicted and measured
 pipeline time, the plan's set-up time on the slowest rank, both plans' predictions, loss, layout,
-the plan itself and every rank's action timeline) and logs the numbers through the metrics
+whether it was its size's first step (``cold``), the plan itself and every rank's action timeline) and logs the numbers through the metrics
 processor.
 
 Limits: pipeline parallelism only (no data, tensor or context parallelism yet: the executor
@@ -134,7 +134,9 @@ class PipeTuneSettings(Configurable):
 
         calibrate_steps: int = 0
         """The first N steps train with balanced plans cycling through every micro-batch size, so
-        the online calibration has measured each size before the planner compares them."""
+        the online calibration has measured each size before the planner compares them. Their runs
+        stay in every later fit beside the window (``OnlineCalibrator``), except each size's first
+        step, which pays one-off costs."""
 
         calibrate_serial: bool = True
         """Calibration steps of more than one micro-batch also run their plan serially (no two
@@ -317,6 +319,7 @@ class PipeTuneTrainer(Trainer):
             loss_fn=lambda logits, labels, n: self.loss_fn(logits, labels, torch.tensor(n, device=logits.device))[0])
         self.profiled = CostModel(self.table, self.layout)
         self.calibrator = OnlineCalibrator(self.table, self.layout, pt.online_window, jitter_draws=pt.jitter_draws) if self.rank == 0 and pt.online_window else None
+        self.sizes_run: set[int] = set()  # micro-batch sizes this process has run (a size's first step is cold)
         if not isinstance(self.dataloader, PipeTuneTitanDataLoader):
             raise ValueError(f"PipeTuneTrainer needs dataloader = PipeTuneTitanDataLoader.Config, got {type(self.dataloader).__name__}")
         loader = self.dataloader.bind(self.planning_model, packing_source=None)
@@ -380,6 +383,8 @@ class PipeTuneTrainer(Trainer):
         plan = self.channel.pop(batch.step)
         twin = self._serial_twin(batch.step, plan)
         runs = [(batch, plan), *self._replayed_beside(batch.step), *([(batch, twin)] if twin else [])]
+        cold = plan.mbs not in self.sizes_run
+        self.sizes_run.add(plan.mbs)
         self.ntokens_seen += sum(mb.num_tokens for mb in batch.micro_batches)
         first = batch.step % len(runs)
         replayed = len(self.config.pipetune.replay) > 1
@@ -387,7 +392,7 @@ class PipeTuneTrainer(Trainer):
             self.optimizers.zero_grad()  # the last run's gradients are the step's
             with self.train_context():
                 res = self.executor.run(*runs[k])
-            record = self._record(*runs[k], res, replay_of=k if replayed else None, serial=runs[k][1] is twin)
+            record = self._record(*runs[k], res, replay_of=k if replayed else None, serial=runs[k][1] is twin, cold=cold)
         grad_norm = dist_utils.clip_grad_norm_(
             [p for m in self.model_parts for p in m.parameters()], self.config.training.max_norm, foreach=True,
             pp_mesh=self.parallel_dims.get_optional_mesh("pp"), ep_enabled=self.parallel_dims.ep_enabled)
@@ -420,10 +425,13 @@ class PipeTuneTrainer(Trainer):
         plans = [IterationPlan.from_json(js, batch_ids=meta.table.ids) for js in box[0]]
         return [(loader.pack(meta, [list(mb) for mb in p.micro_batches]), p) for p in plans]
 
-    def _record(self, batch, plan, res, *, replay_of: int | None = None, serial: bool = False) -> dict:
+    def _record(self, batch, plan, res, *, replay_of: int | None = None, serial: bool = False, cold: bool = False) -> dict:
         """Gather every rank's timing and loss (gloo); on rank 0 feed the calibration, correction
         and guard (a run of a later replay file feeds nothing, a serial twin only the contention
-        fit), and write the record."""
+        fit), and write the record. ``cold``: the process's first step at this micro-batch size,
+        whose first run meets its tensor shapes first and pays one-off costs (measured: pipelined
+        over serial time 1.01-1.27 where the size's later steps gave 0.66-0.91, or 0.59-0.73 where
+        the serial run went first), so it feeds neither the twins nor the calibration runs."""
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, (res.start, res.end, res.timeline, res.loss, res.overhead_s), group=self.control)
         start = min(g[0] for g in every)
@@ -440,14 +448,16 @@ class PipeTuneTrainer(Trainer):
             record["replay_of"] = replay_of
         if serial:
             record["serial"] = True
+        if cold:
+            record["cold"] = True
         if self.rank == 0:
             if replay_of:
                 record.update(kind=StepKind.REPLAY.value, tuned_predicted_s=plan.predicted_s, baseline_predicted_s=float("nan"))
             elif serial:
                 record.update(kind=StepKind.CALIBRATION.value, tuned_predicted_s=float("nan"), baseline_predicted_s=float("nan"))
-                self._learn_contention(batch, plan, timeline, measured, record)
+                self._learn_contention(batch, plan, timeline, measured, record, cold)
             else:
-                self._learn(batch, plan, timeline, measured, record)
+                self._learn(batch, plan, timeline, measured, record, cold)
             record["plan"] = plan.to_json()
             record["timeline"] = [[t.rank, str(t.action), t.start, t.end, t.precomputed] for t in timeline]
             self.records_path.parent.mkdir(parents=True, exist_ok=True)
@@ -459,9 +469,9 @@ class PipeTuneTrainer(Trainer):
                         f"measured {measured * 1e3:.1f} ms" + (f"; guard {record['guard']}" if "guard" in record else ""))
         return record
 
-    def _learn_contention(self, batch, plan, timeline, measured: float, record: dict) -> None:
-        """Rank 0, after a serial twin (not on the first step): re-measure kappa on the twins."""
-        if self.step == 1 or self.calibrator is None:
+    def _learn_contention(self, batch, plan, timeline, measured: float, record: dict, cold: bool) -> None:
+        """Rank 0, after a serial twin (not a size's first step): re-measure kappa on the twins."""
+        if cold or self.calibrator is None:
             return
         fitted = self.calibrator.observe_serial(self._measured_step(batch, plan, timeline, measured))
         record["contention"] = self.calibrator.contention
@@ -476,7 +486,7 @@ class PipeTuneTrainer(Trainer):
         for planner in self.planners:
             planner.set_cost(cost)
 
-    def _learn(self, batch, plan, timeline, measured: float, record: dict) -> None:
+    def _learn(self, batch, plan, timeline, measured: float, record: dict, cold: bool) -> None:
         """Rank 0, after a step: refit the table (not on the first step, which pays one-off
         warm-up costs), update the per-mbs correction and the guard, and note them in ``record``."""
         step = self.source.pop(batch.step)
@@ -485,7 +495,7 @@ class PipeTuneTrainer(Trainer):
             return
         if self.calibrator is not None:
             cost, _ = self.calibrator.update(self._measured_step(batch, plan, timeline, measured),
-                                             calibration=step.kind is StepKind.CALIBRATION)
+                                             calibration=step.kind is StepKind.CALIBRATION and not cold)
             record["contention"] = cost.table.contention
             self._set_cost(cost)
         if self.correction is not None:
