@@ -181,7 +181,7 @@ class OnlineCalibrator:
     Every fit is anchored by the calibration runs (pipelined and serial, every micro-batch size;
     ``fit_steps``' ``anchors``): a window of the planner's own plans holds one or two sizes, and
     fitted on those alone the model priced ``original``'s one micro-batch of 4 samples 3-5 % too
-    cheap on two of six mixes (predicted cut vs ``original`` off by 4.6 points, background run 9 of
+    cheap on three of six mixes (predicted cut vs ``original`` off by 4.6 points, background run 9 of
     ``benchmarks/sim_vs_real.py`` re-analysed). The anchors shape the component fit only; the
     machine's current speed still comes from the window (the makespan factor), so drift is
     followed as before. Callers leave out each size's first step (``update``).

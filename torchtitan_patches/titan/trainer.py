@@ -31,8 +31,8 @@ correction the planner compares sizes with (``pipetune.cost.correction``) and th
 configuration). Per step it writes a record to ``<dump_folder>/pipetune/steps.jsonl`` (mode, kind
 of plan and guard state, mbs, micro-batches, order, pre-computed encoders, predicted and measured
 pipeline time, the plan's set-up time on the slowest rank, both plans' predictions, loss, layout,
-whether it was its size's first step (``cold``), the plan itself and every rank's action timeline) and logs the numbers through the metrics
-processor.
+whether it was its size's first step (``cold``), the plan itself and every rank's action
+timeline) and logs the numbers through the metrics processor.
 
 Limits: pipeline parallelism only (no data, tensor or context parallelism yet: the executor
 addresses ranks of the world group), one stage per rank, fp32 compute (TorchTitan 0.3.0 applies
@@ -430,7 +430,7 @@ class PipeTuneTrainer(Trainer):
         and guard (a run of a later replay file feeds nothing, a serial twin only the contention
         fit), and write the record. ``cold``: the process's first step at this micro-batch size,
         whose first run meets its tensor shapes first and pays one-off costs (measured: pipelined
-        over serial time 1.01-1.27 where the size's later steps gave 0.66-0.91, or 0.59-0.73 where
+        over serial time 1.01-1.27 where the size's later steps gave 0.69-0.95, or 0.59-0.73 where
         the serial run went first), so it feeds neither the twins nor the calibration runs."""
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, (res.start, res.end, res.timeline, res.loss, res.overhead_s), group=self.control)
