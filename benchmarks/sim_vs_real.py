@@ -12,8 +12,9 @@ measured guard), through ``benchmarks/titan_jobs.py``.
    ``--steps`` steps, refitting the table online after every step (``--online-window``). Every
    step is a different plan (micro-batch count, sizes, order, encoder placement).
 3. Rounds 2..``--rounds``: one job per mix replays the three jobs' recorded plans side by side
-   (``--pipetune.replay a,b,c``): every batch runs each mode's plan back to back, the first of them
-   rotating with the batch and the round. A plan's measured time is the median of its runs (its
+   (``--pipetune.replay a,b,c,d``): every batch runs each mode's plan back to back, the first of them
+   rotating with the batch and the round, and pipetune's plan once more on the ``serial`` schedule
+   (no two ranks computing at once; ``IterationPlan.serialised``). A plan's measured time is the median of its runs (its
    own job's and the side-by-side ones, minutes apart); the measured *cut* comes from the
    side-by-side rounds only, where the plans it compares ran seconds apart, so that the machine's
    drift between jobs (measured at up to 20 points of cut between back-to-back jobs) does not
@@ -29,6 +30,11 @@ measured guard), through ``benchmarks/titan_jobs.py``.
    The noise floor: one run vs the median of its plan's runs, two single runs of the same plan,
    and the cut measured in each side-by-side round (their spread is the measured cut's own
    noise); the guard's fallback steps.
+5. Where a predicted cut vs ``original`` goes wrong: with ``P`` pipetune's plans, ``S`` the same
+   plans run serially and ``O`` original's, the cut is ``1 - (P/S)(S/O)``. ``P/S`` is what
+   contention costs pipetune's plans (the twins' kappa prices it); ``O/S`` compares one large
+   micro-batch with several small ones, neither contended (the component fit prices it). Both are
+   printed measured (side by side) and predicted by pipetune's model.
 
 ``--background N`` runs N CPU-bound processes beside the jobs (contention: the setting in which
 plans of many small micro-batches were measured 27 % slower than predicted).
@@ -75,6 +81,8 @@ from pipetune.cost import CostModel, StageLayout, load_latency_table  # noqa: E4
 
 MIXES = ("datamix1", "datamix2", "datamix3")
 MODES = ("original", "balanced", "pipetune")
+SERIAL = "pipetune_serial"  # pipetune's plans replayed on the serial schedule
+REPLAYED = (*MODES, SERIAL)
 
 
 def timeline(rec: dict) -> list[TimedAction]:
@@ -93,25 +101,47 @@ def run_jobs(mix: str, work: Path, table: Path, args) -> None:
               "pipetune.calibrate_steps": args.calibrate_steps, "training.steps": args.calibrate_steps + args.steps}
     for mode in MODES:
         run_job(out / f"{mode}_0", {**common, "pipetune.mode": mode})
+    write_serialised(out / "pipetune_0", out / SERIAL / "pipetune" / "steps.jsonl")
     for k in range(1, args.rounds):
         run_job(out / f"side_by_side_{k}", {**common, "pipetune.replay": ",".join(
-            str(out / f"{mode}_0" / "pipetune" / "steps.jsonl") for mode in side_by_side_order(k))})
+            str(out / (name if name == SERIAL else f"{name}_0") / "pipetune" / "steps.jsonl") for name in side_by_side_order(k, REPLAYED))})
 
 
-def side_by_side_order(k: int) -> tuple[str, ...]:
-    """The modes in the order side-by-side round ``k`` replays them (the first rotates)."""
-    return MODES[k % len(MODES):] + MODES[:k % len(MODES)]
+def write_serialised(job: Path, dest: Path) -> None:
+    """``job``'s records with each co-located plan of several micro-batches on the serial schedule
+    (a replay file)."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with dest.open("w") as f:
+        for r in read_records(job):
+            if not r.get("serial"):
+                plan = IterationPlan.from_json(r["plan"])
+                if plan.num_micro_batches > 1 and not plan.separated:
+                    plan = plan.serialised()
+                f.write(json.dumps({"batch": r["batch"], "plan": plan.to_json()}) + "\n")
+
+
+def side_by_side_order(k: int, names: tuple[str, ...]) -> tuple[str, ...]:
+    """``names`` in the order side-by-side round ``k`` replays them (the first rotates)."""
+    return names[k % len(names):] + names[:k % len(names)]
 
 
 def read_mix(mix: str, work: Path, args) -> dict[str, list[dict]]:
     """The records of ``mix``'s jobs: per mode the scored step records, each with ``runs``
-    (measured time per round) and ``measured_s`` (their median)."""
+    (measured time per round) and ``measured_s`` (their median); pipetune's also with
+    ``serial_runs`` (its plan run serially, per side-by-side round) where the rounds ran them
+    (runs before they did replayed the three modes only)."""
     out = work / mix
     jobs = {mode: [read_records(out / f"{mode}_0")] for mode in MODES}
+    serial = []
     for k in range(1, args.rounds):
         runs = read_records(out / f"side_by_side_{k}")
-        for i, mode in enumerate(side_by_side_order(k)):
-            jobs[mode].append([r for r in runs if r["replay_of"] == i])
+        names = REPLAYED if max(r["replay_of"] for r in runs) == len(MODES) else MODES
+        for i, name in enumerate(side_by_side_order(k, names)):
+            replayed = [r for r in runs if r["replay_of"] == i]
+            if name == SERIAL:
+                serial.append({r["batch"]: r for r in replayed})
+            else:
+                jobs[name].append(replayed)
     scored = {}
     for mode, rounds in jobs.items():
         recs = [r for r in rounds[0] if r["batch"] >= args.calibrate_steps + args.warmup]
@@ -122,6 +152,9 @@ def read_mix(mix: str, work: Path, args) -> dict[str, list[dict]]:
             r["timelines"] = [timeline(x) for x in again]
             r["measured_s"] = float(np.median(r["runs"]))
         scored[mode] = recs
+    if len(serial) == args.rounds - 1:
+        for r in scored["pipetune"]:
+            r["serial_runs"] = [rnd[r["batch"]]["measured_s"] for rnd in serial]
     config = config_registry.pipetune_muse_glimmer_mm()
     model = planning_model_config(config.model_spec, image_grid=config.pipetune.image_grid)
     loader = DataLoaderConfig(data=str(out / "data"), gbs=args.gbs, max_seq_len=args.seq_len, seed=0, overlong=Overlong.TRUNCATE,
@@ -167,6 +200,8 @@ def add_own_view(scored: dict[str, list[dict]], tuned_job: list[dict], loader, p
                 x = by_batch[mode][r["batch"]]
                 plan, meta = IterationPlan.from_json(x["plan"]), loader.meta(x["batch"])
                 x["own_s"] = simulate_plan(cost, plan, meta).makespan
+                if "serial_runs" in x:
+                    x["own_serial_s"] = simulate_plan(cost, plan.serialised() if plan.num_micro_batches > 1 else plan, meta).makespan
                 x["held_s"] = {k: simulate_plan(c, plan, meta).makespan for k, c in costs.items()}
         if r["step"] > 1:
             step = MeasuredStep.from_timelines(profiled, [timeline(r)], IterationPlan.from_json(r["plan"]), loader.meta(r["batch"]),
@@ -213,6 +248,14 @@ def report(results: dict[str, dict[str, list[dict]]], args) -> None:
             print(f"{mix}: pipetune vs {base}: measured {cut(measured, base):+.1%} (side-by-side rounds {rounds}); predicted by "
                   f"pipetune's model {pred['own_s']:+.1%}, by each job's planner {pred['predicted_s']:+.1%}, held-out "
                   f"{pred['held_out_s']:+.1%}; pipetune's model with kappa held at {'/'.join(map(str, args.kappas))}: {held}")
+        if "serial_runs" in scored["pipetune"][0]:
+            tuned = scored["pipetune"]
+            s_meas = sum(np.median(r["serial_runs"]) for r in tuned)
+            s_pred = sum(r["own_serial_s"] for r in tuned)
+            print(f"{mix}: the cut vs original as 1 - (P/S)(S/O), P pipetune's plans, S the same run serially, O original's: "
+                  f"P/S measured {measured['pipetune'].sum() / s_meas:.3f}, predicted {sum(r['own_s'] for r in tuned) / s_pred:.3f} "
+                  f"(contention); O/S measured {measured['original'].sum() / s_meas:.3f}, predicted "
+                  f"{sum(r['own_s'] for r in scored['original']) / s_pred:.3f} (one micro-batch vs several, uncontended)")
         kappa = [r["own_kappa"] for r in scored["pipetune"]]
         print(f"{mix}: kappa in pipetune's model (measured on serial calibration runs where the job ran them): "
               f"mean {np.mean(kappa):.2f}, range {min(kappa):.2f}-{max(kappa):.2f}")
