@@ -12,9 +12,9 @@ measured guard), through ``benchmarks/titan_jobs.py``.
    ``--steps`` steps, refitting the table online after every step (``--online-window``). Every
    step is a different plan (micro-batch count, sizes, order, encoder placement).
 3. Rounds 2..``--rounds``: one job per mix replays the three jobs' recorded plans side by side
-   (``--pipetune.replay a,b,c,d``): every batch runs each mode's plan back to back, the first of them
-   rotating with the batch and the round, and pipetune's plan once more on the ``serial`` schedule
-   (no two ranks computing at once; ``IterationPlan.serialised``). A plan's measured time is the median of its runs (its
+   (``--pipetune.replay a,b,c,d``): every batch runs each mode's plan back to back, and pipetune's
+   plan once more serially (``serial_run``), the first of them rotating with the batch and the
+   round. A plan's measured time is the median of its runs (its
    own job's and the side-by-side ones, minutes apart); the measured *cut* comes from the
    side-by-side rounds only, where the plans it compares ran seconds apart, so that the machine's
    drift between jobs (measured at up to 20 points of cut between back-to-back jobs) does not
@@ -107,17 +107,19 @@ def run_jobs(mix: str, work: Path, table: Path, args) -> None:
             str(out / (name if name == SERIAL else f"{name}_0") / "pipetune" / "steps.jsonl") for name in side_by_side_order(k, REPLAYED))})
 
 
+def serial_run(plan: IterationPlan) -> IterationPlan:
+    """``plan`` on the serial schedule (no two ranks computing at once), where the trainer's
+    calibration would twin it: co-located, several micro-batches; else ``plan`` itself."""
+    return plan.serialised() if plan.num_micro_batches > 1 and not plan.separated else plan
+
+
 def write_serialised(job: Path, dest: Path) -> None:
-    """``job``'s records with each co-located plan of several micro-batches on the serial schedule
-    (a replay file)."""
+    """``job``'s records with every plan on the serial schedule (``serial_run``): a replay file."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     with dest.open("w") as f:
         for r in read_records(job):
             if not r.get("serial"):
-                plan = IterationPlan.from_json(r["plan"])
-                if plan.num_micro_batches > 1 and not plan.separated:
-                    plan = plan.serialised()
-                f.write(json.dumps({"batch": r["batch"], "plan": plan.to_json()}) + "\n")
+                f.write(json.dumps({"batch": r["batch"], "plan": serial_run(IterationPlan.from_json(r["plan"])).to_json()}) + "\n")
 
 
 def side_by_side_order(k: int, names: tuple[str, ...]) -> tuple[str, ...]:
@@ -201,7 +203,7 @@ def add_own_view(scored: dict[str, list[dict]], tuned_job: list[dict], loader, p
                 plan, meta = IterationPlan.from_json(x["plan"]), loader.meta(x["batch"])
                 x["own_s"] = simulate_plan(cost, plan, meta).makespan
                 if "serial_runs" in x:
-                    x["own_serial_s"] = simulate_plan(cost, plan.serialised() if plan.num_micro_batches > 1 else plan, meta).makespan
+                    x["own_serial_s"] = simulate_plan(cost, serial_run(plan), meta).makespan
                 x["held_s"] = {k: simulate_plan(c, plan, meta).makespan for k, c in costs.items()}
         if r["step"] > 1:
             step = MeasuredStep.from_timelines(profiled, [timeline(r)], IterationPlan.from_json(r["plan"]), loader.meta(r["batch"]),
