@@ -108,9 +108,9 @@ def run_jobs(mix: str, work: Path, table: Path, args) -> None:
 
 
 def serial_run(plan: IterationPlan) -> IterationPlan:
-    """``plan`` on the serial schedule (no two ranks computing at once), where the trainer's
-    calibration would twin it: co-located, several micro-batches; else ``plan`` itself."""
-    return plan.serialised() if plan.num_micro_batches > 1 and not plan.separated else plan
+    """``plan`` on the serial schedule (no two ranks computing at once) where it has a serial twin
+    (``IterationPlan.has_serial_twin``); else ``plan`` itself."""
+    return plan.serialised() if plan.has_serial_twin else plan
 
 
 def write_serialised(job: Path, dest: Path) -> None:

@@ -85,6 +85,13 @@ class IterationPlan(Placed):
             name=str(self.mode or ""),
         )
 
+    @property
+    def has_serial_twin(self) -> bool:
+        """Whether ``serialised`` is another schedule of this plan that contention can be measured
+        against: co-located (a separated plan has none) and of several micro-batches (one
+        micro-batch already runs serially)."""
+        return self.num_micro_batches > 1 and not self.separated
+
     def serialised(self) -> "IterationPlan":
         """The same micro-batches in the same order on the ``serial`` schedule: the same actions
         with no two ranks computing at once (what the online calibration compares with this plan

@@ -409,7 +409,7 @@ class PipeTuneTrainer(Trainer):
     def _serial_twin(self, step: int, plan: IterationPlan) -> IterationPlan | None:
         """The serial run of a calibration step's plan (``calibrate_serial``; every rank decides alike)."""
         pt = self.config.pipetune
-        if pt.calibrate_serial and not pt.replay and step < pt.calibrate_steps and plan.num_micro_batches > 1 and not plan.separated:
+        if pt.calibrate_serial and not pt.replay and step < pt.calibrate_steps and plan.has_serial_twin:
             return plan.serialised()
         return None
 
