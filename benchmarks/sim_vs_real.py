@@ -182,22 +182,24 @@ def add_own_view(scored: dict[str, list[dict]], tuned_job: list[dict], loader, p
     job's online model of the batch (an ``OnlineCalibrator`` fed the job's records as its trainer
     feeds it: not its first step, nor the calibration runs of each micro-batch size's first
     step), so the gain pipetune predicts over another mode is one model's, as when it plans;
-    ``own_kappa`` (pipetune's steps): that model's contention kappa (with serial calibration runs,
-    the one measured on them). ``held_s[k]``: the same window and anchors fitted with kappa held
-    at each of ``kappas`` (how much of the predicted cut is kappa's)."""
+    ``own_kappa`` and ``own_overhead_s`` (pipetune's steps): that model's contention kappa and
+    per-call overhead (with serial calibration runs, as measured on them). ``held_s[k]``: the same
+    window and anchors fitted with kappa held at each of ``kappas`` (how much of the predicted cut
+    is kappa's)."""
     by_batch = {mode: {r["batch"]: r for r in recs} for mode, recs in scored.items()}
-    held = {k: CostModel(replace(profiled.table, contention=k), profiled.layout) for k in kappas}
     calibrator = OnlineCalibrator(profiled.table, profiled.layout, window)
-    sizes_run, cold = set(), set()  # as the trainer's ``cold`` steps
+    sizes_run, cold = set(), set()  # as the trainer's ``cold`` runs: a size's first step
     for r in tuned_job:
         if r["mbs"] not in sizes_run:
             sizes_run.add(r["mbs"])
-            cold.add(r["step"])
+            cold.add((r["step"], r["mbs"]))
     for r in tuned_job:
         if r["batch"] in by_batch["pipetune"] and not r.get("serial"):
             cost, fitted = calibrator.fit()
-            by_batch["pipetune"][r["batch"]]["own_kappa"] = fitted.contention
-            costs = {k: fit_steps(base, calibrator.steps, anchors=calibrator.anchors(), fit_contention=False)[0] for k, base in held.items()}
+            by_batch["pipetune"][r["batch"]].update(own_kappa=fitted.contention, own_overhead_s=cost.table.fixed("fwd") + cost.table.fixed("bwd"))
+            costs = {k: fit_steps(CostModel(replace(calibrator.held().table, contention=k), profiled.layout), calibrator.steps,
+                                  anchors=calibrator.anchors(), fit_contention=False, fit_overhead=calibrator.overhead is None)[0]
+                     for k in kappas}
             for mode in MODES:
                 x = by_batch[mode][r["batch"]]
                 plan, meta = IterationPlan.from_json(x["plan"]), loader.meta(x["batch"])
@@ -209,9 +211,9 @@ def add_own_view(scored: dict[str, list[dict]], tuned_job: list[dict], loader, p
             step = MeasuredStep.from_timelines(profiled, [timeline(r)], IterationPlan.from_json(r["plan"]), loader.meta(r["batch"]),
                                                r["measured_s"])
             if not r.get("serial"):
-                calibrator.update(step, calibration=r["kind"] == "calibration" and r["step"] not in cold)
-            elif r["step"] not in cold:
-                calibrator.observe_serial(step)
+                calibrator.update(step, calibration=r["kind"] == "calibration" and (r["step"], r["mbs"]) not in cold)
+            elif (r["step"], r["mbs"]) not in cold:
+                calibrator.observe_serial(step, size_twin=bool(r.get("size_twin")))
 
 
 def errors(measured, predicted) -> tuple[float, float]:
@@ -259,8 +261,10 @@ def report(results: dict[str, dict[str, list[dict]]], args) -> None:
                   f"(contention); O/S measured {measured['original'].sum() / s_meas:.3f}, predicted "
                   f"{sum(r['own_s'] for r in scored['original']) / s_pred:.3f} (one micro-batch vs several, uncontended)")
         kappa = [r["own_kappa"] for r in scored["pipetune"]]
+        overhead = [1e3 * r["own_overhead_s"] for r in scored["pipetune"]]
         print(f"{mix}: kappa in pipetune's model (measured on serial calibration runs where the job ran them): "
-              f"mean {np.mean(kappa):.2f}, range {min(kappa):.2f}-{max(kappa):.2f}")
+              f"mean {np.mean(kappa):.2f}, range {min(kappa):.2f}-{max(kappa):.2f}; per-call overhead (stage forward + "
+              f"backward; measured on size twins where the job ran them): {min(overhead):.1f}-{max(overhead):.1f} ms")
         kinds = [r.get("kind") for r in scored["pipetune"]]
         print(f"{mix}: guard ran the baseline on {kinds.count('baseline')} of {len(kinds)} steps "
               f"({sum(r.get('guard') == 'fallback' for r in scored['pipetune'])} in fallback)")

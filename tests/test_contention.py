@@ -7,13 +7,14 @@ import pytest
 
 from pipetune.config import load_hardware, load_model_config
 from pipetune.cost import CostModel, StageLayout, analytical_table
-from pipetune.cost.calibration import Design, calibrate_design
+from pipetune.cost.calibration import OVERHEAD_GRID, Design, calibrate_design
 from pipetune.cost.table import LatencyTableError, table_from_dict
 from pipetune.data import BatchStream, batch_meta, make_mix
 from pipetune.plan import PlannerConfig
 from pipetune.simulate import Latencies, TimedAction, compile_schedule, evaluate, simulate
 from pipetune.simulate.contention import concurrent_time, overlap_with_others
-from torchtitan_patches.pipeline.calibrate import MeasuredStep, OnlineCalibrator, fit_steps, simulate_plan, twin_contention
+from torchtitan_patches.pipeline.calibrate import (MeasuredStep, OnlineCalibrator, fit_steps, simulate_plan, size_overhead, twin_contention,
+                                                   with_overhead)
 
 
 def brute(start, end, rank, dt=1e-3):
@@ -203,6 +204,63 @@ def test_twins_measure_the_contention_iteration_times_show_where_action_times_un
             assert worst[0] <= predicted / (pipelined.measured_s / serial.measured_s) - 1 <= worst[1]
     with pytest.raises(ValueError, match="at least one"):
         twin_contention(base, cal.calibration_runs, [])
+
+
+def test_size_twins_measure_the_per_call_overhead_iteration_times_show(job):
+    """A machine where splitting a batch into more micro-batches costs a fixed time per stage call
+    that shows between actions, not in them (hand-offs): actions timed by the table, iteration
+    times as with that overhead. Calibration steps at mbs 1 run pipelined, serially and at mbs 8
+    serially (the size twin). Fitted to the action times the overhead is zero, and the model
+    prices each serial mbs-1 run 3 % or more too cheap against its size twin; measured on the
+    pairs' iteration times (``size_overhead``) it is the machine's, within the grid's step, and
+    the window's fit, which holds it, prices a one-micro-batch batch against the same batch at
+    mbs 1 within 1 %. The calibrator's state restores to the same fit."""
+    model, base, metas = job
+    truth = CostModel(replace(base.table, scales={"rest": 1.3}), base.layout)
+    unit = float(np.median(steps_of(model, truth, base, metas[:1], [1], 0.0)[0].design.y))
+    handoff = CostModel(with_overhead(truth.table, 0.06 * unit), base.layout)  # what iteration times show
+    rng = np.random.default_rng(0)
+    cal = OnlineCalibrator(base.table, base.layout, 4)
+
+    def run(plan, meta):
+        timeline, _ = contended_timeline(truth, plan, meta, 0.3, rng, 0.01)
+        return MeasuredStep.from_timelines(base, [timeline], plan, meta, contended_timeline(handoff, plan, meta, 0.3, rng, 0.0)[1])
+
+    for meta in metas[:4]:
+        plan = PlannerConfig(mode="balanced", mbs=1, max_seq_len=4096, memory_bytes=80e9).build(model, truth).plan(meta)
+        large = PlannerConfig(mode="balanced", mbs=8, max_seq_len=4096, memory_bytes=80e9).build(model, truth).plan(meta).serialised()
+        assert large.num_micro_batches < plan.num_micro_batches
+        cal.update(run(plan, meta), calibration=True)
+        cal.observe_serial(run(plan.serialised(), meta))
+        cal.observe_serial(run(large, meta), size_twin=True)
+    assert len(cal.size_pairs) == len(cal.twins) == 4 and cal.contention == pytest.approx(0.3, abs=0.05)
+    runs = Design.stack([r.design for r in cal.calibration_runs])
+    acted = CostModel(calibrate_design(replace(base.table, contention=cal.contention), runs, fit_contention=False)[0], base.layout)
+    assert acted.table.fixed("fwd") + acted.table.fixed("bwd") < 0.01 * unit
+    step = float(np.diff(OVERHEAD_GRID)[0]) * float(np.median(runs.y[runs.stage_work_rows()]))
+    assert cal.overhead == pytest.approx(0.06 * unit, abs=step)
+    assert size_overhead(cal.held(), cal.calibration_runs, cal.size_pairs) == cal.overhead
+
+    def ratio(cost, small, large):
+        return simulate_plan(cost, small.plan, small.meta).makespan / simulate_plan(cost, large.plan, large.meta).makespan
+
+    for small, large in cal.size_pairs:
+        measured = small.measured_s / large.measured_s
+        assert ratio(acted, small, large) / measured - 1 < -0.03
+    window = steps_of(model, truth, base, metas[4:8], [1] * 4, 0.3, noise=0.01, seed=1)
+    for s in window:
+        cost, _ = cal.update(s)
+    assert cost.table.fixed("fwd") + cost.table.fixed("bwd") > 0
+    for meta in metas[8:]:
+        small, large = (PlannerConfig(mode="balanced", mbs=m, max_seq_len=4096, memory_bytes=80e9).build(model, truth).plan(meta).serialised()
+                        for m in (1, 12))
+        assert large.num_micro_batches == 1
+        true = simulate_plan(handoff, small, meta).makespan / simulate_plan(handoff, large, meta).makespan
+        assert simulate_plan(cost, small, meta).makespan / simulate_plan(cost, large, meta).makespan == pytest.approx(true, rel=0.01)
+    with pytest.raises(ValueError, match="at least one"):
+        size_overhead(base, cal.calibration_runs, [])
+    again = OnlineCalibrator(base.table, base.layout, 4)
+    assert again.load_state_dict(cal.state_dict())[0].table == cost.table
 
 
 def test_isolated_timings_leave_contention_as_it_was(job):

@@ -257,3 +257,33 @@ def test_calibration_steps_also_run_their_plans_serially(job, tmp_path):
     assert "contention" not in runs[0][1]
     replayed = load_replay(dump / "pipetune" / "steps.jsonl")
     assert all(replayed[b] == next(r["plan"] for r in runs[b] if not r.get("serial")) for b in range(4))
+
+
+def test_calibration_steps_of_the_smallest_size_also_run_the_batch_at_the_largest(job, tmp_path):
+    """With two sizes to calibrate, a calibration step at mbs 1 also runs its batch at mbs 2 on
+    the serial schedule (the size twin): the same samples, no two ranks computing at once, the
+    same loss up to packing's rounding. Rank 0 measures the per-call overhead on the (serial twin,
+    size twin) pair of a warm step and holds it; replaying the job runs its pipelined plans only.
+    Messages under ``strict_order``, as NCCL orders them."""
+    dump = tmp_path / "size_twin"
+    _torchrun(["-m", "torchtitan.train", *_args(job, dump, "--training.steps", "4", "--pipetune.calibrate_steps", "3",
+                                                 "--pipetune.online_window", "4", "--pipetune.max_mbs", "2")])
+    recs = _records(dump)
+    runs = {b: [r for r in recs if r["batch"] == b] for b in range(4)}
+    for b in (0, 2):
+        size_twin = next(r for r in runs[b] if r.get("size_twin"))
+        pipelined = next(r for r in runs[b] if not r.get("serial"))
+        assert size_twin["serial"] and size_twin["kind"] == "calibration" and (size_twin["mbs"], pipelined["mbs"]) == (2, 1)
+        assert sorted(i for mb in size_twin["samples"] for i in mb) == sorted(i for mb in pipelined["samples"] for i in mb)
+        assert size_twin["micro_batches"] < pipelined["micro_batches"]
+        assert size_twin["loss"] == pytest.approx(pipelined["loss"], rel=1e-4)
+        spans = sorted((s, e) for _, _, s, e, _ in size_twin["timeline"])
+        assert sum(max(0.0, min(x[1], y[1]) - y[0]) for k, x in enumerate(spans) for y in spans[k + 1:]) < 0.01 * size_twin["measured_s"]
+    assert not any(r.get("size_twin") for b in (1, 3) for r in runs[b])
+    # batch 0 is every size's first step (cold, no pair); batch 2's runs go size twin, pipelined,
+    # serial twin, and the pair is complete with the last
+    assert [bool(r.get("size_twin")) for r in runs[2]] == [True, False, False] and runs[2][2]["serial"]
+    assert runs[2][0]["call_overhead_s"] is None and runs[2][2]["call_overhead_s"] >= 0
+    assert "call_overhead_s" not in runs[0][2]
+    replayed = load_replay(dump / "pipetune" / "steps.jsonl")
+    assert all(replayed[b] == next(r["plan"] for r in runs[b] if not r.get("serial")) for b in range(4))

@@ -48,6 +48,7 @@ RIDGE = 0.05
 HUBER_DELTA = 0.1
 HUBER_ROUNDS = 4
 CONTENTION_GRID = np.concatenate([np.arange(0.0, 1.0, 0.05), np.arange(1.0, 3.01, 0.25)])
+OVERHEAD_GRID = np.arange(0.0, 0.2001, 0.005)  # per-call overhead, in units of the median stage row's time
 
 
 class Observed(Enum):
@@ -160,28 +161,32 @@ def _huber(rel: np.ndarray) -> np.ndarray:
 
 
 def _fit(X: np.ndarray, y: np.ndarray, before: np.ndarray, used: np.ndarray, prior: np.ndarray) -> tuple[np.ndarray, float]:
-    """Ridge-regularised, Huber-reweighted relative-error NNLS of ``y`` on ``X[:, used]``: the fit
-    and its loss."""
+    """Ridge-regularised, Huber-reweighted relative-error NNLS of ``y`` on ``X[:, used]`` (the
+    other unknowns held at ``before``): the fit and its loss."""
+    held = np.setdiff1d(np.arange(X.shape[1]), used)
+    rest = y - X[:, held] @ before[held]
     w = 1.0 / y
     for _ in range(HUBER_ROUNDS):
         A = np.vstack([X[:, used] * w[:, None], prior])
-        b = np.concatenate([y * w, prior @ before[used]])
+        b = np.concatenate([rest * w, prior @ before[used]])
         fit, _ = nnls(A, b)
-        rel = (X[:, used] @ fit - y) / y
+        rel = (X[:, used] @ fit - rest) / y
         w = np.minimum(1.0, HUBER_DELTA / np.maximum(np.abs(rel), 1e-12)) / y
     return fit, float(_huber(rel).sum() + 0.5 * np.sum((prior @ (fit - before[used])) ** 2))
 
 
-def calibrate_design(table: LatencyTable, design: Design, *, fit_contention: bool = True) -> tuple[LatencyTable, CalibrationReport]:
+def calibrate_design(table: LatencyTable, design: Design, *, fit_contention: bool = True,
+                     fit_overhead: bool = True) -> tuple[LatencyTable, CalibrationReport]:
     """``calibrate`` on prepared rows (built from ``table``'s curves and layout); with
-    ``fit_contention=False`` the table's kappa is held."""
+    ``fit_contention=False`` the table's kappa is held, with ``fit_overhead=False`` its per-call
+    overheads."""
     X, y = design.X, design.y
     if not len(y):
         raise ValueError("calibration needs at least one measured observation")
     if (y <= 0).any():
         raise ValueError("calibration observations must have positive measured times")
     before = np.array([table.scale(n) for n in CURVES] + [table.fixed("fwd"), table.fixed("bwd")])
-    used = np.flatnonzero(np.abs(X).sum(axis=0) > 0)
+    used = np.flatnonzero((np.abs(X).sum(axis=0) > 0) & (fit_overhead | (np.arange(len(UNKNOWNS)) < len(CURVES))))
     is_scale = used < len(CURVES)
     prior = np.sqrt(RIDGE) * np.diag(np.where(is_scale, 1.0, 1.0 / np.median(y)))
     grid = CONTENTION_GRID if fit_contention and design.overlap.any() else np.array([table.contention])

@@ -6,10 +6,11 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from enum import Enum
 
 import numpy as np
 
-from pipetune.cost.calibration import CONTENTION_GRID, CalibrationReport, Design, Observation, Observed, Part, calibrate_design
+from pipetune.cost.calibration import CONTENTION_GRID, OVERHEAD_GRID, CalibrationReport, Design, Observation, Observed, Part, calibrate_design
 from pipetune.cost.cost_model import CostModel
 from pipetune.cost.layout import StageLayout
 from pipetune.cost.table import CURVES, LatencyTable
@@ -77,7 +78,7 @@ def simulate_plan(cost: CostModel, plan: IterationPlan, meta: BatchMeta) -> SimR
 
 
 def fit_steps(base: CostModel, steps: Sequence[MeasuredStep], *, anchors: Sequence[MeasuredStep] = (), jitter_draws: int = 0,
-              fit_contention: bool = True) -> tuple[CostModel, CalibrationReport]:
+              fit_contention: bool = True, fit_overhead: bool = True) -> tuple[CostModel, CalibrationReport]:
     """``base``'s table fitted to ``steps``: per-component scales, per-call overheads, contention
     (unless ``fit_contention=False``: ``base``'s is held) and the variability model from the action
     times, then every component scaled by the median ratio of measured to predicted iteration time
@@ -98,10 +99,11 @@ def fit_steps(base: CostModel, steps: Sequence[MeasuredStep], *, anchors: Sequen
     its dependence on the plan; with 0, the deterministic simulation. A common factor leaves the
     ranking of plans as it was."""
     if anchors and steps:
-        then = fit_steps(base, anchors, fit_contention=fit_contention)[0]
+        then = fit_steps(base, anchors, fit_contention=fit_contention, fit_overhead=fit_overhead)[0]
         drift = float(np.median([step.measured_s / simulate_plan(then, step.plan, step.meta).makespan for step in steps]))
         anchors = [step.slowed(drift) for step in anchors]
-    table, report = calibrate_design(base.table, Design.stack([step.design for step in [*steps, *anchors]]), fit_contention=fit_contention)
+    table, report = calibrate_design(base.table, Design.stack([step.design for step in [*steps, *anchors]]), fit_contention=fit_contention,
+                                     fit_overhead=fit_overhead)
     cost = CostModel(table, base.layout, recompute_encoder=base.recompute_encoder)
     variability = table.variability if jitter_draws else None
 
@@ -137,10 +139,28 @@ def held_out_times(base: CostModel, steps: Sequence[MeasuredStep]) -> list[float
             for k, step in enumerate(steps)]
 
 
-def twin_contention(base: CostModel, runs: Sequence[MeasuredStep], twins: Sequence[tuple[MeasuredStep, MeasuredStep]]) -> float:
+def _best_ratio_fit(base: CostModel, runs: Sequence[MeasuredStep], pairs: Sequence[tuple[MeasuredStep, MeasuredStep]], grid,
+                    held, *, fit_contention: bool, fit_overhead: bool) -> float:
+    """The value on ``grid`` whose model (``held(table, value)``, then fitted to ``runs``) best
+    predicts each pair's measured ratio of iteration times (least squares of log ratios)."""
+    design = Design.stack([run.design for run in runs])
+    measured = np.log([a.measured_s / b.measured_s for a, b in pairs])
+
+    def loss(value: float) -> float:
+        table, _ = calibrate_design(held(base.table, value), design, fit_contention=fit_contention, fit_overhead=fit_overhead)
+        cost = CostModel(table, base.layout, recompute_encoder=base.recompute_encoder)
+        ratio = [simulate_plan(cost, a.plan, a.meta).makespan / simulate_plan(cost, b.plan, b.meta).makespan for a, b in pairs]
+        return float(np.sum((np.log(ratio) - measured) ** 2))
+
+    return float(min(grid, key=loss))
+
+
+def twin_contention(base: CostModel, runs: Sequence[MeasuredStep], twins: Sequence[tuple[MeasuredStep, MeasuredStep]], *,
+                    fit_overhead: bool = True) -> float:
     """The contention kappa (on ``CONTENTION_GRID``) whose model, ``base`` fitted to ``runs`` with
-    kappa held, best predicts each ``(pipelined, serial)`` twin's measured ratio of iteration
-    times (least squares of log ratios).
+    kappa held (and ``base``'s per-call overhead too, with ``fit_overhead=False``), best predicts
+    each ``(pipelined, serial)`` twin's measured ratio of iteration times (least squares of log
+    ratios).
 
     The ratio, not the action times: what contention costs a plan is how much longer its
     overlapped iteration takes, and on a loaded CPU the action times do not add up to the
@@ -150,16 +170,46 @@ def twin_contention(base: CostModel, runs: Sequence[MeasuredStep], twins: Sequen
     ``benchmarks/sim_vs_real.py``'s background runs, where their ratios want 0.50-0.75."""
     if not twins:
         raise ValueError("twin_contention needs at least one (pipelined, serial) pair of runs")
+    return _best_ratio_fit(base, runs, twins, CONTENTION_GRID.tolist(), lambda table, kappa: replace(table, contention=kappa),
+                           fit_contention=False, fit_overhead=fit_overhead)
+
+
+def with_overhead(table: LatencyTable, seconds: float) -> LatencyTable:
+    """``table`` whose stage forward + backward calls pay ``seconds`` of fixed cost, half each (rows
+    of a stage's forward + backward cannot tell the halves apart)."""
+    return replace(table, overhead={"fwd_s": seconds / 2, "bwd_s": seconds / 2})
+
+
+def size_overhead(base: CostModel, runs: Sequence[MeasuredStep], pairs: Sequence[tuple[MeasuredStep, MeasuredStep]], *,
+                  fit_contention: bool = False) -> float:
+    """The fixed seconds per stage forward + backward call (on ``OVERHEAD_GRID``, in units of the
+    median stage row of ``runs``) whose model, ``base`` fitted to ``runs`` with it held (and kappa
+    held unless ``fit_contention``), best predicts each ``(small, large)`` pair's measured ratio
+    of iteration times: one batch run serially at the smallest and at the largest micro-batch
+    size, seconds apart.
+
+    What splitting a batch into more micro-batches costs is a per-call overhead against a
+    per-token cost, which action times of similar sizes cannot tell apart (they trade one for the
+    other), and the contention of pipelined runs blurs it further. Beside one CPU-bound process
+    the window's fit put it at zero and priced one micro-batch of 4 sequences 3.5-3.8 % too dear
+    against the same batch as micro-batches of 1, run serially (``benchmarks/sim_vs_real.py``,
+    background run 10's replays); those pairs' ratios scattered by 1.1 % (15 batches), where
+    single runs at one size scattered by 5 % from step to step, and three of them put it at
+    12-14 ms per call, which priced the same pairs within 1 %."""
+    if not pairs:
+        raise ValueError("size_overhead needs at least one (small, large) pair of serial runs")
     design = Design.stack([run.design for run in runs])
-    measured = np.log([p.measured_s / s.measured_s for p, s in twins])
+    unit = float(np.median(design.y[design.stage_work_rows()]))
+    return unit * _best_ratio_fit(base, runs, pairs, OVERHEAD_GRID.tolist(), lambda table, o: with_overhead(table, o * unit),
+                                  fit_contention=fit_contention, fit_overhead=False)
 
-    def loss(kappa: float) -> float:
-        table, _ = calibrate_design(replace(base.table, contention=kappa), design, fit_contention=False)
-        cost = CostModel(table, base.layout, recompute_encoder=base.recompute_encoder)
-        ratio = [simulate_plan(cost, p.plan, p.meta).makespan / simulate_plan(cost, s.plan, s.meta).makespan for p, s in twins]
-        return float(np.sum((np.log(ratio) - measured) ** 2))
 
-    return float(min(CONTENTION_GRID.tolist(), key=loss))
+class CalibrationRun(Enum):
+    """How a calibration step ran its batch (``OnlineCalibrator``)."""
+
+    PIPELINED = "pipelined"  # the step's plan, as scheduled
+    SERIAL = "serial"  # the same plan on the serial schedule: its twin
+    SIZE_TWIN = "size twin"  # the batch at the calibration's largest micro-batch size, serially
 
 
 class OnlineCalibrator:
@@ -170,15 +220,21 @@ class OnlineCalibrator:
     predictions close to what the pipeline currently does. Always refits from the profiled base
     table, so errors do not compound. ``jitter_draws``: the planner's (see ``fit_steps``).
 
-    The contention kappa is the exception when the calibration steps also ran their plans
-    serially (``observe_serial``): then it is measured on those pairs (``twin_contention``) and
-    held in every window's fit. A window of the planner's own plans cannot pin it: they overlap
-    alike, so kappa trades against the scales, and a kappa fitted too low there priced a
-    one-micro-batch plan 10-20 % too slow under a CPU-bound neighbour (predicted cut vs
-    ``original`` off by 10 points, ``benchmarks/sim_vs_real.py``). A serial run times the same
-    actions as its pipelined twin without overlap, so their ratio is kappa's alone.
+    Two terms are measured on pairs of runs of one batch, seconds apart, and then held in every
+    window's fit, because a window of the planner's own plans cannot pin them:
 
-    Every fit is anchored by the calibration runs (pipelined and serial, every micro-batch size;
+    * the contention kappa, when calibration steps also ran their plans serially
+      (``observe_serial``): ``twin_contention`` on the (pipelined, serial) twins. The planner's
+      plans overlap alike, so kappa trades against the scales, and a kappa fitted too low there
+      priced a one-micro-batch plan 10-20 % too slow under a CPU-bound neighbour (predicted cut vs
+      ``original`` off by 10 points, ``benchmarks/sim_vs_real.py``). A serial run times the same
+      actions as its pipelined twin without overlap, so their ratio is kappa's alone.
+    * the per-call overhead, when such steps also ran the batch serially at the largest size
+      (``observe_serial(size_twin=True)``): ``size_overhead`` on the (serial, size twin) pairs.
+      Both runs are serial, so their ratio is what more, smaller micro-batches cost, free of
+      contention and of the machine's speed.
+
+    Every fit is anchored by the calibration runs (all of them, every micro-batch size;
     ``fit_steps``' ``anchors``): a window of the planner's own plans holds one or two sizes, and
     fitted on those alone the model priced ``original``'s one micro-batch of 4 samples 3-5 % too
     cheap on three of six mixes (predicted cut vs ``original`` off by 4.6 points, background run 9 of
@@ -193,54 +249,72 @@ class OnlineCalibrator:
         self.steps: deque[MeasuredStep] = deque(maxlen=window)
         self.jitter_draws = jitter_draws
         self.calibration_runs: list[MeasuredStep] = []
+        self.by_step: dict[int, dict[CalibrationRun, MeasuredStep]] = {}  # calibration runs by batch step, to pair them
         self.twins: list[tuple[MeasuredStep, MeasuredStep]] = []  # (pipelined, serial) runs of one plan
+        self.size_pairs: list[tuple[MeasuredStep, MeasuredStep]] = []  # (serial, size twin) runs of one batch
         self.contention: float | None = None  # measured on the twins, then held
+        self.overhead: float | None = None  # seconds per stage forward + backward call, measured on the size pairs, then held
 
     def update(self, step: MeasuredStep, *, calibration: bool = False) -> tuple[CostModel, CalibrationReport]:
         """Add one step and refit. ``calibration``: a calibration step, whose runs anchor every fit
         and pair up as twins; pass ``False`` for a size's first step (one-off costs)."""
         self.steps.append(step)
         if calibration:
-            self._add_calibration_run(step, serial=False)
+            self._add_calibration_run(step, CalibrationRun.PIPELINED)
         return self.fit()
 
-    def observe_serial(self, step: MeasuredStep) -> tuple[CostModel, CalibrationReport] | None:
-        """Add a calibration step's plan run serially (``IterationPlan.serialised``), re-measure
-        kappa on the twins and refit the window holding it (``None`` while the window is
-        empty). The serial run anchors the fits but does not enter the window, which prices the
-        planner's plans."""
-        self._add_calibration_run(step, serial=True)
+    def observe_serial(self, step: MeasuredStep, *, size_twin: bool = False) -> tuple[CostModel, CalibrationReport] | None:
+        """Add a calibration step's plan run serially (``IterationPlan.serialised``), or with
+        ``size_twin`` its batch at the largest size run serially, re-measure what its pairs
+        measure and refit the window holding it (``None`` while the window is empty). Serial runs
+        anchor the fits but do not enter the window, which prices the planner's plans."""
+        self._add_calibration_run(step, CalibrationRun.SIZE_TWIN if size_twin else CalibrationRun.SERIAL)
         return self.fit() if self.steps else None
 
-    def _add_calibration_run(self, step: MeasuredStep, *, serial: bool) -> None:
-        twin = next((run for run in self.calibration_runs if run.plan.step == step.plan.step), None)
+    def _add_calibration_run(self, step: MeasuredStep, how: CalibrationRun) -> None:
         self.calibration_runs.append(step)
-        if twin is not None:
-            self.twins.append((twin, step) if serial else (step, twin))
-            self.contention = twin_contention(self.base, self.calibration_runs, self.twins)
+        same = self.by_step.setdefault(step.plan.step, {})
+        same[how] = step
+        serial = same.get(CalibrationRun.SERIAL)
+        new_twin = how is not CalibrationRun.SIZE_TWIN and serial is not None and CalibrationRun.PIPELINED in same
+        new_size_pair = how is not CalibrationRun.PIPELINED and serial is not None and CalibrationRun.SIZE_TWIN in same
+        if new_twin:
+            self.twins.append((same[CalibrationRun.PIPELINED], serial))
+        if new_size_pair:
+            self.size_pairs.append((serial, same[CalibrationRun.SIZE_TWIN]))
+            self.overhead = size_overhead(self.held(), self.calibration_runs, self.size_pairs, fit_contention=self.contention is None)
+        if self.twins and (new_twin or new_size_pair):
+            self.contention = twin_contention(self.held(), self.calibration_runs, self.twins, fit_overhead=self.overhead is None)
+
+    def held(self) -> CostModel:
+        """The base model with the terms measured on pairs so far."""
+        table = self.base.table
+        if self.contention is not None:
+            table = replace(table, contention=self.contention)
+        if self.overhead is not None:
+            table = with_overhead(table, self.overhead)
+        return CostModel(table, self.base.layout, recompute_encoder=self.base.recompute_encoder)
 
     def fit(self) -> tuple[CostModel, CalibrationReport]:
-        """The base table fitted to the window, anchored by the calibration runs (kappa held once
-        measured on twins)."""
-        anchors = self.anchors()
-        if self.contention is None:
-            return fit_steps(self.base, self.steps, anchors=anchors, jitter_draws=self.jitter_draws)
-        base = CostModel(replace(self.base.table, contention=self.contention), self.base.layout,
-                         recompute_encoder=self.base.recompute_encoder)
-        return fit_steps(base, self.steps, anchors=anchors, jitter_draws=self.jitter_draws, fit_contention=False)
+        """The base table fitted to the window, anchored by the calibration runs (kappa and the
+        per-call overhead held once measured on pairs)."""
+        return fit_steps(self.held(), self.steps, anchors=self.anchors(), jitter_draws=self.jitter_draws,
+                         fit_contention=self.contention is None, fit_overhead=self.overhead is None)
 
     def anchors(self) -> list[MeasuredStep]:
         """The calibration runs not in the window: every fit's anchors."""
         return [run for run in self.calibration_runs if not any(run is step for step in self.steps)]
 
     def state_dict(self) -> dict:
-        return {"window": list(self.steps), "calibration_runs": self.calibration_runs, "twins": self.twins,
-                "contention": self.contention}
+        return {"window": list(self.steps), "calibration_runs": self.calibration_runs, "by_step": self.by_step, "twins": self.twins,
+                "size_pairs": self.size_pairs, "contention": self.contention, "overhead": self.overhead}
 
     def load_state_dict(self, state: dict) -> tuple[CostModel, CalibrationReport] | None:
-        """Restore and refit (``None``: nothing measured yet)."""
+        """Restore and refit (``None``: nothing measured yet). Checkpoints of older versions lack
+        the size pairs (and the twins); their runs still anchor the fits."""
         self.steps.clear()
         self.steps.extend(state["window"])
         self.calibration_runs, self.twins = list(state["calibration_runs"]), list(state.get("twins", []))
-        self.contention = state["contention"]
+        self.by_step, self.size_pairs = dict(state.get("by_step", {})), list(state.get("size_pairs", []))
+        self.contention, self.overhead = state["contention"], state.get("overhead")
         return self.fit() if self.steps else None

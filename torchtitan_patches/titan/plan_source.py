@@ -9,7 +9,8 @@ Which plan a step runs, in order of precedence:
 2. Calibration steps (the first ``calibrate_steps`` batches): balanced plans cycling through every
    micro-batch size, so the online calibration has seen each size's per-call costs before the
    planner compares sizes by them. They train like any other step (the trainer also runs each
-   one serially: ``PipeTuneSettings.calibrate_serial``).
+   one serially, and those of the smallest size also at the largest size serially, ``size_twin``:
+   ``PipeTuneSettings.calibrate_serial``).
 3. Otherwise the job's planner (``AsyncPlanner``, planning ahead), unless the measured guard
    (``pipetune.plan.guard``, pipetune mode only) asks for the baseline: the best fixed
    configuration (packer and micro-batch size chosen once on sampled batches), which is also
@@ -124,6 +125,14 @@ class PlanSource:
         if self.guard.choose() is PlanKind.BASELINE:
             return StepPlan(base, StepKind.BASELINE, tuned_s, base_s)
         return StepPlan(tuned, StepKind.TUNED, tuned_s, base_s)
+
+    def size_twin(self, meta: BatchMeta) -> IterationPlan | None:
+        """At a calibration step of the smallest size, the batch's calibration plan at the largest,
+        on the serial schedule: run beside the step's own serial twin, the pair measures what
+        smaller micro-batches cost (``OnlineCalibrator``). ``None`` at other steps."""
+        if not (meta.step < self.calibrate_steps and len(self.calibration) > 1 and meta.step % len(self.calibration) == 0):
+            return None
+        return self.calibration[-1].plan(meta).serialised()
 
     def pop(self, batch_step: int) -> StepPlan:
         return self.decided.pop(batch_step)

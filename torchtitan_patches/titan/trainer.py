@@ -13,8 +13,9 @@ distributed set-up, the model (built on meta from the job's ``ModelSpec``, split
   ``pipelining_fn`` also returns is not used. TorchTitan 0.3.0's ``schedule.step(arg_mbs=...)``,
   which torch 2.13 lacks, is therefore never called. Replaying several jobs' records side by side
   (``pipetune.replay a,b``), a step runs each job's plan of its batch, only the last run's
-  gradients kept; a calibration step runs its plan pipelined and serially likewise
-  (``calibrate_serial``: the contention fit's pairs).
+  gradients kept; a calibration step runs its plan pipelined and serially likewise, and at the
+  smallest size also the batch at the largest size serially (``calibrate_serial``: the pairs that
+  measure contention and per-call overhead).
 * ``batch_generator``: the dataloader yields one ``GlobalBatch`` per step (see
   ``titan.dataloader``).
 * ``state_dict``: adds the planner's state (calibration window and runs, per-mbs correction,
@@ -142,9 +143,11 @@ class PipeTuneSettings(Configurable):
         """Calibration steps of more than one micro-batch also run their plan serially (no two
         ranks computing at once) beside the pipelined run, and the online calibration measures the
         contention kappa on those pairs' ratios of iteration times and holds it (``OnlineCalibrator``,
-        ``twin_contention``). Costs one serial run
-        per such step. Co-located layouts only (a separated plan's serial twin is not defined, so
-        there the window fits kappa with everything else)."""
+        ``twin_contention``). Those of the smallest size also run the batch at the largest size
+        serially, and the calibration measures the per-call overhead on the (serial, larger)
+        pairs (``size_overhead``). Costs one serial run per such step and one more per
+        ``max_mbs`` calibration steps. Co-located layouts only (a separated plan's serial twin is
+        not defined, so there the window fits kappa and the overhead with everything else)."""
 
         guard: bool = True
         """pipetune mode: fall back to the best fixed configuration while pipetune's plans are
@@ -382,9 +385,10 @@ class PipeTuneTrainer(Trainer):
         batch = next(data_iterator)
         plan = self.channel.pop(batch.step)
         twin = self._serial_twin(batch.step, plan)
-        runs = [(batch, plan), *self._replayed_beside(batch.step), *([(batch, twin)] if twin else [])]
-        cold = plan.mbs not in self.sizes_run
-        self.sizes_run.add(plan.mbs)
+        size_twin = self._size_twin(batch.step) if twin else None
+        runs = [(batch, plan), *self._replayed_beside(batch.step), *([(batch, twin)] if twin else []), *([size_twin] if size_twin else [])]
+        cold = [p.mbs not in self.sizes_run for _, p in runs]
+        self.sizes_run.update(p.mbs for _, p in runs)
         self.ntokens_seen += sum(mb.num_tokens for mb in batch.micro_batches)
         first = batch.step % len(runs)
         replayed = len(self.config.pipetune.replay) > 1
@@ -392,7 +396,9 @@ class PipeTuneTrainer(Trainer):
             self.optimizers.zero_grad()  # the last run's gradients are the step's
             with self.train_context():
                 res = self.executor.run(*runs[k])
-            record = self._record(*runs[k], res, replay_of=k if replayed else None, serial=runs[k][1] is twin, cold=cold)
+            is_size_twin = size_twin is not None and runs[k] is size_twin
+            record = self._record(*runs[k], res, replay_of=k if replayed else None, serial=runs[k][1] is twin or is_size_twin,
+                                  size_twin=is_size_twin, cold=cold[k])
         grad_norm = dist_utils.clip_grad_norm_(
             [p for m in self.model_parts for p in m.parameters()], self.config.training.max_norm, foreach=True,
             pp_mesh=self.parallel_dims.get_optional_mesh("pp"), ep_enabled=self.parallel_dims.ep_enabled)
@@ -413,6 +419,20 @@ class PipeTuneTrainer(Trainer):
             return plan.serialised()
         return None
 
+    def _size_twin(self, step: int) -> tuple[GlobalBatch, IterationPlan] | None:
+        """Batch ``step`` packed and planned at the calibration's largest size on the serial
+        schedule, where rank 0's plan source gives one (``PlanSource.size_twin``; it sends it)."""
+        loader = self.dataloader.inner
+        meta = loader.meta(step)
+        box = [None]
+        if self.rank == 0 and (plan := self.source.size_twin(meta)) is not None:
+            box = [plan.to_json()]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        if box[0] is None:
+            return None
+        plan = IterationPlan.from_json(box[0], batch_ids=meta.table.ids)
+        return loader.pack(meta, [list(mb) for mb in plan.micro_batches]), plan
+
     def _replayed_beside(self, step: int) -> list[tuple[GlobalBatch, IterationPlan]]:
         """The plans of batch ``step`` in the second and later ``pipetune.replay`` files (rank 0
         sends them) with the batch packed as each says."""
@@ -425,10 +445,12 @@ class PipeTuneTrainer(Trainer):
         plans = [IterationPlan.from_json(js, batch_ids=meta.table.ids) for js in box[0]]
         return [(loader.pack(meta, [list(mb) for mb in p.micro_batches]), p) for p in plans]
 
-    def _record(self, batch, plan, res, *, replay_of: int | None = None, serial: bool = False, cold: bool = False) -> dict:
+    def _record(self, batch, plan, res, *, replay_of: int | None = None, serial: bool = False, size_twin: bool = False,
+                cold: bool = False) -> dict:
         """Gather every rank's timing and loss (gloo); on rank 0 feed the calibration, correction
-        and guard (a run of a later replay file feeds nothing, a serial twin only the contention
-        fit), and write the record. ``cold``: the process's first step at this micro-batch size,
+        and guard (a run of a later replay file feeds nothing, a serial run, the serial twin or the
+        size twin, only the calibration's pairs and anchors), and write the record. ``cold``: the
+        process's first step at this micro-batch size,
         whose first run meets its tensor shapes first and pays one-off costs (measured: pipelined
         over serial time 1.01-1.27 where the size's later steps gave 0.69-0.95, or 0.59-0.73 where
         the serial run went first), so it feeds neither the twins nor the calibration runs."""
@@ -448,6 +470,8 @@ class PipeTuneTrainer(Trainer):
             record["replay_of"] = replay_of
         if serial:
             record["serial"] = True
+        if size_twin:
+            record["size_twin"] = True
         if cold:
             record["cold"] = True
         if self.rank == 0:
@@ -455,7 +479,7 @@ class PipeTuneTrainer(Trainer):
                 record.update(kind=StepKind.REPLAY.value, tuned_predicted_s=plan.predicted_s, baseline_predicted_s=float("nan"))
             elif serial:
                 record.update(kind=StepKind.CALIBRATION.value, tuned_predicted_s=float("nan"), baseline_predicted_s=float("nan"))
-                self._learn_contention(batch, plan, timeline, measured, record, cold)
+                self._learn_from_serial(batch, plan, timeline, measured, record, cold=cold, size_twin=size_twin)
             else:
                 self._learn(batch, plan, timeline, measured, record, cold)
             record["plan"] = plan.to_json()
@@ -463,18 +487,19 @@ class PipeTuneTrainer(Trainer):
             self.records_path.parent.mkdir(parents=True, exist_ok=True)
             with self.records_path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
-            logger.info(f"pipetune step {self.step}: {record['kind']}{' serial' if serial else ''} plan ({plan.mode}), mbs {plan.mbs}, "
+            logger.info(f"pipetune step {self.step}: {record['kind']}{' serial' if serial else ''}{' size twin' if size_twin else ''} plan ({plan.mode}), mbs {plan.mbs}, "
                         f"{plan.num_micro_batches} micro-batches, {record['precomputed_encoders']} encoders pre-computed, predicted "
                         f"{plan.predicted_s * 1e3:.1f} ms, "
                         f"measured {measured * 1e3:.1f} ms" + (f"; guard {record['guard']}" if "guard" in record else ""))
         return record
 
-    def _learn_contention(self, batch, plan, timeline, measured: float, record: dict, cold: bool) -> None:
-        """Rank 0, after a serial twin (not a size's first step): re-measure kappa on the twins."""
+    def _learn_from_serial(self, batch, plan, timeline, measured: float, record: dict, *, cold: bool, size_twin: bool) -> None:
+        """Rank 0, after a serial twin or size twin (not a size's first step): re-measure kappa on
+        the twins and the per-call overhead on the size pairs."""
         if cold or self.calibrator is None:
             return
-        fitted = self.calibrator.observe_serial(self._measured_step(batch, plan, timeline, measured))
-        record["contention"] = self.calibrator.contention
+        fitted = self.calibrator.observe_serial(self._measured_step(batch, plan, timeline, measured), size_twin=size_twin)
+        record.update(contention=self.calibrator.contention, call_overhead_s=self.calibrator.overhead)
         if fitted is not None:
             self._set_cost(fitted[0])
 
@@ -496,7 +521,7 @@ class PipeTuneTrainer(Trainer):
         if self.calibrator is not None:
             cost, _ = self.calibrator.update(self._measured_step(batch, plan, timeline, measured),
                                              calibration=step.kind is StepKind.CALIBRATION and not cold)
-            record["contention"] = cost.table.contention
+            record.update(contention=cost.table.contention, call_overhead_s=cost.table.fixed("fwd") + cost.table.fixed("bwd"))
             self._set_cost(cost)
         if self.correction is not None:
             self.correction.observe(plan.mbs, measured, plan.predicted_s)
