@@ -196,7 +196,8 @@ def add_own_view(scored: dict[str, list[dict]], tuned_job: list[dict], loader, p
     for r in tuned_job:
         if r["batch"] in by_batch["pipetune"] and not r.get("serial"):
             cost, fitted = calibrator.fit()
-            by_batch["pipetune"][r["batch"]].update(own_kappa=fitted.contention, own_overhead_s=cost.table.fixed("fwd") + cost.table.fixed("bwd"))
+            by_batch["pipetune"][r["batch"]].update(own_kappa=fitted.contention,
+                                                    own_overhead_s=cost.table.fixed("fwd") + cost.table.fixed("bwd"))
             costs = {k: fit_steps(CostModel(replace(calibrator.held().table, contention=k), profiled.layout), calibrator.steps,
                                   anchors=calibrator.anchors(), fit_contention=False, fit_overhead=calibrator.overhead is None)[0]
                      for k in kappas}

@@ -10,7 +10,8 @@ from enum import Enum
 
 import numpy as np
 
-from pipetune.cost.calibration import CONTENTION_GRID, OVERHEAD_GRID, CalibrationReport, Design, Observation, Observed, Part, calibrate_design
+from pipetune.cost.calibration import (CONTENTION_GRID, OVERHEAD_GRID, CalibrationReport, Design, Observation, Observed, Part,
+                                       calibrate_design)
 from pipetune.cost.cost_model import CostModel
 from pipetune.cost.layout import StageLayout
 from pipetune.cost.table import CURVES, LatencyTable
