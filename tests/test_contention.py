@@ -182,6 +182,9 @@ def test_serial_twins_measure_contention_and_the_window_holds_it(job, kappa):
     again = OnlineCalibrator(base.table, base.layout, 4)
     restored, _ = again.load_state_dict(cal.state_dict())
     assert restored.table == cost.table
+    older = OnlineCalibrator(base.table, base.layout, 4)  # a checkpoint of a version that listed runs and twins
+    state = {"window": list(cal.steps), "calibration_runs": cal.calibration_runs, "twins": cal.twins, "contention": cal.contention}
+    assert older.load_state_dict(state)[0].table == cost.table and older.twins == cal.twins
 
 
 def test_twins_measure_the_contention_iteration_times_show_where_action_times_understate_it(job):

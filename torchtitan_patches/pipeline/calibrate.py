@@ -140,12 +140,11 @@ def held_out_times(base: CostModel, steps: Sequence[MeasuredStep]) -> list[float
             for k, step in enumerate(steps)]
 
 
-def _best_ratio_fit(base: CostModel, runs: Sequence[MeasuredStep], pairs: Sequence[tuple[MeasuredStep, MeasuredStep]], grid,
+def _best_ratio_fit(base: CostModel, design: Design, pairs: Sequence[tuple[MeasuredStep, MeasuredStep]], grid,
                     held, *, fit_contention: bool, fit_overhead: bool, penalty=np.square) -> float:
-    """The value on ``grid`` whose model (``held(table, value)``, then fitted to ``runs``) best
-    predicts each pair's measured ratio of iteration times (least ``penalty`` of the log ratios'
-    errors)."""
-    design = Design.stack([run.design for run in runs])
+    """The value on ``grid`` whose model (``held(table, value)``, then fitted to ``design``'s rows)
+    best predicts each pair's measured ratio of iteration times (least ``penalty`` of the log
+    ratios' errors)."""
     measured = np.log([a.measured_s / b.measured_s for a, b in pairs])
 
     def loss(value: float) -> float:
@@ -172,7 +171,7 @@ def twin_contention(base: CostModel, runs: Sequence[MeasuredStep], twins: Sequen
     ``benchmarks/sim_vs_real.py``'s background runs, where their ratios want 0.50-0.75."""
     if not twins:
         raise ValueError("twin_contention needs at least one (pipelined, serial) pair of runs")
-    return _best_ratio_fit(base, runs, twins, CONTENTION_GRID.tolist(), lambda table, kappa: replace(table, contention=kappa),
+    return _best_ratio_fit(base, Design.stack([run.design for run in runs]), twins, CONTENTION_GRID.tolist(), lambda table, kappa: replace(table, contention=kappa),
                            fit_contention=False, fit_overhead=fit_overhead)
 
 
@@ -206,7 +205,7 @@ def size_overhead(base: CostModel, runs: Sequence[MeasuredStep], pairs: Sequence
         raise ValueError("size_overhead needs at least one (small, large) pair of serial runs")
     design = Design.stack([run.design for run in runs])
     unit = float(np.median(design.y[design.stage_work_rows()]))
-    return unit * _best_ratio_fit(base, runs, pairs, OVERHEAD_GRID.tolist(), lambda table, o: with_overhead(table, o * unit),
+    return unit * _best_ratio_fit(base, design, pairs, OVERHEAD_GRID.tolist(), lambda table, o: with_overhead(table, o * unit),
                                   fit_contention=fit_contention, fit_overhead=False, penalty=np.abs)
 
 
@@ -254,10 +253,7 @@ class OnlineCalibrator:
         self.base = CostModel(base, layout, recompute_encoder=recompute_encoder)
         self.steps: deque[MeasuredStep] = deque(maxlen=window)
         self.jitter_draws = jitter_draws
-        self.calibration_runs: list[MeasuredStep] = []
-        self.by_step: dict[int, dict[CalibrationRun, MeasuredStep]] = {}  # calibration runs by batch step, to pair them
-        self.twins: list[tuple[MeasuredStep, MeasuredStep]] = []  # (pipelined, serial) runs of one plan
-        self.size_pairs: list[tuple[MeasuredStep, MeasuredStep]] = []  # (serial, size twin) runs of one batch
+        self.by_step: dict[int, dict[CalibrationRun, MeasuredStep]] = {}  # the calibration runs, by batch step and how they ran
         self.contention: float | None = None  # measured on the twins, then held
         self.overhead: float | None = None  # seconds per stage forward + backward call, measured on the size pairs, then held
 
@@ -277,17 +273,31 @@ class OnlineCalibrator:
         self._add_calibration_run(step, CalibrationRun.SIZE_TWIN if size_twin else CalibrationRun.SERIAL)
         return self.fit() if self.steps else None
 
+    @property
+    def calibration_runs(self) -> list[MeasuredStep]:
+        return [run for same in self.by_step.values() for run in same.values()]
+
+    @property
+    def twins(self) -> list[tuple[MeasuredStep, MeasuredStep]]:
+        """(pipelined, serial) runs of one plan."""
+        return self._pairs(CalibrationRun.PIPELINED, CalibrationRun.SERIAL)
+
+    @property
+    def size_pairs(self) -> list[tuple[MeasuredStep, MeasuredStep]]:
+        """(serial, size twin) runs of one batch."""
+        return self._pairs(CalibrationRun.SERIAL, CalibrationRun.SIZE_TWIN)
+
+    def _pairs(self, a: CalibrationRun, b: CalibrationRun) -> list[tuple[MeasuredStep, MeasuredStep]]:
+        return [(same[a], same[b]) for same in self.by_step.values() if a in same and b in same]
+
     def _add_calibration_run(self, step: MeasuredStep, how: CalibrationRun) -> None:
-        self.calibration_runs.append(step)
         same = self.by_step.setdefault(step.plan.step, {})
         same[how] = step
-        serial = same.get(CalibrationRun.SERIAL)
-        new_twin = how is not CalibrationRun.SIZE_TWIN and serial is not None and CalibrationRun.PIPELINED in same
-        new_size_pair = how is not CalibrationRun.PIPELINED and serial is not None and CalibrationRun.SIZE_TWIN in same
-        if new_twin:
-            self.twins.append((same[CalibrationRun.PIPELINED], serial))
+        if CalibrationRun.SERIAL not in same:
+            return
+        new_twin = how is not CalibrationRun.SIZE_TWIN and CalibrationRun.PIPELINED in same
+        new_size_pair = how is not CalibrationRun.PIPELINED and CalibrationRun.SIZE_TWIN in same
         if new_size_pair:
-            self.size_pairs.append((serial, same[CalibrationRun.SIZE_TWIN]))
             self.overhead = size_overhead(self.held(), self.calibration_runs, self.size_pairs, fit_contention=self.contention is None)
         if self.twins and (new_twin or new_size_pair):
             self.contention = twin_contention(self.held(), self.calibration_runs, self.twins, fit_overhead=self.overhead is None)
@@ -312,15 +322,22 @@ class OnlineCalibrator:
         return [run for run in self.calibration_runs if not any(run is step for step in self.steps)]
 
     def state_dict(self) -> dict:
-        return {"window": list(self.steps), "calibration_runs": self.calibration_runs, "by_step": self.by_step, "twins": self.twins,
-                "size_pairs": self.size_pairs, "contention": self.contention, "overhead": self.overhead}
+        return {"window": list(self.steps), "by_step": self.by_step, "contention": self.contention, "overhead": self.overhead}
 
     def load_state_dict(self, state: dict) -> tuple[CostModel, CalibrationReport] | None:
-        """Restore and refit (``None``: nothing measured yet). Checkpoints of older versions lack
-        the size pairs (and the twins); their runs still anchor the fits."""
+        """Restore and refit (``None``: nothing measured yet). Checkpoints of older versions list
+        the calibration runs and the (pipelined, serial) twins among them instead, and hold no
+        size twins."""
         self.steps.clear()
         self.steps.extend(state["window"])
-        self.calibration_runs, self.twins = list(state["calibration_runs"]), list(state.get("twins", []))
-        self.by_step, self.size_pairs = dict(state.get("by_step", {})), list(state.get("size_pairs", []))
+        self.by_step = dict(state["by_step"]) if "by_step" in state else self._by_step_of(state)
         self.contention, self.overhead = state["contention"], state.get("overhead")
         return self.fit() if self.steps else None
+
+    @staticmethod
+    def _by_step_of(old: dict) -> dict[int, dict[CalibrationRun, MeasuredStep]]:
+        serial = {id(run) for _, run in old.get("twins", [])}
+        by_step: dict[int, dict[CalibrationRun, MeasuredStep]] = {}
+        for run in old["calibration_runs"]:
+            by_step.setdefault(run.plan.step, {})[CalibrationRun.SERIAL if id(run) in serial else CalibrationRun.PIPELINED] = run
+        return by_step

@@ -421,29 +421,27 @@ class PipeTuneTrainer(Trainer):
 
     def _size_twin(self, step: int) -> tuple[GlobalBatch, IterationPlan] | None:
         """Batch ``step`` packed and planned at the calibration's largest size on the serial
-        schedule, where rank 0's plan source gives one (``PlanSource.size_twin``; it sends it)."""
-        loader = self.dataloader.inner
-        meta = loader.meta(step)
-        box = [None]
-        if self.rank == 0 and (plan := self.source.size_twin(meta)) is not None:
-            box = [plan.to_json()]
-        dist.broadcast_object_list(box, src=0, group=self.control)
-        if box[0] is None:
-            return None
-        plan = IterationPlan.from_json(box[0], batch_ids=meta.table.ids)
-        return loader.pack(meta, [list(mb) for mb in plan.micro_batches]), plan
+        schedule, where rank 0's plan source gives one (``PlanSource.size_twin``)."""
+        plan = self.source.size_twin(self.dataloader.inner.meta(step)) if self.rank == 0 else None
+        sent = self._sent_from_rank0(step, [plan.to_json()] if plan else [])
+        return sent[0] if sent else None
 
     def _replayed_beside(self, step: int) -> list[tuple[GlobalBatch, IterationPlan]]:
-        """The plans of batch ``step`` in the second and later ``pipetune.replay`` files (rank 0
-        sends them) with the batch packed as each says."""
+        """The plans of batch ``step`` in the second and later ``pipetune.replay`` files with the
+        batch packed as each says."""
         if len(self.config.pipetune.replay) < 2:
             return []
-        box = [[r[step] for r in self.other_replays] if self.rank == 0 else None]
+        return self._sent_from_rank0(step, [r[step] for r in self.other_replays] if self.rank == 0 else [])
+
+    def _sent_from_rank0(self, step: int, plans: list[str]) -> list[tuple[GlobalBatch, IterationPlan]]:
+        """Rank 0's ``plans`` of batch ``step`` (JSON; other ranks pass anything), sent to every
+        rank over the control group, each with the batch packed as it says."""
+        box = [plans if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=0, group=self.control)
         loader = self.dataloader.inner
         meta = loader.meta(step)
-        plans = [IterationPlan.from_json(js, batch_ids=meta.table.ids) for js in box[0]]
-        return [(loader.pack(meta, [list(mb) for mb in p.micro_batches]), p) for p in plans]
+        received = [IterationPlan.from_json(js, batch_ids=meta.table.ids) for js in box[0]]
+        return [(loader.pack(meta, [list(mb) for mb in p.micro_batches]), p) for p in received]
 
     def _record(self, batch, plan, res, *, replay_of: int | None = None, serial: bool = False, size_twin: bool = False,
                 cold: bool = False) -> dict:
