@@ -141,6 +141,8 @@ def test_bad_job_settings_are_named(tmp_path):
         PipeTuneSettings.Config(calibrate_steps=-2)
     with pytest.raises(ValueError, match="pipetune.guard_probe_every"):
         PipeTuneSettings.Config(guard_probe_every=1)
+    with pytest.raises(ValueError, match="pipetune.cpu_heap_reserve_gib"):
+        PipeTuneSettings.Config(cpu_heap_reserve_gib=-1)
     with pytest.raises(ValueError, match="separated layout's planner scores deterministic"):
         PipeTuneSettings.Config(layout="separated", jitter_draws=4)
     with pytest.raises(ValueError, match="line 2: not a pipetune step record"):

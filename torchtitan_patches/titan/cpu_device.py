@@ -8,7 +8,8 @@ device module whose memory statistics read this process's resident set size (pea
 for peak reserved memory). Process groups then default to gloo for ``cpu`` (TorchTitan asks torch's
 ``default_device_backend_map``).
 
-It also keeps freed CPU memory in the process (``cpu_allocator``), as the profiler does.
+It also keeps freed CPU memory in the process (``cpu_allocator``), as the profiler does, and
+touches the heap the job asks for up front.
 Call it before the ``Trainer`` is built; it does nothing when CUDA is available.
 """
 
@@ -57,11 +58,12 @@ def _cpu_device_module() -> types.SimpleNamespace:
     )
 
 
-def use_cpu() -> bool:
-    """Point TorchTitan at the CPU when there is no CUDA device; True if it did."""
+def use_cpu(heap_reserve_bytes: int = 0) -> bool:
+    """Point TorchTitan at the CPU when there is no CUDA device; True if it did. On CPU, also
+    touch ``heap_reserve_bytes`` of heap before training (``cpu_allocator``)."""
     if torch.cuda.is_available():
         return False
-    retain_freed_memory()  # as the profiler measured the latency table (see cpu_allocator)
+    retain_freed_memory(heap_reserve_bytes)  # as the profiler measured the latency table (see cpu_allocator)
     module = _cpu_device_module()
     for name in _MODULES:
         mod = importlib.import_module(name)

@@ -120,6 +120,13 @@ class PipeTuneSettings(Configurable):
         memory_gib: float = 16.0
         """Memory per rank the plans must fit."""
 
+        cpu_heap_reserve_gib: float = 1.5
+        """On CPU: heap each rank touches before training and keeps, so that steps do not pay page
+        faults while the heap grows to the job's peak (``torchtitan_patches.cpu_allocator``: those
+        follow the run's history, not the plan, and would mislead the online calibration). Size it
+        to the ranks' peak memory, which TorchTitan's memory monitor logs (peak resident memory on
+        CPU); it stays resident. 0: off. No effect on GPUs."""
+
         online_window: int = 8
         """Refit the latency table to the last N measured steps after every step (0: off)."""
 
@@ -181,6 +188,8 @@ class PipeTuneSettings(Configurable):
                     raise ValueError(f"pipetune.{name} must be >= 0, got {getattr(self, name)}")
             if self.budget_s <= 0 or self.memory_gib <= 0:
                 raise ValueError("pipetune.budget_s and pipetune.memory_gib must be positive")
+            if self.cpu_heap_reserve_gib < 0:
+                raise ValueError(f"pipetune.cpu_heap_reserve_gib must be >= 0, got {self.cpu_heap_reserve_gib}")
             if self.jitter_draws == 1 or self.jitter_draws < 0:
                 raise ValueError(f"pipetune.jitter_draws must be 0 (deterministic) or >= 2, got {self.jitter_draws}")
             if self.jitter_draws and self.layout == "separated":
@@ -257,9 +266,9 @@ class PipeTuneTrainer(Trainer):
         pipetune: PipeTuneSettings.Config = field(default_factory=PipeTuneSettings.Config)
 
     def __init__(self, config: Config):
-        use_cpu()
-        fill_gaps()
         pt = config.pipetune
+        use_cpu(int(pt.cpu_heap_reserve_gib * 2**30))
+        fill_gaps()
         spec = config.model_spec
         self.planning_model = planning_model_config(spec, image_grid=pt.image_grid, encoder_frozen=pt.freeze_vision_encoder)
         pp = config.parallelism.pipeline_parallel_degree
