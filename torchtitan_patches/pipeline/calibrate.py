@@ -197,10 +197,10 @@ def size_overhead(base: CostModel, runs: Sequence[MeasuredStep], pairs: Sequence
     background run 10's replays); those pairs' ratios scattered by 1.1 % (15 batches), where
     single runs at one size scattered by 5 % from step to step. Least absolute deviations, not
     squares: one calibration batch of background run 11 ran at mbs 4 1.25-1.35x its serial mbs-1
-    time in all three jobs, where the others ran 0.97-1.03x. Limits: the overhead is one number,
-    and that run showed the mispricing varies with the batch, so three pairs do not always stand
-    for the batches the planner meets (there: 7 and 3 ms on two mixes, and zero on the third,
-    whose scored batches wanted more)."""
+    time in all three jobs, where the others ran 0.97-1.03x (page faults while the heap grew,
+    which the CPU heap reserve, ``torchtitan_patches.cpu_allocator``, now absorbs: with it that
+    batch ran 1.01x and every pair of background run 12 0.97-1.05x). Limits: the overhead is one
+    number fitted on a few calibration batches."""
     if not pairs:
         raise ValueError("size_overhead needs at least one (small, large) pair of serial runs")
     design = Design.stack([run.design for run in runs])
