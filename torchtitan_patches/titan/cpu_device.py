@@ -21,6 +21,7 @@ import resource
 import types
 
 import torch
+from torchtitan.tools.logging import logger
 
 from torchtitan_patches.cpu_allocator import retain_freed_memory
 
@@ -63,7 +64,10 @@ def use_cpu(heap_reserve_bytes: int = 0) -> bool:
     touch ``heap_reserve_bytes`` of heap before training (``cpu_allocator``)."""
     if torch.cuda.is_available():
         return False
-    retain_freed_memory(heap_reserve_bytes)  # as the profiler measured the latency table (see cpu_allocator)
+    # as the profiler measured the latency table (see cpu_allocator)
+    if not retain_freed_memory(heap_reserve_bytes) and heap_reserve_bytes:
+        logger.warning(f"pipetune: could not keep and touch {heap_reserve_bytes / 2**30:.1f} GiB of heap (no glibc mallopt, or "
+                       "the memory is not there); steps pay page faults while the heap grows, and the calibration sees them")
     module = _cpu_device_module()
     for name in _MODULES:
         mod = importlib.import_module(name)
