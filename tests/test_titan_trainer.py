@@ -228,6 +228,14 @@ def test_a_replayed_job_runs_the_recorded_plans_with_the_same_losses(job, tmp_pa
         assert r["loss"] == pytest.approx(x["loss"], rel=1e-4)
 
 
+def _overlap_s(rec: dict) -> float:
+    """Seconds during which two of a run's actions ran at once. A serial run's come only from a
+    sender's bookkeeping after its message left (measured: usually up to 2 ms, once 17 ms on a CI
+    machine); pipelined runs of the calibration's plans overlap 30-56 % of their time."""
+    spans = sorted((s, e) for _, _, s, e, _ in rec["timeline"])
+    return sum(max(0.0, min(x[1], y[1]) - y[0]) for k, x in enumerate(spans) for y in spans[k + 1:])
+
+
 def test_calibration_steps_also_run_their_plans_serially(job, tmp_path):
     """A calibration step of several micro-batches runs its plan pipelined and serially
     (``calibrate_serial``, on by default), the first of the two alternating with the batch: the
@@ -246,13 +254,7 @@ def test_calibration_steps_also_run_their_plans_serially(job, tmp_path):
         assert runs[b][b % 2] is pipelined and twin["serial"] and twin["kind"] == pipelined["kind"] == "calibration"
         assert (twin["samples"], twin["order"]) == (pipelined["samples"], pipelined["order"]) and twin["plan"] != pipelined["plan"]
         assert twin["loss"] == pipelined["loss"]
-
-        def overlapped(rec) -> float:
-            spans = sorted((s, e) for _, _, s, e, _ in rec["timeline"])
-            return sum(max(0.0, min(x[1], y[1]) - y[0]) for k, x in enumerate(spans) for y in spans[k + 1:])
-
-        # aside from a sender's bookkeeping after its message left (measured: up to 2 ms)
-        assert overlapped(twin) < 0.01 * twin["measured_s"] and overlapped(pipelined) > 0.05 * pipelined["measured_s"]
+        assert _overlap_s(twin) < 0.04 * twin["measured_s"] and _overlap_s(pipelined) > 0.05 * pipelined["measured_s"]
     assert runs[3][0]["contention"] == runs[2][-1]["contention"]  # measured on the twins, then held
     # the size's first step is cold (one-off costs): both its runs say so, and its twin measures no kappa
     assert [[bool(r.get("cold")) for r in runs[b]] for b in range(4)] == [[True, True], [False, False], [False, False], [False]]
@@ -279,8 +281,7 @@ def test_calibration_steps_of_the_smallest_size_also_run_the_batch_at_the_larges
         assert sorted(i for mb in size_twin["samples"] for i in mb) == sorted(i for mb in pipelined["samples"] for i in mb)
         assert size_twin["micro_batches"] < pipelined["micro_batches"]
         assert size_twin["loss"] == pytest.approx(pipelined["loss"], rel=1e-4)
-        spans = sorted((s, e) for _, _, s, e, _ in size_twin["timeline"])
-        assert sum(max(0.0, min(x[1], y[1]) - y[0]) for k, x in enumerate(spans) for y in spans[k + 1:]) < 0.01 * size_twin["measured_s"]
+        assert _overlap_s(size_twin) < 0.04 * size_twin["measured_s"]
     assert not any(r.get("size_twin") for b in (1, 3) for r in runs[b])
     # batch 0 is every size's first step (cold, no pair); batch 2's runs go size twin, pipelined,
     # serial twin, and the pair is complete with the last
