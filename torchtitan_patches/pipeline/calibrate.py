@@ -171,8 +171,8 @@ def twin_contention(base: CostModel, runs: Sequence[MeasuredStep], twins: Sequen
     ``benchmarks/sim_vs_real.py``'s background runs, where their ratios want 0.50-0.75."""
     if not twins:
         raise ValueError("twin_contention needs at least one (pipelined, serial) pair of runs")
-    return _best_ratio_fit(base, Design.stack([run.design for run in runs]), twins, CONTENTION_GRID.tolist(), lambda table, kappa: replace(table, contention=kappa),
-                           fit_contention=False, fit_overhead=fit_overhead)
+    return _best_ratio_fit(base, Design.stack([run.design for run in runs]), twins, CONTENTION_GRID.tolist(),
+                           lambda table, kappa: replace(table, contention=kappa), fit_contention=False, fit_overhead=fit_overhead)
 
 
 def with_overhead(table: LatencyTable, seconds: float) -> LatencyTable:

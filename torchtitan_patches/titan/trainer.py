@@ -495,7 +495,8 @@ class PipeTuneTrainer(Trainer):
             self.records_path.parent.mkdir(parents=True, exist_ok=True)
             with self.records_path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
-            logger.info(f"pipetune step {self.step}: {record['kind']}{' serial' if serial else ''}{' size twin' if size_twin else ''} plan ({plan.mode}), mbs {plan.mbs}, "
+            how = (" serial" if serial else "") + (" size twin" if size_twin else "")
+            logger.info(f"pipetune step {self.step}: {record['kind']}{how} plan ({plan.mode}), mbs {plan.mbs}, "
                         f"{plan.num_micro_batches} micro-batches, {record['precomputed_encoders']} encoders pre-computed, predicted "
                         f"{plan.predicted_s * 1e3:.1f} ms, "
                         f"measured {measured * 1e3:.1f} ms" + (f"; guard {record['guard']}" if "guard" in record else ""))
