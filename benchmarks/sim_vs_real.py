@@ -10,7 +10,9 @@ measured guard), through ``benchmarks/titan_jobs.py``.
    every micro-batch size, each also run serially to measure the contention kappa; they feed the
    online calibration and are not scored) and then
    ``--steps`` steps, refitting the table online after every step (``--online-window``). Every
-   step is a different plan (micro-batch count, sizes, order, encoder placement).
+   step is a different plan (micro-batch count, sizes, order, encoder placement). The pipetune
+   job also runs every ``--tuned-twin-every``-th of those steps' plan serially (tuned twins, not
+   scored), and measures kappa on them once it has a few (``OnlineCalibrator``).
 3. Rounds 2..``--rounds``: one job per mix replays the three jobs' recorded plans side by side
    (``--pipetune.replay a,b,c,d``): every batch runs each mode's plan back to back, and pipetune's
    plan once more serially (``serial_run``), the first of them rotating with the batch and the
@@ -98,7 +100,8 @@ def run_jobs(mix: str, work: Path, table: Path, args) -> None:
     prepare(out, "pipetune_muse_glimmer_mm", "--mix", mix, "--samples", str(args.samples))
     common = {"dataloader.dataset_path": out / "data", "pipetune.latency_table": out / "table.json", "debug.seed": 0,
               "dataloader.gbs": args.gbs, "training.seq_len": args.seq_len, "pipetune.online_window": args.online_window,
-              "pipetune.calibrate_steps": args.calibrate_steps, "training.steps": args.calibrate_steps + args.steps}
+              "pipetune.calibrate_steps": args.calibrate_steps, "training.steps": args.calibrate_steps + args.steps,
+              "pipetune.tuned_twin_every": args.tuned_twin_every}
     for mode in MODES:
         run_job(out / f"{mode}_0", {**common, "pipetune.mode": mode})
     write_serialised(out / "pipetune_0", out / SERIAL / "pipetune" / "steps.jsonl")
@@ -146,7 +149,7 @@ def read_mix(mix: str, work: Path, args) -> dict[str, list[dict]]:
                 jobs[name].append(replayed)
     scored = {}
     for mode, rounds in jobs.items():
-        recs = [r for r in rounds[0] if r["batch"] >= args.calibrate_steps + args.warmup]
+        recs = [r for r in rounds[0] if r["batch"] >= args.calibrate_steps + args.warmup and not r.get("serial")]
         for r in recs:
             again = [next(x for x in rnd if x["batch"] == r["batch"]) for rnd in rounds]
             assert all(x["samples"] == r["samples"] and x["order"] == r["order"] for x in again), "a replay ran another plan"
@@ -183,7 +186,7 @@ def add_own_view(scored: dict[str, list[dict]], tuned_job: list[dict], loader, p
     feeds it: not its first step, nor the calibration runs of each micro-batch size's first
     step), so the gain pipetune predicts over another mode is one model's, as when it plans;
     ``own_kappa`` and ``own_overhead_s`` (pipetune's steps): that model's contention kappa and
-    per-call overhead (with serial calibration runs, as measured on them). ``held_s[k]``: the same
+    per-call overhead (with serial runs, as measured on them). ``held_s[k]``: the same
     window and anchors fitted with kappa held at each of ``kappas`` (how much of the predicted cut
     is kappa's)."""
     by_batch = {mode: {r["batch"]: r for r in recs} for mode, recs in scored.items()}
@@ -214,7 +217,7 @@ def add_own_view(scored: dict[str, list[dict]], tuned_job: list[dict], loader, p
             if not r.get("serial"):
                 calibrator.update(step, calibration=r["kind"] == "calibration" and (r["step"], r["mbs"]) not in cold)
             elif (r["step"], r["mbs"]) not in cold:
-                calibrator.observe_serial(step, size_twin=bool(r.get("size_twin")))
+                calibrator.observe_serial(step, size_twin=bool(r.get("size_twin")), tuned=r["kind"] != "calibration")
 
 
 def errors(measured, predicted) -> tuple[float, float]:
@@ -263,8 +266,8 @@ def report(results: dict[str, dict[str, list[dict]]], args) -> None:
                   f"{sum(r['own_s'] for r in scored['original']) / s_pred:.3f} (one micro-batch vs several, uncontended)")
         kappa = [r["own_kappa"] for r in scored["pipetune"]]
         overhead = [1e3 * r["own_overhead_s"] for r in scored["pipetune"]]
-        print(f"{mix}: kappa in pipetune's model (measured on serial calibration runs where the job ran them): "
-              f"mean {np.mean(kappa):.2f}, range {min(kappa):.2f}-{max(kappa):.2f}; per-call overhead (stage forward + "
+        print(f"{mix}: kappa in pipetune's model (measured on serial runs where the job ran them: calibration twins, then "
+              f"tuned twins): mean {np.mean(kappa):.2f}, range {min(kappa):.2f}-{max(kappa):.2f}; per-call overhead (stage forward + "
               f"backward; measured on size twins where the job ran them): {min(overhead):.1f}-{max(overhead):.1f} ms")
         kinds = [r.get("kind") for r in scored["pipetune"]]
         print(f"{mix}: guard ran the baseline on {kinds.count('baseline')} of {len(kinds)} steps "
@@ -291,6 +294,8 @@ def main() -> None:
                     "micro-batches also run serially, the pairs kappa is measured on (8 steps gave 3-5 pairs per job, and "
                     "under one CPU-bound process kappa came out 0.5-0.8 from run to run; 16 gave 5-11)")
     ap.add_argument("--online-window", type=int, default=8)
+    ap.add_argument("--tuned-twin-every", type=int, default=2, help="the pipetune job runs every Nth step after calibration "
+                    "also serially, and measures kappa on those twins (0: on the calibration's twins only)")
     ap.add_argument("--rounds", type=int, default=3, help="runs of every plan (>= 2: the first trains, the others replay "
                     "the modes' plans side by side)")
     ap.add_argument("--gbs", type=int, default=16)

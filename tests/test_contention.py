@@ -13,8 +13,8 @@ from pipetune.data import BatchStream, batch_meta, make_mix
 from pipetune.plan import PlannerConfig
 from pipetune.simulate import Latencies, TimedAction, compile_schedule, evaluate, simulate
 from pipetune.simulate.contention import concurrent_time, overlap_with_others
-from torchtitan_patches.pipeline.calibrate import (MeasuredStep, OnlineCalibrator, fit_steps, simulate_plan, size_overhead, twin_contention,
-                                                   with_overhead)
+from torchtitan_patches.pipeline.calibrate import (TUNED_TWINS_MIN, MeasuredStep, OnlineCalibrator, fit_steps, simulate_plan, size_overhead,
+                                                   twin_contention, with_overhead)
 
 
 def brute(start, end, rank, dt=1e-3):
@@ -282,3 +282,47 @@ def test_table_keeps_contention_and_refuses_a_bad_one(job):
     for bad in (-0.1, "0.3", float("nan")):
         with pytest.raises(LatencyTableError, match="contention must be a finite number >= 0"):
             table_from_dict({**raw, "contention": bad})
+
+
+def test_tuned_twins_measure_the_contention_of_the_plans_being_priced(job):
+    """A machine whose contention differs between plan families: the calibration's balanced plans
+    run as under kappa 0.3, the planner's pipetune plans as under 0.6 (iteration times; actions as
+    under 0.3 throughout). Measured on the calibration twins kappa is 0.3 and prices the pipetune
+    plans' pipelined runs against their serial ones 5 % or more too fast. Each pipetune step run
+    also serially (a tuned twin, paired whichever of its runs comes first, not with a serial run
+    of another batch) joins the twins kappa is measured on; from ``TUNED_TWINS_MIN`` of them on,
+    kappa is theirs alone: 0.6, pricing those ratios within 1 %. The state restores to the same
+    fit."""
+    model, base, metas = job
+    truth = CostModel(replace(base.table, scales={"rest": 1.3}), base.layout)
+    cal = twin_calibrator(model, truth, base, metas[:4], 0.3)
+    assert cal.contention == pytest.approx(0.3, abs=0.05)
+    rng = np.random.default_rng(1)
+    planner = PlannerConfig(mode="pipetune", max_seq_len=4096, memory_bytes=80e9, max_mbs=2).build(model, truth)
+
+    def run(plan, meta):
+        timeline, _ = contended_timeline(truth, plan, meta, 0.3, rng, 0.01)
+        return MeasuredStep.from_timelines(base, [timeline], plan, meta, contended_timeline(truth, plan, meta, 0.6, rng, 0.0)[1])
+
+    def ratio_error(pipelined, serial):
+        cost = cal.fit()[0]
+        predicted = simulate_plan(cost, pipelined.plan, pipelined.meta).makespan / simulate_plan(cost, serial.plan, serial.meta).makespan
+        return predicted / (pipelined.measured_s / serial.measured_s) - 1
+
+    stray = run(planner.plan(metas[9]).serialised(), metas[9])
+    cal.observe_serial(stray, tuned=True)  # its pipelined run never comes: it pairs with nothing
+    for i, meta in enumerate(metas[4:8]):
+        plan = planner.plan(meta)
+        assert plan.has_serial_twin
+        pipelined, serial = run(plan, meta), run(plan.serialised(), meta)
+        for step in (serial, pipelined) if i % 2 else (pipelined, serial):
+            cal.update(step) if step is pipelined else cal.observe_serial(step, tuned=True)
+        assert len(cal.tuned_twins) == i + 1 and cal.tuned_twins[-1] == (pipelined, serial)
+        if i == 0:
+            assert ratio_error(pipelined, serial) < -0.05
+        if i + 1 < TUNED_TWINS_MIN:
+            assert cal.contention_twins() == cal.twins + list(cal.tuned_twins)
+    assert cal.contention_twins() == list(cal.tuned_twins) and cal.contention == pytest.approx(0.6, abs=0.05)
+    assert all(abs(ratio_error(*twin)) < 0.01 for twin in cal.tuned_twins)
+    again = OnlineCalibrator(base.table, base.layout, 4)
+    assert again.load_state_dict(cal.state_dict())[0].table == cal.fit()[0].table and list(again.tuned_twins) == list(cal.tuned_twins)

@@ -139,6 +139,8 @@ def test_bad_job_settings_are_named(tmp_path):
         PipeTuneSettings.Config(plan_ahead=-1)
     with pytest.raises(ValueError, match="pipetune.calibrate_steps"):
         PipeTuneSettings.Config(calibrate_steps=-2)
+    with pytest.raises(ValueError, match="pipetune.tuned_twin_every"):
+        PipeTuneSettings.Config(tuned_twin_every=-1)
     with pytest.raises(ValueError, match="pipetune.guard_probe_every"):
         PipeTuneSettings.Config(guard_probe_every=1)
     with pytest.raises(ValueError, match="pipetune.cpu_heap_reserve_gib"):
@@ -261,6 +263,31 @@ def test_calibration_steps_also_run_their_plans_serially(job, tmp_path):
     assert "contention" not in runs[0][1]
     replayed = load_replay(dump / "pipetune" / "steps.jsonl")
     assert all(replayed[b] == next(r["plan"] for r in runs[b] if not r.get("serial")) for b in range(4))
+
+
+def test_every_nth_tuned_step_also_runs_its_plan_serially(job, tmp_path):
+    """With ``tuned_twin_every 2`` every second step after calibration whose plan is pipetune's
+    (not the guard's baseline) also runs it serially, the first of the two alternating with the
+    batch: same micro-batches, order and loss, no two ranks computing at once, recorded as a
+    serial run of kind ``tuned``; the other steps run once, and replaying the job runs its
+    pipelined plans only. Messages under ``strict_order``, as NCCL orders them."""
+    dump = tmp_path / "tuned_twins"
+    _torchrun(["-m", "torchtitan.train", *_args(job, dump, "--training.steps", "6", "--pipetune.calibrate_steps", "2",
+                                                 "--pipetune.online_window", "4", "--pipetune.max_mbs", "1",
+                                                 "--pipetune.tuned_twin_every", "2")])
+    recs = _records(dump)
+    runs = {b: [r for r in recs if r["batch"] == b] for b in range(6)}
+    twinned = [b for b in range(2, 6) if len(runs[b]) == 2]
+    assert twinned == [b for b in (2, 4) if runs[b][0]["mode"] == "pipetune"] and twinned
+    for b in twinned:
+        pipelined, twin = sorted(runs[b], key=lambda r: bool(r.get("serial")))
+        assert runs[b][b % 2] is pipelined and twin["serial"] and twin["kind"] == "tuned" and "size_twin" not in twin
+        assert (twin["samples"], twin["order"], twin["mode"]) == (pipelined["samples"], pipelined["order"], "pipetune")
+        assert twin["loss"] == pipelined["loss"] and pipelined["micro_batches"] > 1
+        assert _overlap_s(twin) < 0.04 * twin["measured_s"] and _overlap_s(pipelined) > 0.05 * pipelined["measured_s"]
+    assert all(len(runs[b]) == 1 for b in (3, 5))
+    replayed = load_replay(dump / "pipetune" / "steps.jsonl")
+    assert all(replayed[b] == next(r["plan"] for r in runs[b] if not r.get("serial")) for b in range(6))
 
 
 def test_calibration_steps_of_the_smallest_size_also_run_the_batch_at_the_largest(job, tmp_path):

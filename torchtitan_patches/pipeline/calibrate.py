@@ -209,8 +209,12 @@ def size_overhead(base: CostModel, runs: Sequence[MeasuredStep], pairs: Sequence
                                   fit_contention=fit_contention, fit_overhead=False, penalty=np.abs)
 
 
+TUNED_TWINS_MIN = 3  # tuned twins before kappa is measured on them alone (``OnlineCalibrator``)
+TUNED_TWIN_WINDOW = 8  # the most recent tuned twins it is measured on
+
+
 class CalibrationRun(Enum):
-    """How a calibration step ran its batch (``OnlineCalibrator``)."""
+    """How a step ran its batch (``OnlineCalibrator``)."""
 
     PIPELINED = "pipelined"  # the step's plan, as scheduled
     SERIAL = "serial"  # the same plan on the serial schedule: its twin
@@ -233,7 +237,14 @@ class OnlineCalibrator:
       plans overlap alike, so kappa trades against the scales, and a kappa fitted too low there
       priced a one-micro-batch plan 10-20 % too slow under a CPU-bound neighbour (predicted cut vs
       ``original`` off by 10 points, ``benchmarks/sim_vs_real.py``). A serial run times the same
-      actions as its pipelined twin without overlap, so their ratio is kappa's alone.
+      actions as its pipelined twin without overlap, so their ratio is kappa's alone. Once
+      ``TUNED_TWINS_MIN`` of the planner's own plans have been run serially too (tuned twins,
+      ``observe_serial(tuned=True)``), kappa is measured on the last ``TUNED_TWIN_WINDOW`` of
+      those alone: one number does not price every plan family's contention alike, and beside
+      a CPU-bound process the calibration's balanced plans wanted kappa 0.45 where pipetune's
+      plans wanted 0.54 (background run 12, which then predicted a cut 3.8 points above the
+      measured one). Limits: a twin's ratio scatters by about 3 % on such a machine, so a few
+      tuned twins pin kappa to about +-0.05.
     * the per-call overhead, when such steps also ran the batch serially at the largest size
       (``observe_serial(size_twin=True)``): ``size_overhead`` on the (serial, size twin) pairs.
       Both runs are serial, so their ratio is what more, smaller micro-batches cost, free of
@@ -254,6 +265,8 @@ class OnlineCalibrator:
         self.steps: deque[MeasuredStep] = deque(maxlen=window)
         self.jitter_draws = jitter_draws
         self.by_step: dict[int, dict[CalibrationRun, MeasuredStep]] = {}  # the calibration runs, by batch step and how they ran
+        self.tuned_twins: deque[tuple[MeasuredStep, MeasuredStep]] = deque(maxlen=TUNED_TWIN_WINDOW)  # (pipelined, serial)
+        self._tuned_runs: dict[CalibrationRun, MeasuredStep] = {}  # the latest planner's step's runs, until paired
         self.contention: float | None = None  # measured on the twins, then held
         self.overhead: float | None = None  # seconds per stage forward + backward call, measured on the size pairs, then held
 
@@ -263,14 +276,22 @@ class OnlineCalibrator:
         self.steps.append(step)
         if calibration:
             self._add_calibration_run(step, CalibrationRun.PIPELINED)
+        else:
+            self._add_tuned_run(step, CalibrationRun.PIPELINED)
         return self.fit()
 
-    def observe_serial(self, step: MeasuredStep, *, size_twin: bool = False) -> tuple[CostModel, CalibrationReport] | None:
+    def observe_serial(self, step: MeasuredStep, *, size_twin: bool = False, tuned: bool = False
+                       ) -> tuple[CostModel, CalibrationReport] | None:
         """Add a calibration step's plan run serially (``IterationPlan.serialised``), or with
-        ``size_twin`` its batch at the largest size run serially, re-measure what its pairs
-        measure and refit the window holding it (``None`` while the window is empty). Serial runs
-        anchor the fits but do not enter the window, which prices the planner's plans."""
-        self._add_calibration_run(step, CalibrationRun.SIZE_TWIN if size_twin else CalibrationRun.SERIAL)
+        ``size_twin`` its batch at the largest size run serially, or with ``tuned`` a planner's
+        step's plan run serially (paired with that step's ``update``, before or after it),
+        re-measure what its pairs measure and refit the window holding it (``None`` while the
+        window is empty). Serial runs do not enter the window, which prices the planner's plans;
+        those of calibration steps anchor the fits."""
+        if tuned:
+            self._add_tuned_run(step, CalibrationRun.SERIAL)
+        else:
+            self._add_calibration_run(step, CalibrationRun.SIZE_TWIN if size_twin else CalibrationRun.SERIAL)
         return self.fit() if self.steps else None
 
     @property
@@ -279,7 +300,7 @@ class OnlineCalibrator:
 
     @property
     def twins(self) -> list[tuple[MeasuredStep, MeasuredStep]]:
-        """(pipelined, serial) runs of one plan."""
+        """(pipelined, serial) runs of one calibration plan."""
         return self._pairs(CalibrationRun.PIPELINED, CalibrationRun.SERIAL)
 
     @property
@@ -299,8 +320,28 @@ class OnlineCalibrator:
         new_size_pair = how is not CalibrationRun.PIPELINED and CalibrationRun.SIZE_TWIN in same
         if new_size_pair:
             self.overhead = size_overhead(self.held(), self.calibration_runs, self.size_pairs, fit_contention=self.contention is None)
-        if self.twins and (new_twin or new_size_pair):
-            self.contention = twin_contention(self.held(), self.calibration_runs, self.twins, fit_overhead=self.overhead is None)
+        if new_twin or new_size_pair:
+            self._measure_contention()
+
+    def _add_tuned_run(self, step: MeasuredStep, how: CalibrationRun) -> None:
+        if any(run.plan.step != step.plan.step for run in self._tuned_runs.values()):
+            self._tuned_runs = {}
+        self._tuned_runs[how] = step
+        if len(self._tuned_runs) == 2:
+            self.tuned_twins.append((self._tuned_runs[CalibrationRun.PIPELINED], self._tuned_runs[CalibrationRun.SERIAL]))
+            self._tuned_runs = {}
+            self._measure_contention()
+
+    def contention_twins(self) -> list[tuple[MeasuredStep, MeasuredStep]]:
+        """The twins kappa is measured on: the recent tuned twins once there are
+        ``TUNED_TWINS_MIN``, else every twin."""
+        tuned = list(self.tuned_twins)
+        return tuned if len(tuned) >= TUNED_TWINS_MIN else self.twins + tuned
+
+    def _measure_contention(self) -> None:
+        twins = self.contention_twins()
+        if twins:
+            self.contention = twin_contention(self.held(), self.calibration_runs, twins, fit_overhead=self.overhead is None)
 
     def held(self) -> CostModel:
         """The base model with the terms measured on pairs so far."""
@@ -322,15 +363,18 @@ class OnlineCalibrator:
         return [run for run in self.calibration_runs if not any(run is step for step in self.steps)]
 
     def state_dict(self) -> dict:
-        return {"window": list(self.steps), "by_step": self.by_step, "contention": self.contention, "overhead": self.overhead}
+        return {"window": list(self.steps), "by_step": self.by_step, "tuned_twins": list(self.tuned_twins), "contention": self.contention,
+                "overhead": self.overhead}
 
     def load_state_dict(self, state: dict) -> tuple[CostModel, CalibrationReport] | None:
         """Restore and refit (``None``: nothing measured yet). Checkpoints of older versions list
         the calibration runs and the (pipelined, serial) twins among them instead, and hold no
-        size twins."""
+        size twins or tuned twins."""
         self.steps.clear()
         self.steps.extend(state["window"])
         self.by_step = dict(state["by_step"]) if "by_step" in state else self._by_step_of(state)
+        self.tuned_twins.clear()
+        self.tuned_twins.extend(state.get("tuned_twins", []))
         self.contention, self.overhead = state["contention"], state.get("overhead")
         return self.fit() if self.steps else None
 

@@ -15,7 +15,8 @@ distributed set-up, the model (built on meta from the job's ``ModelSpec``, split
   (``pipetune.replay a,b``), a step runs each job's plan of its batch, only the last run's
   gradients kept; a calibration step runs its plan pipelined and serially likewise, and at the
   smallest size also the batch at the largest size serially (``calibrate_serial``: the pairs that
-  measure contention and per-call overhead).
+  measure contention and per-call overhead), and so does every ``tuned_twin_every``-th later step
+  with its pipetune plan (the pairs kappa is then measured on).
 * ``batch_generator``: the dataloader yields one ``GlobalBatch`` per step (see
   ``titan.dataloader``).
 * ``state_dict``: adds the planner's state (calibration window and runs, per-mbs correction,
@@ -156,6 +157,15 @@ class PipeTuneSettings(Configurable):
         ``max_mbs`` calibration steps. Co-located layouts only (a separated plan's serial twin is
         not defined, so there the window fits kappa and the overhead with everything else)."""
 
+        tuned_twin_every: int = 0
+        """pipetune mode, after the calibration steps: every Nth step whose plan is the planner's
+        also runs it serially (a tuned twin), and the online calibration measures kappa on the
+        recent tuned twins once it has a few (``OnlineCalibrator``): contention priced on the plans
+        being priced, not only on the calibration's. Costs one serial run (about 1.2 pipelined steps
+        on 2 CPU ranks) per N steps; worth it where ranks contend for a shared CPU (beside other
+        jobs), where kappa differs between plan families. 0: off. Co-located layouts only, like
+        ``calibrate_serial``."""
+
         guard: bool = True
         """pipetune mode: fall back to the best fixed configuration while pipetune's plans are
         measured slower than it (``pipetune.plan.guard``; probes the baseline every
@@ -183,7 +193,7 @@ class PipeTuneSettings(Configurable):
 
         def __post_init__(self) -> None:
             Mode(self.mode)
-            for name in ("plan_ahead", "max_mbs", "mbs", "online_window", "image_grid", "calibrate_steps"):
+            for name in ("plan_ahead", "max_mbs", "mbs", "online_window", "image_grid", "calibrate_steps", "tuned_twin_every"):
                 if getattr(self, name) < 0:
                     raise ValueError(f"pipetune.{name} must be >= 0, got {getattr(self, name)}")
             if self.budget_s <= 0 or self.memory_gib <= 0:
@@ -422,11 +432,16 @@ class PipeTuneTrainer(Trainer):
                                        extra_metrics={**extra, **lr_metrics})
 
     def _serial_twin(self, step: int, plan: IterationPlan) -> IterationPlan | None:
-        """The serial run of a calibration step's plan (``calibrate_serial``; every rank decides alike)."""
+        """The serial run of a calibration step's plan (``calibrate_serial``) or of every
+        ``tuned_twin_every``-th later step's pipetune plan (the guard's baseline plans are not
+        pipetune's); every rank decides alike, on the step and the plan it received."""
         pt = self.config.pipetune
-        if pt.calibrate_serial and not pt.replay and step < pt.calibrate_steps and plan.has_serial_twin:
-            return plan.serialised()
-        return None
+        if pt.replay or not plan.has_serial_twin:
+            return None
+        if step < pt.calibrate_steps:
+            return plan.serialised() if pt.calibrate_serial else None
+        tuned = plan.mode is Mode.PIPETUNE and pt.tuned_twin_every and (step - pt.calibrate_steps) % pt.tuned_twin_every == 0
+        return plan.serialised() if tuned else None
 
     def _size_twin(self, step: int) -> tuple[GlobalBatch, IterationPlan] | None:
         """Batch ``step`` packed and planned at the calibration's largest size on the serial
@@ -455,8 +470,8 @@ class PipeTuneTrainer(Trainer):
     def _record(self, batch, plan, res, *, replay_of: int | None = None, serial: bool = False, size_twin: bool = False,
                 cold: bool = False) -> dict:
         """Gather every rank's timing and loss (gloo); on rank 0 feed the calibration, correction
-        and guard (a run of a later replay file feeds nothing, a serial run, the serial twin or the
-        size twin, only the calibration's pairs and anchors), and write the record. ``cold``: the
+        and guard (a run of a later replay file feeds nothing, a serial run, the serial twin, size
+        twin or tuned twin, only the calibration's pairs and anchors), and write the record. ``cold``: the
         process's first step at this micro-batch size, whose first run meets its tensor shapes
         first and pays one-off costs (measured before the CPU heap reserve: pipelined over serial
         time 1.01-1.27 where the size's later steps gave 0.69-0.95, or 0.59-0.73 where the serial
@@ -486,8 +501,10 @@ class PipeTuneTrainer(Trainer):
             if replay_of:
                 record.update(kind=StepKind.REPLAY.value, tuned_predicted_s=plan.predicted_s, baseline_predicted_s=float("nan"))
             elif serial:
-                record.update(kind=StepKind.CALIBRATION.value, tuned_predicted_s=float("nan"), baseline_predicted_s=float("nan"))
-                self._learn_from_serial(batch, plan, timeline, measured, record, cold=cold, size_twin=size_twin)
+                tuned = batch.step >= self.config.pipetune.calibrate_steps  # a tuned twin (``tuned_twin_every``)
+                record.update(kind=(StepKind.TUNED if tuned else StepKind.CALIBRATION).value, tuned_predicted_s=float("nan"),
+                              baseline_predicted_s=float("nan"))
+                self._learn_from_serial(batch, plan, timeline, measured, record, cold=cold, size_twin=size_twin, tuned=tuned)
             else:
                 self._learn(batch, plan, timeline, measured, record, cold)
             record["plan"] = plan.to_json()
@@ -502,12 +519,13 @@ class PipeTuneTrainer(Trainer):
                         f"measured {measured * 1e3:.1f} ms" + (f"; guard {record['guard']}" if "guard" in record else ""))
         return record
 
-    def _learn_from_serial(self, batch, plan, timeline, measured: float, record: dict, *, cold: bool, size_twin: bool) -> None:
-        """Rank 0, after a serial twin or size twin (not a size's first step): re-measure kappa on
-        the twins and the per-call overhead on the size pairs."""
+    def _learn_from_serial(self, batch, plan, timeline, measured: float, record: dict, *, cold: bool, size_twin: bool,
+                           tuned: bool) -> None:
+        """Rank 0, after a serial twin, size twin or tuned twin (not a size's first step):
+        re-measure kappa on the twins and the per-call overhead on the size pairs."""
         if cold or self.calibrator is None:
             return
-        fitted = self.calibrator.observe_serial(self._measured_step(batch, plan, timeline, measured), size_twin=size_twin)
+        fitted = self.calibrator.observe_serial(self._measured_step(batch, plan, timeline, measured), size_twin=size_twin, tuned=tuned)
         record.update(contention=self.calibrator.contention, call_overhead_s=self.calibrator.overhead)
         if fitted is not None:
             self._set_cost(fitted[0])
