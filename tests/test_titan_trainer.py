@@ -267,8 +267,8 @@ def test_calibration_steps_also_run_their_plans_serially(job, tmp_path):
 
 def test_every_nth_tuned_step_also_runs_its_plan_serially(job, tmp_path):
     """With ``tuned_twin_every 2`` every second step after calibration whose plan is pipetune's
-    (not the guard's baseline) also runs it serially, the first of the two alternating with the
-    batch: same micro-batches, order and loss, no two ranks computing at once, recorded as a
+    (not the guard's baseline) also runs it serially, the first of the two alternating from twin
+    to twin: same micro-batches, order and loss, no two ranks computing at once, recorded as a
     serial run of kind ``tuned``; the other steps run once, and replaying the job runs its
     pipelined plans only. Messages under ``strict_order``, as NCCL orders them."""
     dump = tmp_path / "tuned_twins"
@@ -281,7 +281,7 @@ def test_every_nth_tuned_step_also_runs_its_plan_serially(job, tmp_path):
     assert twinned == [b for b in (2, 4) if runs[b][0]["mode"] == "pipetune"] and twinned
     for b in twinned:
         pipelined, twin = sorted(runs[b], key=lambda r: bool(r.get("serial")))
-        assert runs[b][b % 2] is pipelined and twin["serial"] and twin["kind"] == "tuned" and "size_twin" not in twin
+        assert runs[b][(b - 2) // 2 % 2] is pipelined and twin["serial"] and twin["kind"] == "tuned" and "size_twin" not in twin
         assert (twin["samples"], twin["order"], twin["mode"]) == (pipelined["samples"], pipelined["order"], "pipetune")
         assert twin["loss"] == pipelined["loss"] and pipelined["micro_batches"] > 1
         assert _overlap_s(twin) < 0.04 * twin["measured_s"] and _overlap_s(pipelined) > 0.05 * pipelined["measured_s"]

@@ -409,7 +409,7 @@ class PipeTuneTrainer(Trainer):
         cold = [p.mbs not in self.sizes_run for _, p in runs]
         self.sizes_run.update(p.mbs for _, p in runs)
         self.ntokens_seen += sum(mb.num_tokens for mb in batch.micro_batches)
-        first = batch.step % len(runs)
+        first = self._rotation(batch.step) % len(runs)
         replayed = len(self.config.pipetune.replay) > 1
         for k in [*range(first, len(runs)), *range(first)]:
             self.optimizers.zero_grad()  # the last run's gradients are the step's
@@ -442,6 +442,12 @@ class PipeTuneTrainer(Trainer):
             return plan.serialised() if pt.calibrate_serial else None
         tuned = plan.mode is Mode.PIPETUNE and pt.tuned_twin_every and (step - pt.calibrate_steps) % pt.tuned_twin_every == 0
         return plan.serialised() if tuned else None
+
+    def _rotation(self, step: int) -> int:
+        """Which of a step's runs goes first: the batch step, or at a tuned twin's step its count
+        (they fall on every Nth step, so the step alone would put the same run first each time)."""
+        pt = self.config.pipetune
+        return (step - pt.calibrate_steps) // pt.tuned_twin_every if pt.tuned_twin_every and step >= pt.calibrate_steps else step
 
     def _size_twin(self, step: int) -> tuple[GlobalBatch, IterationPlan] | None:
         """Batch ``step`` packed and planned at the calibration's largest size on the serial
