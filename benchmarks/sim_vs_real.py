@@ -149,7 +149,8 @@ def read_mix(mix: str, work: Path, args) -> dict[str, list[dict]]:
                 jobs[name].append(replayed)
     scored = {}
     for mode, rounds in jobs.items():
-        recs = [r for r in rounds[0] if r["batch"] >= args.calibrate_steps + args.warmup and not r.get("serial")]
+        # copies: the job's own records stay as its trainer saw them (``add_own_view`` replays them)
+        recs = [dict(r) for r in rounds[0] if r["batch"] >= args.calibrate_steps + args.warmup and not r.get("serial")]
         for r in recs:
             again = [next(x for x in rnd if x["batch"] == r["batch"]) for rnd in rounds]
             assert all(x["samples"] == r["samples"] and x["order"] == r["order"] for x in again), "a replay ran another plan"

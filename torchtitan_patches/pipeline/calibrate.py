@@ -242,9 +242,10 @@ class OnlineCalibrator:
       ``observe_serial(tuned=True)``), kappa is measured on the last ``TUNED_TWIN_WINDOW`` of
       those alone: one number does not price every plan family's contention alike, and beside
       a CPU-bound process the calibration's balanced plans wanted kappa 0.45 where pipetune's
-      plans wanted 0.54 (background run 12, which then predicted a cut 3.8 points above the
-      measured one). Limits: one twin's ratio scattered by 3.4 % beside a CPU-bound process, so
-      8 tuned twins pin their mean ratio to about 1.2 %, some 0.03 of kappa (background run 13).
+      plans wanted 0.54 (background run 12); measured on tuned twins, every predicted cut of
+      background run 13 came within 1.2 points of the measured one. Limits: one twin's ratio
+      scattered by 3.4 % beside a CPU-bound process, so 8 tuned twins pin their mean ratio to
+      about 1.2 %, some 0.03 of kappa (background run 13).
     * the per-call overhead, when such steps also ran the batch serially at the largest size
       (``observe_serial(size_twin=True)``): ``size_overhead`` on the (serial, size twin) pairs.
       Both runs are serial, so their ratio is what more, smaller micro-batches cost, free of
