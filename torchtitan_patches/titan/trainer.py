@@ -444,10 +444,12 @@ class PipeTuneTrainer(Trainer):
         return plan.serialised() if tuned else None
 
     def _rotation(self, step: int) -> int:
-        """Which of a step's runs goes first: the batch step, or at a tuned twin's step its count
-        (they fall on every Nth step, so the step alone would put the same run first each time)."""
+        """Which of a step's runs goes first: the batch step, or where tuned twins run, from the
+        calibration on, the twin's count (they fall on every Nth step, so the step alone would put
+        the same run first each time)."""
         pt = self.config.pipetune
-        return (step - pt.calibrate_steps) // pt.tuned_twin_every if pt.tuned_twin_every and step >= pt.calibrate_steps else step
+        twins = pt.tuned_twin_every and not pt.replay and step >= pt.calibrate_steps
+        return (step - pt.calibrate_steps) // pt.tuned_twin_every if twins else step
 
     def _size_twin(self, step: int) -> tuple[GlobalBatch, IterationPlan] | None:
         """Batch ``step`` packed and planned at the calibration's largest size on the serial
