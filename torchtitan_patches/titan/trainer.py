@@ -440,16 +440,20 @@ class PipeTuneTrainer(Trainer):
             return None
         if step < pt.calibrate_steps:
             return plan.serialised() if pt.calibrate_serial else None
-        tuned = plan.mode is Mode.PIPETUNE and pt.tuned_twin_every and (step - pt.calibrate_steps) % pt.tuned_twin_every == 0
+        tuned = self._tuned_twins_run(step) and plan.mode is Mode.PIPETUNE and (step - pt.calibrate_steps) % pt.tuned_twin_every == 0
         return plan.serialised() if tuned else None
 
-    def _rotation(self, step: int) -> int:
-        """Which of a step's runs goes first: the batch step, or where tuned twins run, from the
-        calibration on, the twin's count (they fall on every Nth step, so the step alone would put
-        the same run first each time)."""
+    def _tuned_twins_run(self, step: int) -> bool:
+        """Whether ``step`` is past calibration in a job that runs tuned twins (not a replay)."""
         pt = self.config.pipetune
-        twins = pt.tuned_twin_every and not pt.replay and step >= pt.calibrate_steps
-        return (step - pt.calibrate_steps) // pt.tuned_twin_every if twins else step
+        return bool(pt.tuned_twin_every) and not pt.replay and step >= pt.calibrate_steps
+
+    def _rotation(self, step: int) -> int:
+        """Which of a step's runs goes first: the batch step, or where tuned twins run the twin's
+        count (they fall on every Nth step, so the step alone would put the same run first each
+        time)."""
+        pt = self.config.pipetune
+        return (step - pt.calibrate_steps) // pt.tuned_twin_every if self._tuned_twins_run(step) else step
 
     def _size_twin(self, step: int) -> tuple[GlobalBatch, IterationPlan] | None:
         """Batch ``step`` packed and planned at the calibration's largest size on the serial
@@ -479,9 +483,9 @@ class PipeTuneTrainer(Trainer):
                 cold: bool = False) -> dict:
         """Gather every rank's timing and loss (gloo); on rank 0 feed the calibration, correction
         and guard (a run of a later replay file feeds nothing, a serial run, the serial twin, size
-        twin or tuned twin, only the calibration's pairs and anchors), and write the record. ``cold``: the
-        process's first step at this micro-batch size, whose first run meets its tensor shapes
-        first and pays one-off costs (measured before the CPU heap reserve: pipelined over serial
+        twin or tuned twin, only the calibration's pairs and anchors), and write the record.
+        ``cold``: the process's first step at this micro-batch size, whose first run meets its
+        tensor shapes first and pays one-off costs (measured before the CPU heap reserve: pipelined over serial
         time 1.01-1.27 where the size's later steps gave 0.69-0.95, or 0.59-0.73 where the serial
         run went first; mostly page faults, which ``pipetune.cpu_heap_reserve_gib`` now absorbs
         where it covers the heap), so it feeds neither the pairs nor the calibration runs."""
@@ -509,7 +513,7 @@ class PipeTuneTrainer(Trainer):
             if replay_of:
                 record.update(kind=StepKind.REPLAY.value, tuned_predicted_s=plan.predicted_s, baseline_predicted_s=float("nan"))
             elif serial:
-                tuned = batch.step >= self.config.pipetune.calibrate_steps  # a tuned twin (``tuned_twin_every``)
+                tuned = self._tuned_twins_run(batch.step)  # a tuned twin, not a calibration step's serial run
                 record.update(kind=(StepKind.TUNED if tuned else StepKind.CALIBRATION).value, tuned_predicted_s=float("nan"),
                               baseline_predicted_s=float("nan"))
                 self._learn_from_serial(batch, plan, timeline, measured, record, cold=cold, size_twin=size_twin, tuned=tuned)
