@@ -485,10 +485,11 @@ class PipeTuneTrainer(Trainer):
         and guard (a run of a later replay file feeds nothing, a serial run, the serial twin, size
         twin or tuned twin, only the calibration's pairs and anchors), and write the record.
         ``cold``: the process's first step at this micro-batch size, whose first run meets its
-        tensor shapes first and pays one-off costs (measured before the CPU heap reserve: pipelined over serial
-        time 1.01-1.27 where the size's later steps gave 0.69-0.95, or 0.59-0.73 where the serial
-        run went first; mostly page faults, which ``pipetune.cpu_heap_reserve_gib`` now absorbs
-        where it covers the heap), so it feeds neither the pairs nor the calibration runs."""
+        tensor shapes first and pays one-off costs (measured before the CPU heap reserve:
+        pipelined over serial time 1.01-1.27 where the size's later steps gave 0.69-0.95, or
+        0.59-0.73 where the serial run went first; mostly page faults, which
+        ``pipetune.cpu_heap_reserve_gib`` now absorbs where it covers the heap), so it feeds
+        neither the pairs nor the calibration runs."""
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, (res.start, res.end, res.timeline, res.loss, res.overhead_s), group=self.control)
         start = min(g[0] for g in every)
