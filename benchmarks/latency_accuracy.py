@@ -27,7 +27,7 @@ os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
 from pipetune.config import load_model_config  # noqa: E402
 from pipetune.cost import CostModel, StageLayout, load_latency_table  # noqa: E402
-from pipetune.cost.calibration import Observed, calibrate  # noqa: E402
+from pipetune.calibrate.action_fit import Observed, calibrate  # noqa: E402
 from pipetune.data import make_mix, write_dataset  # noqa: E402
 from profiling.profile_layers import ProfileConfig, run_profile  # noqa: E402
 from profiling.stage_timing import StageTimer, observe, sample_micro_batches  # noqa: E402

@@ -45,9 +45,9 @@ def search_prediction(out: Path):
     """The layout search exactly as the trainer runs it on this job's defaults (``auto`` picks the
     faster of ``split`` and ``separated``)."""
     from pipetune.cost import load_latency_table
-    from torchtitan_patches.titan import config_registry
+    from configs import config_registry
     from torchtitan_patches.titan.model_spec import planning_model_config
-    from torchtitan_patches.titan.trainer import layout_search, sample_job_batches
+    from torchtitan_patches.trainer import layout_search, sample_job_batches
 
     config = getattr(config_registry, CONFIG)()
     config.dataloader.dataset_path = str(out / "data")

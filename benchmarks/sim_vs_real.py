@@ -76,8 +76,8 @@ from pipetune.plan.plan import IterationPlan  # noqa: E402
 from pipetune.schedule.table import Action  # noqa: E402
 from pipetune.simulate import TimedAction  # noqa: E402
 from torchtitan_patches.data import DataLoaderConfig  # noqa: E402
-from torchtitan_patches.pipeline.calibrate import MeasuredStep, OnlineCalibrator, fit_steps, held_out_times, simulate_plan  # noqa: E402
-from torchtitan_patches.titan import config_registry  # noqa: E402
+from pipetune.calibrate.online import MeasuredStep, OnlineCalibrator, fit_steps, held_out_times, simulate_plan  # noqa: E402
+from configs import config_registry  # noqa: E402
 from torchtitan_patches.titan.model_spec import planning_model_config  # noqa: E402
 from pipetune.cost import CostModel, StageLayout, load_latency_table  # noqa: E402
 

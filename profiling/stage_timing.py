@@ -14,12 +14,12 @@ import numpy as np
 import torch
 
 from pipetune.config.model import ModelConfig
-from pipetune.cost.calibration import Observation, Observed, Part
+from pipetune.calibrate.action_fit import Observation, Observed, Part
 from pipetune.cost.cost_model import MicroBatchShapes
 from pipetune.cost.layout import StageLayout
 from pipetune.packing.batch_packer import PackingConfig
 from profiling.timing import Clock, fwd_bwd_sample
-from torchtitan_patches.cpu_allocator import retain_freed_memory
+from profiling.cpu_allocator import retain_freed_memory
 from torchtitan_patches.data.loader import DataLoaderConfig
 from torchtitan_patches.data.micro_batch import PackedMicroBatch
 from torchtitan_patches.model.attention import varlen_metadata

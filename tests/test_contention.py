@@ -7,13 +7,13 @@ import pytest
 
 from pipetune.config import load_hardware, load_model_config
 from pipetune.cost import CostModel, StageLayout, analytical_table
-from pipetune.cost.calibration import OVERHEAD_GRID, Design, calibrate_design
+from pipetune.calibrate.action_fit import OVERHEAD_GRID, Design, calibrate_design
 from pipetune.cost.table import LatencyTableError, table_from_dict
 from pipetune.data import BatchStream, batch_meta, make_mix
 from pipetune.plan import PlannerConfig
 from pipetune.simulate import Latencies, TimedAction, compile_schedule, evaluate, simulate
 from pipetune.simulate.contention import concurrent_time, overlap_with_others
-from torchtitan_patches.pipeline.calibrate import (TUNED_TWINS_MIN, MeasuredStep, OnlineCalibrator, fit_steps, simulate_plan, size_overhead,
+from pipetune.calibrate.online import (TUNED_TWINS_MIN, MeasuredStep, OnlineCalibrator, fit_steps, simulate_plan, size_overhead,
                                                    twin_contention, with_overhead)
 
 

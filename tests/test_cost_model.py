@@ -3,7 +3,7 @@ import pytest
 
 from pipetune.config import load_hardware, load_model_config
 from pipetune.cost import CostModel, LatencyTable, MicroBatchShapes, StageLayout, analytical_table
-from pipetune.cost.calibration import Observation, Observed, Part, calibrate
+from pipetune.calibrate.action_fit import Observation, Observed, Part, calibrate
 from pipetune.cost.cost_model import lookup
 from pipetune.cost.table import Curve, table_from_dict
 from pipetune.packing import Packing

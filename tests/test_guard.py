@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from pipetune.cost.correction import FamilyCorrection
+from pipetune.calibrate.correction import FamilyCorrection
 from pipetune.plan.guard import Guard, GuardConfig, GuardState, PlanKind
 
 

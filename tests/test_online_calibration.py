@@ -7,13 +7,13 @@ import pytest
 
 from pipetune.config import load_hardware, load_model_config
 from pipetune.cost import CostModel, StageLayout, analytical_table
-from pipetune.cost.calibration import Observed, Part
+from pipetune.calibrate.action_fit import Observed, Part
 from pipetune.cost.table import CURVES, Curve
 from pipetune.data import BatchStream, batch_meta, make_mix
 from pipetune.plan import Mode, PlannerConfig
 from pipetune.plan.guard import Guard
-from torchtitan_patches.pipeline.calibrate import MeasuredStep, OnlineCalibrator, fit_steps, held_out_times, simulate_plan, timeline_observations
-from torchtitan_patches.titan.plan_source import PlanSource, StepKind
+from pipetune.calibrate.online import MeasuredStep, OnlineCalibrator, fit_steps, held_out_times, simulate_plan, timeline_observations
+from pipetune.plan.plan_source import PlanSource, StepKind
 
 
 def bend(curve: Curve, k: float) -> Curve:
@@ -143,7 +143,7 @@ def test_makespan_factor_measured_against_the_expected_time():
     against the expected time over the fitted spread instead of the deterministic simulation takes
     out the jitter penalty the truth implies. What stays above 1 is the scale fit's own bias under
     noise (relative-error least squares favours predictions below the mean, see the report)."""
-    from pipetune.cost.calibration import Design, calibrate_design
+    from pipetune.calibrate.action_fit import Design, calibrate_design
     from pipetune.cost.variability import Spread, Variability
     from pipetune.simulate import Latencies, simulate
     from pipetune.simulate.jitter import expected_time

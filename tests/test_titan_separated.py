@@ -65,7 +65,7 @@ def test_the_trainers_parallelize_wrapper_cuts_each_part_to_its_encoder_chunks()
 
     from pipetune.cost import StageLayout
     from torchtitan_patches.titan.model_spec import muse_glimmer_spec
-    from torchtitan_patches.titan.trainer import VISION_MODULES, _pipeline_only, layout_fqns
+    from torchtitan_patches.trainer import VISION_MODULES, _pipeline_only, layout_fqns
 
     spec = muse_glimmer_spec("heavy_vit")
     with torch.device("meta"):

@@ -15,9 +15,9 @@ import torch
 from pipetune.data import make_mix, write_dataset
 from pipetune.data.mixes import parse_mix
 from titan_reference import unsplit_step
-from torchtitan_patches.titan import config_registry
+from configs import config_registry
 from torchtitan_patches.titan.model_spec import planning_model_config
-from torchtitan_patches.titan.plan_source import load_replay
+from pipetune.plan.plan_source import load_replay
 
 pytestmark = pytest.mark.timeout(170)
 ROOT = Path(__file__).resolve().parents[1]
@@ -130,8 +130,8 @@ def test_step_one_gradients_equal_the_unsplit_model(job, tmp_path, monkeypatch, 
 
 def test_bad_job_settings_are_named(tmp_path):
     from torchtitan_patches.titan.dataloader import PipeTuneTitanDataLoader
-    from torchtitan_patches.titan.plan_source import load_replay, load_replays
-    from torchtitan_patches.titan.trainer import PipeTuneSettings
+    from pipetune.plan.plan_source import load_replay, load_replays
+    from torchtitan_patches.trainer import PipeTuneSettings
 
     with pytest.raises(ValueError, match="'fast'"):
         PipeTuneSettings.Config(mode="fast")

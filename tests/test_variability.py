@@ -9,7 +9,7 @@ import pytest
 
 from pipetune.config import load_hardware, load_model_config
 from pipetune.cost import LatencyTableError, analytical_table
-from pipetune.cost.calibration import UNKNOWNS, Design, calibrate_design
+from pipetune.calibrate.action_fit import UNKNOWNS, Design, calibrate_design
 from pipetune.cost.table import table_from_dict
 from pipetune.cost.variability import Spread, Variability
 

@@ -8,8 +8,8 @@ import time
 from dataclasses import dataclass
 
 from pipetune.plan import Mode
-from torchtitan_patches.titan import config_registry
-from torchtitan_patches.titan.trainer import PipeTuneTrainer
+from configs import config_registry
+from torchtitan_patches.trainer import PipeTuneTrainer
 
 
 class SlowedTrainer(PipeTuneTrainer):

@@ -23,7 +23,7 @@ def run(args) -> int:
     import torch
 
     from pipetune.cost import CostModel, StageLayout, load_latency_table
-    from pipetune.cost.calibration import calibrate
+    from pipetune.calibrate.action_fit import calibrate
     from profiling.stage_timing import StageTimer, observe, sample_micro_batches
 
     torch.set_num_threads(args.threads)

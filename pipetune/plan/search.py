@@ -172,7 +172,7 @@ class Planner:
 
     def set_correction(self, factors: Mapping[int, float]) -> None:
         """From the next plan on, compare micro-batch sizes by their simulated time times
-        ``factors[mbs]`` (``pipetune.cost.correction``; sizes not given: 1). Plans still report
+        ``factors[mbs]`` (``pipetune.calibrate.correction``; sizes not given: 1). Plans still report
         the uncorrected simulated time as ``predicted_s``."""
         with self._lock:
             self.correction = dict(factors)

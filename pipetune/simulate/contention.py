@@ -14,12 +14,12 @@ which an action runs while at least one other rank is busy costs ``1 + kappa`` s
 order a schedule's makespan grows by ``kappa`` times its *concurrent time* (the time during which
 two or more ranks are busy), which ``concurrent_time`` finds for a block of candidates in one
 vectorised sweep; the simulator adds it to every makespan. Calibration
-(``pipetune.cost.calibration``) fits kappa from measured timelines: an action that overlapped
+(``pipetune.calibrate.action_fit``) fits kappa from measured timelines: an action that overlapped
 other ranks' work (``overlap_with_others``) for a fraction ``phi`` of its uncontended time took
 ``1 + kappa phi`` times that time. Where every action overlaps alike kappa trades against the
 scales, so the trainer measures it on pairs: a calibration step's plan run pipelined and serially
 (``pipetune.schedule.schedules.serial``), taking the kappa that prices the ratio of their iteration
-times (``torchtitan_patches.pipeline.calibrate.twin_contention``).
+times (``pipetune.calibrate.online.twin_contention``).
 Limits: first order (the schedule's order of work is that of the uncontended simulation; a
 stretch that would reorder waits is not followed) and one number for every kind of work and any
 number of busy ranks.

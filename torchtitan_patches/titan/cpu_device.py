@@ -23,7 +23,7 @@ import types
 import torch
 from torchtitan.tools.logging import logger
 
-from torchtitan_patches.cpu_allocator import retain_freed_memory
+from profiling.cpu_allocator import retain_freed_memory
 
 _MODULES = (
     "torchtitan.tools.utils",

@@ -36,7 +36,7 @@ from pipetune.plan.async_planner import AsyncPlanner
 from pipetune.plan.guard import Guard, PlanKind
 from pipetune.plan.plan import IterationPlan, PlanError
 from pipetune.plan.search import Planner
-from torchtitan_patches.pipeline.calibrate import simulate_plan
+from pipetune.calibrate.online import simulate_plan
 
 
 class StepKind(str, Enum):

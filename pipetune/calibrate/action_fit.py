@@ -29,7 +29,7 @@ spread of measured over predicted time of a stage's forward + backward and of an
 observations keeps its previous spread).
 
 Observations come from ``pipetune calibrate`` (isolated stage timings) or from the runtime's own
-action timelines (``torchtitan_patches.pipeline.calibrate``).
+action timelines (``pipetune.calibrate.online``).
 """
 
 from __future__ import annotations

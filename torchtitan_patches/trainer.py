@@ -28,7 +28,7 @@ runtime agree on it. Rank 0 decides every step's plan (``titan.plan_source``: re
 calibration cycle, the job's planner planning ``plan_ahead`` batches ahead in a background
 thread, or the guard's baseline) and sends plans over a gloo group. After each step rank 0 refits
 the latency table to the last ``online_window`` steps' action times, updates the per-mbs
-correction the planner compares sizes with (``pipetune.cost.correction``) and the measured guard
+correction the planner compares sizes with (``pipetune.calibrate.correction``) and the measured guard
 (``pipetune.plan.guard``: pipetune's plans run only while measured faster than the best fixed
 configuration). Per step it writes a record to ``<dump_folder>/pipetune/steps.jsonl`` (mode, kind
 of plan and guard state, mbs, micro-batches, order, pre-computed encoders, predicted and measured
@@ -63,7 +63,7 @@ from torchtitan.trainer import Trainer
 
 from pipetune.config.model import ModelConfig
 from pipetune.cost import CostModel, LatencyTable, StageLayout, load_latency_table
-from pipetune.cost.correction import FamilyCorrection
+from pipetune.calibrate.correction import FamilyCorrection
 from pipetune.data.batch import BatchMeta
 from pipetune.data.storage import open_dataset
 from pipetune.plan import Mode, PlannerConfig
@@ -75,13 +75,13 @@ from pipetune.plan.plan import IterationPlan
 from pipetune.schedule.table import Placement
 from pipetune.simulate import TimedAction
 from torchtitan_patches.data.micro_batch import GlobalBatch
-from torchtitan_patches.pipeline.calibrate import MeasuredStep, OnlineCalibrator
+from pipetune.calibrate.online import MeasuredStep, OnlineCalibrator
 from torchtitan_patches.pipeline.executor import ImageShapes, PlanExecutor
 from torchtitan_patches.pipeline.plan_channel import PlanChannel
 from torchtitan_patches.titan.cpu_device import use_cpu
 from torchtitan_patches.titan.dataloader import PipeTuneTitanDataLoader
 from torchtitan_patches.titan.model_spec import planning_model_config
-from torchtitan_patches.titan.plan_source import PlanSource, StepKind, load_replays
+from pipetune.plan.plan_source import PlanSource, StepKind, load_replays
 from torchtitan_patches.titan.stages import TitanStage, encoder_chunks, keep_encoder_chunks
 from torchtitan_patches.titan.tokenizer import text_encoder
 from torchtitan_patches.titan.torch_compat import fill_gaps
@@ -123,7 +123,7 @@ class PipeTuneSettings(Configurable):
 
         cpu_heap_reserve_gib: float = 1.5
         """On CPU: heap each rank touches before training and keeps, so that steps do not pay page
-        faults while the heap grows to the job's peak (``torchtitan_patches.cpu_allocator``: those
+        faults while the heap grows to the job's peak (``profiling.cpu_allocator``: those
         follow the run's history, not the plan, and would mislead the online calibration). Size it
         to the ranks' peak memory, which TorchTitan's memory monitor logs (peak resident memory on
         CPU); it stays resident. 0: off. No effect on GPUs."""

@@ -10,7 +10,7 @@ from enum import Enum
 
 import numpy as np
 
-from pipetune.cost.calibration import (CONTENTION_GRID, OVERHEAD_GRID, CalibrationReport, Design, Observation, Observed, Part,
+from pipetune.calibrate.action_fit import (CONTENTION_GRID, OVERHEAD_GRID, CalibrationReport, Design, Observation, Observed, Part,
                                        calibrate_design)
 from pipetune.cost.cost_model import CostModel
 from pipetune.cost.layout import StageLayout
@@ -198,7 +198,7 @@ def size_overhead(base: CostModel, runs: Sequence[MeasuredStep], pairs: Sequence
     single runs at one size scattered by 5 % from step to step. Least absolute deviations, not
     squares: one calibration batch of background run 11 ran at mbs 4 1.25-1.35x its serial mbs-1
     time in all three jobs, where the others ran 0.97-1.03x (page faults while the heap grew,
-    which the CPU heap reserve, ``torchtitan_patches.cpu_allocator``, now absorbs: with it that
+    which the CPU heap reserve, ``profiling.cpu_allocator``, now absorbs: with it that
     batch ran 1.01x and every pair of background run 12 0.97-1.05x). Limits: the overhead is one
     number fitted on a few calibration batches."""
     if not pairs:

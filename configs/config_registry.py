@@ -19,7 +19,7 @@ from torchtitan.config import ParallelismConfig, TrainingConfig
 from torchtitan_patches.titan.dataloader import PipeTuneTitanDataLoader
 from torchtitan_patches.titan.model_spec import muse_glimmer_spec
 from torchtitan_patches.titan.tokenizer import ByteTokenizer
-from torchtitan_patches.titan.trainer import PipeTuneSettings, PipeTuneTrainer
+from torchtitan_patches.trainer import PipeTuneSettings, PipeTuneTrainer
 
 
 def pipetune_muse_glimmer_mm() -> PipeTuneTrainer.Config:
