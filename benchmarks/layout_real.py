@@ -1,7 +1,7 @@
 """Stage layouts in real TorchTitan training, 2 gloo ranks: even, the searched co-located split,
 and DIP's separated layout.
 
-The job is ``pipetune_muse_glimmer_heavy_vit`` (``torchtitan_patches/titan/config_registry.py``): a
+The job is ``muse_glimmer_heavy_vit_testbed`` (``configs/config_registry.py``): a
 Muse Glimmer whose trained ViT costs more than its backbone on a DataMix3 batch (1.5 x the FLOPs),
 so the even split leaves stage 0 (encoder + half the layers) the straggler. The layout search
 moves backbone layers off stage 0 (``split``: the best co-located layout, issue 12), and the
@@ -37,7 +37,7 @@ import numpy as np
 
 from titan_jobs import ROOT, prepare, run_job
 
-CONFIG = "pipetune_muse_glimmer_heavy_vit"
+CONFIG = "muse_glimmer_heavy_vit_testbed"
 LAYOUTS = ("even", "split", "separated")
 
 
@@ -47,7 +47,7 @@ def search_prediction(out: Path):
     from pipetune.cost import load_latency_table
     from configs import config_registry
     from torchtitan_patches.titan.model_spec import planning_model_config
-    from torchtitan_patches.trainer import layout_search, sample_job_batches
+    from torchtitan_patches.titan.model_parts import layout_search, sample_job_batches
 
     config = getattr(config_registry, CONFIG)()
     config.dataloader.dataset_path = str(out / "data")
@@ -66,8 +66,8 @@ def run_layout(name: str, layout: str, out: Path, args) -> list[dict]:
 
 def timing(records: list[dict]) -> tuple[float, float, float]:
     """Mean measured and predicted pipeline time, and mean |predicted - measured| / measured."""
-    m = np.array([r["measured_s"] for r in records])
-    p = np.array([r["predicted_s"] for r in records])
+    m = np.array([r.measured_s for r in records])
+    p = np.array([r.predicted_s for r in records])
     return float(m.mean()), float(p.mean()), float(np.mean(np.abs(p - m) / m))
 
 

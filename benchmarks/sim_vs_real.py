@@ -1,20 +1,20 @@
 """Measured vs predicted pipeline time of real TorchTitan training on 2 gloo ranks (this CPU).
 
-What a user runs: TorchTitan's trainer (``torchrun -m torchtitan.train --module
-torchtitan_patches.titan --config pipetune_muse_glimmer_mm``, Muse Glimmer ``debugmodel_mm``)
-with pipetune's plans, one job per planner mode (original, balanced, pipetune; pipetune with its
+What a user runs: TorchTitan's trainer (``torchrun -m torchtitan.train --module configs
+--config muse_glimmer_mm_testbed``, Muse Glimmer ``debugmodel_mm`` on the CPU testbed,
+``benchmarks/testbed``) with pipetune's plans, one job per planner mode (original, balanced, pipetune; pipetune with its
 measured guard), through ``benchmarks/titan_jobs.py``.
 
-1. Profile the job's planning shapes on this CPU once (``torchtitan_patches.titan.prepare``).
+1. Profile the job's planning shapes on this CPU once (``profiling.prepare_job``).
 2. Per data mix, every mode trains ``--calibrate-steps`` calibration steps (balanced plans at
    every micro-batch size, each also run serially to measure the contention kappa; they feed the
    online calibration and are not scored) and then
    ``--steps`` steps, refitting the table online after every step (``--online-window``). Every
    step is a different plan (micro-batch count, sizes, order, encoder placement). The pipetune
    job also runs every ``--tuned-twin-every``-th of those steps' plan serially (tuned twins, not
-   scored), and measures kappa on them once it has a few (``OnlineCalibrator``).
+   scored), and measures kappa on them once it has a few (``PairCalibrator``).
 3. Rounds 2..``--rounds``: one job per mix replays the three jobs' recorded plans side by side
-   (``--pipetune.replay a,b,c,d``): every batch runs each mode's plan back to back, and pipetune's
+   (``--pipetune.replay.path a --testbed.side_by_side b,c,d``): every batch runs each mode's plan back to back, and pipetune's
    plan once more serially (``serial_run``), the first of them rotating with the batch and the
    round. A plan's measured time is the median of its runs (its
    own job's and the side-by-side ones, minutes apart); the measured *cut* comes from the
@@ -73,10 +73,11 @@ os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 from pipetune.data import Overlong  # noqa: E402
 from pipetune.packing import PackingConfig  # noqa: E402
 from pipetune.plan.plan import IterationPlan  # noqa: E402
-from pipetune.schedule.table import Action  # noqa: E402
-from pipetune.simulate import TimedAction  # noqa: E402
 from torchtitan_patches.data import DataLoaderConfig  # noqa: E402
-from pipetune.calibrate.online import MeasuredStep, OnlineCalibrator, fit_steps, held_out_times, simulate_plan  # noqa: E402
+from benchmarks.testbed.learning import PairLearner, TestbedRecord  # noqa: E402
+from pipetune.calibrate.learner import call_overhead_s  # noqa: E402
+from pipetune.calibrate.online import MeasuredStep, fit_steps, held_out_times, simulate_plan  # noqa: E402
+from pipetune.calibrate.pairs import PairCalibrator  # noqa: E402
 from configs import config_registry  # noqa: E402
 from torchtitan_patches.titan.model_spec import planning_model_config  # noqa: E402
 from pipetune.cost import CostModel, StageLayout, load_latency_table  # noqa: E402
@@ -87,27 +88,23 @@ SERIAL = "pipetune_serial"  # pipetune's plans replayed on the serial schedule
 REPLAYED = (*MODES, SERIAL)
 
 
-def timeline(rec: dict) -> list[TimedAction]:
-    return [TimedAction(r, Action.parse(a), s, e, p) for r, a, s, e, p in rec["timeline"]]
-
-
 def run_jobs(mix: str, work: Path, table: Path, args) -> None:
     """Every mode's job of ``mix`` and the side-by-side replays of their plans."""
     out = work / mix
     if not (out / "table.json").exists():
         out.mkdir(parents=True, exist_ok=True)
         shutil.copy(table, out / "table.json")
-    prepare(out, "pipetune_muse_glimmer_mm", "--mix", mix, "--samples", str(args.samples))
+    prepare(out, "muse_glimmer_mm", "--mix", mix, "--samples", str(args.samples))
     common = {"dataloader.dataset_path": out / "data", "pipetune.latency_table": out / "table.json", "debug.seed": 0,
-              "dataloader.gbs": args.gbs, "training.seq_len": args.seq_len, "pipetune.online_window": args.online_window,
-              "pipetune.calibrate_steps": args.calibrate_steps, "training.steps": args.calibrate_steps + args.steps,
-              "pipetune.tuned_twin_every": args.tuned_twin_every}
+              "dataloader.gbs": args.gbs, "training.seq_len": args.seq_len, "pipetune.calibration.online_window": args.online_window,
+              "pipetune.calibration.steps": args.calibrate_steps, "training.steps": args.calibrate_steps + args.steps,
+              "testbed.tuned_twin_every": args.tuned_twin_every}
     for mode in MODES:
         run_job(out / f"{mode}_0", {**common, "pipetune.mode": mode})
     write_serialised(out / "pipetune_0", out / SERIAL / "pipetune" / "steps.jsonl")
     for k in range(1, args.rounds):
-        run_job(out / f"side_by_side_{k}", {**common, "pipetune.replay": ",".join(
-            str(out / (name if name == SERIAL else f"{name}_0") / "pipetune" / "steps.jsonl") for name in side_by_side_order(k, REPLAYED))})
+        files = [str(out / (name if name == SERIAL else f"{name}_0") / "pipetune" / "steps.jsonl") for name in side_by_side_order(k, REPLAYED)]
+        run_job(out / f"side_by_side_{k}", {**common, "pipetune.replay.path": files[0], "testbed.side_by_side": ",".join(files[1:])})
 
 
 def serial_run(plan: IterationPlan) -> IterationPlan:
@@ -119,10 +116,10 @@ def serial_run(plan: IterationPlan) -> IterationPlan:
 def write_serialised(job: Path, dest: Path) -> None:
     """``job``'s records with every plan on the serial schedule (``serial_run``): a replay file."""
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with dest.open("w") as f:
-        for r in read_records(job):
-            if not r.get("serial"):
-                f.write(json.dumps({"batch": r["batch"], "plan": serial_run(IterationPlan.from_json(r["plan"])).to_json()}) + "\n")
+    dest.unlink(missing_ok=True)
+    for r in read_records(job):
+        if not r.extra_run:
+            replace(r, plan=serial_run(IterationPlan.from_json(r.plan)).to_json()).append_to(dest)
 
 
 def side_by_side_order(k: int, names: tuple[str, ...]) -> tuple[str, ...]:
@@ -136,10 +133,11 @@ def read_mix(mix: str, work: Path, args) -> dict[str, list[dict]]:
     ``serial_runs`` (its plan run serially, per side-by-side round) where the rounds ran them
     (runs before they did replayed the three modes only)."""
     out = work / mix
-    jobs = {mode: [read_records(out / f"{mode}_0")] for mode in MODES}
+    tuned_job = read_records(out / "pipetune_0")  # as the trainer saw them (``add_own_view`` replays them)
+    jobs = {mode: [[vars(r).copy() for r in read_records(out / f"{mode}_0")]] for mode in MODES}
     serial = []
     for k in range(1, args.rounds):
-        runs = read_records(out / f"side_by_side_{k}")
+        runs = [vars(r).copy() for r in read_records(out / f"side_by_side_{k}")]
         names = REPLAYED if max(r["replay_of"] for r in runs) == len(MODES) else MODES
         for i, name in enumerate(side_by_side_order(k, names)):
             replayed = [r for r in runs if r["replay_of"] == i]
@@ -149,25 +147,24 @@ def read_mix(mix: str, work: Path, args) -> dict[str, list[dict]]:
                 jobs[name].append(replayed)
     scored = {}
     for mode, rounds in jobs.items():
-        # copies: the job's own records stay as its trainer saw them (``add_own_view`` replays them)
-        recs = [dict(r) for r in rounds[0] if r["batch"] >= args.calibrate_steps + args.warmup and not r.get("serial")]
+        recs = [r for r in rounds[0] if r["batch"] >= args.calibrate_steps + args.warmup and not r["extra_run"]]
         for r in recs:
             again = [next(x for x in rnd if x["batch"] == r["batch"]) for rnd in rounds]
             assert all(x["samples"] == r["samples"] and x["order"] == r["order"] for x in again), "a replay ran another plan"
             r["runs"] = [x["measured_s"] for x in again]
-            r["timelines"] = [timeline(x) for x in again]
+            r["timelines"] = [TestbedRecord(**x).timed_actions() for x in again]
             r["measured_s"] = float(np.median(r["runs"]))
         scored[mode] = recs
     if len(serial) == args.rounds - 1:
         for r in scored["pipetune"]:
             r["serial_runs"] = [rnd[r["batch"]]["measured_s"] for rnd in serial]
-    config = config_registry.pipetune_muse_glimmer_mm()
+    config = config_registry.muse_glimmer_mm()
     model = planning_model_config(config.model_spec, image_grid=config.pipetune.image_grid)
     loader = DataLoaderConfig(data=str(out / "data"), gbs=args.gbs, max_seq_len=args.seq_len, seed=0, overlong=Overlong.TRUNCATE,
                               packing=PackingConfig(max_seq_len=args.seq_len)).build(model)
     profiled = CostModel(load_latency_table(out / "table.json", model=model, tp=1), StageLayout.from_sizes(jobs["pipetune"][0][0]["layout"]))
     add_held_out(scored, loader, profiled)
-    add_own_view(scored, jobs["pipetune"][0], loader, profiled, args.online_window, args.kappas)
+    add_own_view(scored, tuned_job, loader, profiled, args.online_window, args.kappas)
     return scored
 
 
@@ -180,45 +177,32 @@ def add_held_out(scored: dict[str, list[dict]], loader, profiled: CostModel) -> 
         r["held_out_s"] = t
 
 
-def add_own_view(scored: dict[str, list[dict]], tuned_job: list[dict], loader, profiled: CostModel, window: int,
+def add_own_view(scored: dict[str, list[dict]], tuned_job: list[TestbedRecord], loader, profiled: CostModel, window: int,
                  kappas: list[float]) -> None:
     """``own_s`` per scored step of every mode: the time of that mode's plan under the pipetune
-    job's online model of the batch (an ``OnlineCalibrator`` fed the job's records as its trainer
-    feeds it: not its first step, nor the calibration runs of each micro-batch size's first
-    step), so the gain pipetune predicts over another mode is one model's, as when it plans;
-    ``own_kappa`` and ``own_overhead_s`` (pipetune's steps): that model's contention kappa and
-    per-call overhead (with serial runs, as measured on them). ``held_s[k]``: the same
-    window and anchors fitted with kappa held at each of ``kappas`` (how much of the predicted cut
-    is kappa's)."""
+    job's online model of the batch (the job's records replayed through ``PairLearner``, the
+    learner its trainer ran), so the gain pipetune predicts over another mode is one model's, as
+    when it plans; ``own_kappa`` and ``own_overhead_s`` (pipetune's steps): that model's contention
+    kappa and per-call overhead. ``held_s[k]``: the same window and anchors fitted with kappa held
+    at each of ``kappas`` (how much of the predicted cut is kappa's)."""
     by_batch = {mode: {r["batch"]: r for r in recs} for mode, recs in scored.items()}
-    calibrator = OnlineCalibrator(profiled.table, profiled.layout, window)
-    sizes_run, cold = set(), set()  # as the trainer's ``cold`` runs: a size's first step
+    learner = PairLearner(profiled, calibrator=PairCalibrator(profiled.table, profiled.layout, window))
+    calibrator = learner.calibrator
     for r in tuned_job:
-        if r["mbs"] not in sizes_run:
-            sizes_run.add(r["mbs"])
-            cold.add((r["step"], r["mbs"]))
-    for r in tuned_job:
-        if r["batch"] in by_batch["pipetune"] and not r.get("serial"):
+        if r.batch in by_batch["pipetune"] and not r.extra_run:
             cost, fitted = calibrator.fit()
-            by_batch["pipetune"][r["batch"]].update(own_kappa=fitted.contention,
-                                                    own_overhead_s=cost.table.fixed("fwd") + cost.table.fixed("bwd"))
+            by_batch["pipetune"][r.batch].update(own_kappa=fitted.contention, own_overhead_s=call_overhead_s(cost.table))
             costs = {k: fit_steps(CostModel(replace(calibrator.held().table, contention=k), profiled.layout), calibrator.steps,
                                   anchors=calibrator.anchors(), fit_contention=False, fit_overhead=calibrator.overhead is None)[0]
                      for k in kappas}
             for mode in MODES:
-                x = by_batch[mode][r["batch"]]
+                x = by_batch[mode][r.batch]
                 plan, meta = IterationPlan.from_json(x["plan"]), loader.meta(x["batch"])
                 x["own_s"] = simulate_plan(cost, plan, meta).makespan
                 if "serial_runs" in x:
                     x["own_serial_s"] = simulate_plan(cost, serial_run(plan), meta).makespan
                 x["held_s"] = {k: simulate_plan(c, plan, meta).makespan for k, c in costs.items()}
-        if r["step"] > 1:
-            step = MeasuredStep.from_timelines(profiled, [timeline(r)], IterationPlan.from_json(r["plan"]), loader.meta(r["batch"]),
-                                               r["measured_s"])
-            if not r.get("serial"):
-                calibrator.update(step, calibration=r["kind"] == "calibration" and (r["step"], r["mbs"]) not in cold)
-            elif (r["step"], r["mbs"]) not in cold:
-                calibrator.observe_serial(step, size_twin=bool(r.get("size_twin")), tuned=r["kind"] != "calibration")
+        learner.observe(replace(r), IterationPlan.from_json(r.plan), loader.meta(r.batch))
 
 
 def errors(measured, predicted) -> tuple[float, float]:
@@ -321,7 +305,7 @@ def main() -> None:
     work = args.out or Path(tempfile.mkdtemp(prefix="pipetune-sim-vs-real-"))
     work.mkdir(parents=True, exist_ok=True)
     if not args.reanalyse:
-        prepare(work / "profile", "pipetune_muse_glimmer_mm", "--samples", "200")
+        prepare(work / "profile", "muse_glimmer_mm", "--samples", "200")
         hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.background)]
         try:
             for mix in mixes:

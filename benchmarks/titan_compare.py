@@ -1,8 +1,8 @@
 """pipetune vs the original plan inside a TorchTitan job (the README's main job).
 
 For each mode (``original``: fixed micro-batch size, samples in arrival order; ``pipetune``) this
-launches TorchTitan's own trainer, ``torchrun -m torchtitan.train --module torchtitan_patches.titan
---config pipetune_muse_glimmer_mm``, on 2 gloo ranks, with the same data, seed and initial weights.
+launches TorchTitan's own trainer, ``torchrun -m torchtitan.train --module configs
+--config muse_glimmer_mm_testbed``, on 2 gloo ranks, with the same data, seed and initial weights.
 The two jobs alternate in ``--rounds`` rounds (original, pipetune, original, ...), so a drifting
 machine speed hits both alike. From the jobs' per-step records it prints, per mode, the mean
 measured pipeline time (first action start to last action end over the ranks; optimizer and data
@@ -58,16 +58,16 @@ def main(argv=None) -> int:
     print(f"{'job':11} {'measured (ms)':>14} {'predicted (ms)':>15} {'error':>7} {'micro-batches':>14} {'mbs':>5}")
     for mode, jobs in runs.items():
         recs = [r for job in jobs for r in job[args.warmup:]]
-        m, pr = np.array([r["measured_s"] for r in recs]), np.array([r["predicted_s"] for r in recs])
+        m, pr = np.array([r.measured_s for r in recs]), np.array([r.predicted_s for r in recs])
         mean[mode] = (m.mean(), pr.mean())
         print(f"{mode:11} {m.mean() * 1e3:14.1f} {pr.mean() * 1e3:15.1f} {np.mean(np.abs(pr - m) / m):7.1%} "
-              f"{np.mean([r['micro_batches'] for r in recs]):14.1f} {np.mean([r['mbs'] for r in recs]):5.1f}")
+              f"{np.mean([r.micro_batches for r in recs]):14.1f} {np.mean([r.mbs for r in recs]):5.1f}")
     for base in (job for job in runs if job != "pipetune"):
         cut = 1 - mean["pipetune"][0] / mean[base][0]
         predicted_cut = 1 - mean["pipetune"][1] / mean[base][1]
         print(f"pipetune vs {base}: measured cut {cut:.1%}, predicted cut {predicted_cut:.1%}")
-    a = np.array([r["loss"] for r in runs["original"][0]])
-    b = np.array([r["loss"] for r in runs["pipetune"][0]])
+    a = np.array([r.loss for r in runs["original"][0]])
+    b = np.array([r.loss for r in runs["pipetune"][0]])
     print(f"loss curves, original vs pipetune (first round): step 1 |difference| {abs(a[0] - b[0]):.1e} (float rounding), "
           f"largest {np.abs(a - b).max():.1e} over {len(a)} steps (AdamW amplifies rounding of tiny gradients; losses "
           f"{a[0]:.4f} -> {a[-1]:.4f})")

@@ -3,12 +3,12 @@
 Every benchmark that measures real training goes through TorchTitan's own entry point
 (``torchrun -m torchtitan.train --module torchtitan_patches.titan --config <fn>``) on 2 gloo
 ranks, with job options given as TorchTitan command-line overrides, so what is timed is the
-trainer path a user runs. ``prepare`` makes the data set and latency table once per config.
+trainer path a user runs, with the CPU testbed's config (``benchmarks/testbed``). ``prepare``
+makes the data set and latency table once per config.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -16,9 +16,12 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # configs/ and benchmarks/testbed, as the jobs import them
+
+from benchmarks.testbed.learning import TestbedRecord  # noqa: E402
 
 
-def prepare(out: Path, config: str = "pipetune_muse_glimmer_mm", *extra: str) -> None:
+def prepare(out: Path, config: str = "muse_glimmer_mm", *extra: str) -> None:
     """``<out>/data`` and ``<out>/table.json`` for ``config`` (kept when they exist)."""
     subprocess.run([sys.executable, "-m", "torchtitan_patches.titan.prepare", "--config", config, "--out", str(out), *extra],
                    check=True, cwd=ROOT)
@@ -30,8 +33,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_job(dump: Path, overrides: dict[str, object], *, config: str = "pipetune_muse_glimmer_mm", nproc: int = 2,
-            timeout: float | None = None) -> list[dict]:
+def run_job(dump: Path, overrides: dict[str, object], *, config: str = "muse_glimmer_mm_testbed", nproc: int = 2,
+            timeout: float | None = None) -> list[TestbedRecord]:
     """Train one job into ``dump`` and return its records (``<dump>/pipetune/steps.jsonl``).
 
     ``overrides`` maps TorchTitan option names to values (``{"pipetune.mode": "original"}`` ->
@@ -41,7 +44,7 @@ def run_job(dump: Path, overrides: dict[str, object], *, config: str = "pipetune
     for key, value in overrides.items():
         args += [f"--{key}"] if value is True else [f"--{key}", str(value)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(_free_port()),
-           "-m", "torchtitan.train", "--module", "torchtitan_patches.titan", "--config", config, "--dump_folder", str(dump), *args]
+           "-m", "torchtitan.train", "--module", "configs", "--config", config, "--dump_folder", str(dump), *args]
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout,
                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
     if res.returncode:
@@ -49,5 +52,5 @@ def run_job(dump: Path, overrides: dict[str, object], *, config: str = "pipetune
     return read_records(dump)
 
 
-def read_records(dump: Path) -> list[dict]:
-    return [json.loads(line) for line in (dump / "pipetune" / "steps.jsonl").read_text().splitlines()]
+def read_records(dump: Path) -> list[TestbedRecord]:
+    return TestbedRecord.read(dump / "pipetune" / "steps.jsonl")

@@ -1,14 +1,23 @@
-"""TorchTitan job configs that train with pipetune's plans.
+"""TorchTitan job configs that train with pipetune's plans (run from the repository root).
 
-    torchrun --nproc-per-node 2 -m torchtitan.train --module torchtitan_patches.titan \
-        --config pipetune_muse_glimmer_mm --dataloader.dataset_path DATA --pipetune.latency_table TABLE
+    torchrun --nproc-per-node 2 -m torchtitan.train --module configs --config muse_glimmer_mm \
+        --dataloader.dataset_path DATA --pipetune.latency_table TABLE
 
-Every function returns a ``PipeTuneTrainer.Config``: TorchTitan's ``Trainer.Config`` plus the
-``pipetune`` section; any field can be overridden on the command line as with TorchTitan's own
-configs (``--pipetune.mode original``, ``--training.steps 50``, ``--checkpoint.enable`` ...).
+Every function returns a ``PipeTuneTrainer.Config`` (the ``*_testbed`` ones a
+``TestbedTrainer.Config``): TorchTitan's ``Trainer.Config`` plus the ``pipetune`` section; any
+field can be overridden on the command line as with TorchTitan's own configs
+(``--pipetune.mode original``, ``--training.steps 50``, ``--checkpoint.enable`` ...).
+
+* ``muse_glimmer_mm``: the debug job (CPU or GPU), what the tests train;
+* ``muse_glimmer_heavy_vit``: a trained ViT that costs more than its backbone (layouts matter);
+* ``muse_glimmer_mm_gpu``: a template for GPU jobs (NCCL, bf16, PP 4);
+* ``muse_glimmer_mm_testbed``, ``muse_glimmer_heavy_vit_testbed``: the same jobs on the 2-core CPU
+  testbed (``benchmarks/testbed``), which the main job and the benchmarks run.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.loss import CrossEntropyLoss
@@ -16,16 +25,18 @@ from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 from torchtitan.config import ParallelismConfig, TrainingConfig
 
+from benchmarks.testbed.trainer import TestbedTrainer
+from torchtitan_patches.settings import PipeTuneSettings
 from torchtitan_patches.titan.dataloader import PipeTuneTitanDataLoader
 from torchtitan_patches.titan.model_spec import muse_glimmer_spec
 from torchtitan_patches.titan.tokenizer import ByteTokenizer
-from torchtitan_patches.trainer import PipeTuneSettings, PipeTuneTrainer
+from torchtitan_patches.trainer import PipeTuneTrainer
 
 
-def pipetune_muse_glimmer_mm() -> PipeTuneTrainer.Config:
+def muse_glimmer_mm() -> PipeTuneTrainer.Config:
     """TorchTitan's Muse Glimmer ``debugmodel_mm`` (8 layers of width 256, a 3-layer ViT of
-    width 64 with 2x2 token merge; ~8 M parameters) on 2 pipeline stages, pipetune plans; trains
-    on CPU (document-masked attention, see ``titan.model_spec``) or GPU."""
+    width 64 with 2x2 token merge; ~8 M parameters) on 2 pipeline stages; trains on CPU
+    (document-masked attention, see ``torchtitan_patches.titan.model_spec``) or GPU."""
     spec = muse_glimmer_spec("debugmodel_mm")
     return PipeTuneTrainer.Config(
         model_spec=spec,
@@ -44,27 +55,14 @@ def pipetune_muse_glimmer_mm() -> PipeTuneTrainer.Config:
     )
 
 
-def original_muse_glimmer_mm() -> PipeTuneTrainer.Config:
-    """The same job with the ``original`` plan: fixed micro-batch size, samples in arrival order,
-    no encoder pre-computation (PipeTune's baseline), run by the same executor."""
-    config = pipetune_muse_glimmer_mm()
-    config.pipetune.mode = "original"
-    return config
-
-
-def pipetune_muse_glimmer_heavy_vit() -> PipeTuneTrainer.Config:
+def muse_glimmer_heavy_vit() -> PipeTuneTrainer.Config:
     """A Muse Glimmer whose trained vision encoder costs more than its backbone (``heavy_vit`` in
-    ``titan.model_spec``: ViT 10 x 192 over 8 x 8 patches per image, backbone 8 x 128), on 2
-    pipeline stages: the setting where the stage layout matters, since stage 0 of a co-located
-    layout runs the whole encoder (``benchmarks/layout_real.py`` trains it with the even, the
-    searched and the separated layout).
-
-    Data: DataMix3 (``python -m torchtitan_patches.titan.prepare --config
-    pipetune_muse_glimmer_heavy_vit --mix datamix3 --out out/titan_heavy``). GBS 12 at seq_len 512
-    (about 5 packed sequences per step) keeps a step near one second on two CPU cores. Trains on
-    CPU: the backbone's attention is pipetune's per-document SDPA (``titan.attention.
-    DocumentAttention``), the ViT's is SDPA under dense per-image masks (``VisionMaskAttention``)."""
-    config = pipetune_muse_glimmer_mm()
+    ``torchtitan_patches.titan.model_spec``: ViT 10 x 192 over 8 x 8 patches per image, backbone
+    8 x 128) on 2 pipeline stages: the setting where the stage layout matters, since stage 0 of a
+    co-located layout runs the whole encoder. Data: DataMix3 (``python -m profiling.prepare_job
+    --config muse_glimmer_heavy_vit --mix datamix3 --out out/titan_heavy``). GBS 12 at seq_len 512
+    keeps a step near one second on two CPU cores."""
+    config = muse_glimmer_mm()
     spec = muse_glimmer_spec("heavy_vit")
     config.model_spec = spec
     config.loss = CrossEntropyLoss.Config(global_vocab_size=spec.model.vocab_size)
@@ -73,3 +71,40 @@ def pipetune_muse_glimmer_heavy_vit() -> PipeTuneTrainer.Config:
     config.training.seq_len = 512
     config.pipetune = PipeTuneSettings.Config(latency_table="out/titan_heavy/table.json", image_grid=8, freeze_vision_encoder=False)
     return config
+
+
+def muse_glimmer_mm_gpu() -> PipeTuneTrainer.Config:
+    """A template for a GPU job: 4 pipeline stages (one GPU each, NCCL, TorchTitan's default on
+    CUDA), bf16 compute (``training.mixed_precision_param``), the layout searched on the job's data
+    (``auto``). Give it your data set and a latency table profiled on your GPUs:
+
+        python -m profiling.prepare_job --config muse_glimmer_mm_gpu --device cuda --no-data --out tables/h100
+        torchrun --nproc-per-node 4 -m torchtitan.train --module configs --config muse_glimmer_mm_gpu \\
+            --dataloader.dataset_path /data/my_mix --pipetune.latency_table tables/h100/table.json
+
+    Swap in your model's spec, batch size and optimizer as in any TorchTitan config. Not yet run on
+    a GPU (no GPU has been available to the project)."""
+    config = muse_glimmer_mm()
+    config.parallelism.pipeline_parallel_degree = 4
+    config.training.mixed_precision_param = "bfloat16"
+    config.dataloader.gbs = 128
+    config.training.steps = 1000
+    config.metrics.log_freq = 10
+    config.checkpoint.interval = 500
+    config.pipetune = PipeTuneSettings.Config(latency_table="tables/h100/table.json", layout="auto", memory_gib=60.0)
+    return config
+
+
+def _testbed(config: PipeTuneTrainer.Config) -> TestbedTrainer.Config:
+    return TestbedTrainer.Config(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
+
+
+def muse_glimmer_mm_testbed() -> TestbedTrainer.Config:
+    """``muse_glimmer_mm`` on the 2-core CPU testbed (heap reserve, contention and per-call
+    overhead measured on twins; ``benchmarks/testbed``)."""
+    return _testbed(muse_glimmer_mm())
+
+
+def muse_glimmer_heavy_vit_testbed() -> TestbedTrainer.Config:
+    """``muse_glimmer_heavy_vit`` on the 2-core CPU testbed."""
+    return _testbed(muse_glimmer_heavy_vit())

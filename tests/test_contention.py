@@ -13,8 +13,8 @@ from pipetune.data import BatchStream, batch_meta, make_mix
 from pipetune.plan import PlannerConfig
 from pipetune.simulate import Latencies, TimedAction, compile_schedule, evaluate, simulate
 from pipetune.simulate.contention import concurrent_time, overlap_with_others
-from pipetune.calibrate.online import (TUNED_TWINS_MIN, MeasuredStep, OnlineCalibrator, fit_steps, simulate_plan, size_overhead,
-                                                   twin_contention, with_overhead)
+from pipetune.calibrate.online import MeasuredStep, fit_steps, simulate_plan, with_overhead
+from pipetune.calibrate.pairs import TUNED_TWINS_MIN, PairCalibrator, size_overhead, twin_contention
 
 
 def brute(start, end, rank, dt=1e-3):
@@ -139,12 +139,12 @@ def test_a_held_contention_is_kept_and_the_other_family_priced_by_it(job):
 
 
 def twin_calibrator(model, truth: CostModel, base: CostModel, metas, kappa: float, *, iteration_kappa: float | None = None,
-                    serial_first: bool = False) -> OnlineCalibrator:
-    """An ``OnlineCalibrator`` fed, per batch, a balanced plan (mbs 1 or 2) and its serial twin as
+                    serial_first: bool = False) -> PairCalibrator:
+    """A ``PairCalibrator`` fed, per batch, a balanced plan (mbs 1 or 2) and its serial twin as
     calibration runs, timed on ``truth`` with contention ``kappa`` (iteration times as under
     ``iteration_kappa`` where given), the twin first if ``serial_first``."""
     rng = np.random.default_rng(0)
-    cal = OnlineCalibrator(base.table, base.layout, 4)
+    cal = PairCalibrator(base.table, base.layout, 4)
     for i, meta in enumerate(metas):
         plan = PlannerConfig(mode="balanced", mbs=1 + i % 2, max_seq_len=4096, memory_bytes=80e9).build(model, truth).plan(meta)
         twin = plan.serialised()
@@ -172,19 +172,16 @@ def test_serial_twins_measure_contention_and_the_window_holds_it(job, kappa):
     assert cal.contention == pytest.approx(kappa, abs=0.05)
     steps = steps_of(model, truth, base, metas[4:8], [1] * 4, kappa, noise=0.03, seed=1)
     flat = [replace(s, design=replace(s.design, overlap=np.full(len(s.design.y), s.design.overlap.mean()))) for s in steps]
-    alone = OnlineCalibrator(base.table, base.layout, 4)
+    alone = PairCalibrator(base.table, base.layout, 4)
     for s in flat:
         cost, report = cal.update(s)
         alone.update(s)
     assert report.contention == cost.table.contention == cal.contention and list(cal.steps) == flat
     if kappa:
         assert abs(alone.fit()[1].contention - kappa) > 0.1
-    again = OnlineCalibrator(base.table, base.layout, 4)
+    again = PairCalibrator(base.table, base.layout, 4)
     restored, _ = again.load_state_dict(cal.state_dict())
-    assert restored.table == cost.table
-    older = OnlineCalibrator(base.table, base.layout, 4)  # a checkpoint of a version that listed runs and twins
-    state = {"window": list(cal.steps), "calibration_runs": cal.calibration_runs, "twins": cal.twins, "contention": cal.contention}
-    assert older.load_state_dict(state)[0].table == cost.table and older.twins == cal.twins
+    assert restored.table == cost.table and again.twins == cal.twins
 
 
 def test_twins_measure_the_contention_iteration_times_show_where_action_times_understate_it(job):
@@ -223,7 +220,7 @@ def test_size_twins_measure_the_per_call_overhead_iteration_times_show(job):
     unit = float(np.median(steps_of(model, truth, base, metas[:1], [1], 0.0)[0].design.y))
     handoff = CostModel(with_overhead(truth.table, 0.06 * unit), base.layout)  # what iteration times show
     rng = np.random.default_rng(0)
-    cal = OnlineCalibrator(base.table, base.layout, 4)
+    cal = PairCalibrator(base.table, base.layout, 4)
 
     def run(plan, meta):
         timeline, _ = contended_timeline(truth, plan, meta, 0.3, rng, 0.01)
@@ -262,7 +259,7 @@ def test_size_twins_measure_the_per_call_overhead_iteration_times_show(job):
         assert simulate_plan(cost, small, meta).makespan / simulate_plan(cost, large, meta).makespan == pytest.approx(true, rel=0.01)
     with pytest.raises(ValueError, match="at least one"):
         size_overhead(base, cal.calibration_runs, [])
-    again = OnlineCalibrator(base.table, base.layout, 4)
+    again = PairCalibrator(base.table, base.layout, 4)
     assert again.load_state_dict(cal.state_dict())[0].table == cost.table
 
 
@@ -324,5 +321,5 @@ def test_tuned_twins_measure_the_contention_of_the_plans_being_priced(job):
             assert cal.contention_twins() == cal.twins + list(cal.tuned_twins)
     assert cal.contention_twins() == list(cal.tuned_twins) and cal.contention == pytest.approx(0.6, abs=0.05)
     assert all(abs(ratio_error(*twin)) < 0.01 for twin in cal.tuned_twins)
-    again = OnlineCalibrator(base.table, base.layout, 4)
+    again = PairCalibrator(base.table, base.layout, 4)
     assert again.load_state_dict(cal.state_dict())[0].table == cal.fit()[0].table and list(again.tuned_twins) == list(cal.tuned_twins)

@@ -65,7 +65,7 @@ def test_the_trainers_parallelize_wrapper_cuts_each_part_to_its_encoder_chunks()
 
     from pipetune.cost import StageLayout
     from torchtitan_patches.titan.model_spec import muse_glimmer_spec
-    from torchtitan_patches.trainer import VISION_MODULES, _pipeline_only, layout_fqns
+    from torchtitan_patches.titan.model_parts import VISION_MODULES, layout_fqns, pipeline_only
 
     spec = muse_glimmer_spec("heavy_vit")
     with torch.device("meta"):
@@ -80,7 +80,7 @@ def test_the_trainers_parallelize_wrapper_cuts_each_part_to_its_encoder_chunks()
         return model
 
     chunks = ((0, 3), (3, 6), (6, 8), (8, 10))
-    wrapped = _pipeline_only(parallelize, chunks)
+    wrapped = pipeline_only(parallelize, chunks)
     for rank, blocks in ((0, [0, 1, 2, 6, 7]), (1, [3, 4, 5, 8, 9])):
         dims = SimpleNamespace(pp=2, get_mesh=lambda name, r=rank: SimpleNamespace(get_local_rank=lambda: r))
         enc = wrapped(_split_module(whole, fqns[rank]), parallel_dims=dims).vision_encoder

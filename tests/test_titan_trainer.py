@@ -2,7 +2,6 @@
 pipetune's plans on TorchTitan's Muse Glimmer ``debugmodel_mm``: a checkpointed, resumed job equals
 the uninterrupted one, and step-1 gradients equal the unsplit TorchTitan model's on the same batch."""
 
-import json
 import os
 import socket
 import subprocess
@@ -12,12 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.testbed.learning import TestbedRecord
+from benchmarks.testbed.runs import Twin
 from pipetune.data import make_mix, write_dataset
 from pipetune.data.mixes import parse_mix
 from titan_reference import unsplit_step
 from configs import config_registry
 from torchtitan_patches.titan.model_spec import planning_model_config
 from pipetune.plan.plan_source import load_replay
+from pipetune.records import StepKind, StepRecord
 
 pytestmark = pytest.mark.timeout(170)
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,7 +33,7 @@ def job(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("titan_job")
     write_dataset(make_mix(parse_mix("datamix2"), 300, 0), d / "data", {"mix": "datamix2"})
-    config = config_registry.pipetune_muse_glimmer_mm()
+    config = config_registry.muse_glimmer_mm()
     for frozen, name in ((True, "table.json"), (False, "table_trained.json")):  # a trained ViT's table also times its backward
         model = planning_model_config(config.model_spec, image_grid=config.pipetune.image_grid, encoder_frozen=frozen)
         run_profile(model, ProfileConfig(max_seq_len=512, max_tokens=2048, max_images=8, points=3, repeats=1, warmup=1, p2p=False),
@@ -39,10 +41,10 @@ def job(tmp_path_factory):
     return d
 
 
-def _args(job: Path, dump: Path, *extra: str, module: str = "torchtitan_patches.titan", config: str = "pipetune_muse_glimmer_mm") -> list[str]:
+def _args(job: Path, dump: Path, *extra: str, module: str = "configs", config: str = "muse_glimmer_mm") -> list[str]:
     return ["--module", module, "--config", config, "--dump_folder", str(dump),
             "--dataloader.dataset_path", str(job / "data"), "--pipetune.latency_table", str(job / "table.json"),
-            "--dataloader.gbs", "8", "--training.seq_len", "512", "--pipetune.online_window", "0", "--pipetune.budget_s", "60",
+            "--dataloader.gbs", "8", "--training.seq_len", "512", "--pipetune.calibration.online_window", "0", "--pipetune.budget_s", "60",
             "--pipetune.strict_order", "--debug.seed", "0", *extra]
 
 
@@ -57,8 +59,8 @@ def _torchrun(target: list[str], timeout: float = 100) -> str:
     return res.stdout + res.stderr
 
 
-def _records(dump: Path) -> list[dict]:
-    return [json.loads(line) for line in (dump / "pipetune" / "steps.jsonl").read_text().splitlines()]
+def _records(dump: Path) -> list[StepRecord]:
+    return StepRecord.read(dump / "pipetune" / "steps.jsonl")
 
 
 def test_resumed_job_equals_uninterrupted_job(job, tmp_path):
@@ -75,17 +77,17 @@ def test_resumed_job_equals_uninterrupted_job(job, tmp_path):
     log = _torchrun(run)
     assert "Training starts at step 3" in log
     resumed = _records(dump)
-    assert [r["step"] for r in first] == [1, 2, 3, 4] and [r["step"] for r in resumed] == [3, 4]
+    assert [r.step for r in first] == [1, 2, 3, 4] and [r.step for r in resumed] == [3, 4]
     for x, y in zip(first[2:], resumed):
-        assert x["batch"] == y["batch"] and x["samples"] == y["samples"] and x["order"] == y["order"]
-        assert x["loss"] == y["loss"], f"step {x['step']}: loss {x['loss']} uninterrupted, {y['loss']} resumed"
-    assert len({r["loss"] for r in first}) == 4  # the model trains: losses move
+        assert (x.batch, x.samples, x.order) == (y.batch, y.samples, y.order)
+        assert x.loss == y.loss, f"step {x.step}: loss {x.loss} uninterrupted, {y.loss} resumed"
+    assert len({r.loss for r in first}) == 4  # the model trains: losses move
 
 
 def _unsplit_gradients(weights: dict, batch, *, trained: bool = False) -> dict:
     """Step 1 of the same TorchTitan model, unsplit, through its own forward (encoder inside), in
     this single process (no device mesh: TorchTitan's plain-tensor backend)."""
-    spec = config_registry.pipetune_muse_glimmer_mm().model_spec
+    spec = config_registry.muse_glimmer_mm().model_spec
     with torch.device("meta"):
         model = spec.model.build()
     model.to_empty(device="cpu")
@@ -116,7 +118,7 @@ def test_step_one_gradients_equal_the_unsplit_model(job, tmp_path, monkeypatch, 
     batch = ranks[0]["batch"]
     assert any(mb.num_images for mb in batch.micro_batches), "the batch should exercise the vision encoder"
     record = _records(tmp_path / "dump")[0]
-    assert record["separated"] == trained
+    assert record.separated == trained
     weights = {k: v for r in ranks for k, v in r["weights"].items()}
     reference = _unsplit_gradients(weights, batch, trained=trained)
     pipelined = {k: v for r in ranks for k, v in r["grads"].items()}
@@ -129,36 +131,32 @@ def test_step_one_gradients_equal_the_unsplit_model(job, tmp_path, monkeypatch, 
 
 
 def test_bad_job_settings_are_named(tmp_path):
+    from benchmarks.testbed.trainer import TestbedSettings
+    from torchtitan_patches.settings import CalibrationSettings, GuardSettings, PipeTuneSettings
     from torchtitan_patches.titan.dataloader import PipeTuneTitanDataLoader
-    from pipetune.plan.plan_source import load_replay, load_replays
-    from torchtitan_patches.trainer import PipeTuneSettings
 
     with pytest.raises(ValueError, match="'fast'"):
         PipeTuneSettings.Config(mode="fast")
     with pytest.raises(ValueError, match="pipetune.plan_ahead"):
         PipeTuneSettings.Config(plan_ahead=-1)
-    with pytest.raises(ValueError, match="pipetune.calibrate_steps"):
-        PipeTuneSettings.Config(calibrate_steps=-2)
-    with pytest.raises(ValueError, match="pipetune.tuned_twin_every"):
-        PipeTuneSettings.Config(tuned_twin_every=-1)
-    with pytest.raises(ValueError, match="pipetune.guard_probe_every"):
-        PipeTuneSettings.Config(guard_probe_every=1)
-    with pytest.raises(ValueError, match="pipetune.cpu_heap_reserve_gib"):
-        PipeTuneSettings.Config(cpu_heap_reserve_gib=-1)
+    with pytest.raises(ValueError, match="pipetune.calibration.steps"):
+        CalibrationSettings.Config(steps=-2)
+    with pytest.raises(ValueError, match="pipetune.guard.probe_every"):
+        GuardSettings.Config(probe_every=1)
+    with pytest.raises(ValueError, match="testbed.heap_reserve_gib and testbed.tuned_twin_every"):
+        TestbedSettings.Config(tuned_twin_every=-1)
     with pytest.raises(ValueError, match="separated layout's planner scores deterministic"):
         PipeTuneSettings.Config(layout="separated", jitter_draws=4)
+    bad = tmp_path / "steps.jsonl"
     with pytest.raises(ValueError, match="line 2: not a pipetune step record"):
-        bad = tmp_path / "steps.jsonl"
-        bad.write_text('{"batch": 1, "plan": "{}"}\n{"batch": 2}\n')
+        bad.write_text(StepRecordLine + "\n" + '{"batch": 2}\n')
         load_replay(bad)
     with pytest.raises(ValueError, match="not a text file of pipetune step records"):
         bad.write_bytes(b"\xff\xfe")
         load_replay(bad)
-    short, long = tmp_path / "short.jsonl", tmp_path / "long.jsonl"
-    short.write_text('{"batch": 0, "plan": "{}"}\n')
-    long.write_text('{"batch": 0, "plan": "{}"}\n{"batch": 1, "plan": "{}"}\n')
-    with pytest.raises(ValueError, match=r"long.jsonl records batches 0..1 \(2\) but .*short.jsonl records 0..0 \(1\)"):
-        load_replays([str(short), str(long)])
+    with pytest.raises(ValueError, match="records batch 0 twice"):
+        bad.write_text(StepRecordLine + "\n" + StepRecordLine + "\n")
+        load_replay(bad)
     with pytest.raises(ValueError, match="holds no step records"):
         bad.write_text("")
         load_replay(bad)
@@ -166,6 +164,11 @@ def test_bad_job_settings_are_named(tmp_path):
         PipeTuneTitanDataLoader.Config().build(seq_len=512)
     with pytest.raises(ValueError, match="data-parallel degree 2"):
         PipeTuneTitanDataLoader.Config(dataset_path="x").build(seq_len=512, dp_world_size=2)
+
+
+StepRecordLine = StepRecord(step=1, batch=0, mode="pipetune", mbs=1, micro_batches=1, order=[0], samples=[[0]], precomputed_encoders=0,
+                            predicted_s=0.1, measured_s=0.1, plan_setup_s=0.0, loss=1.0, fallback=False, layout=[4, 4],
+                            separated=False, plan="{}").to_json()
 
 
 def test_the_guard_falls_back_while_tuned_plans_are_slowed_and_returns(job, tmp_path):
@@ -176,144 +179,86 @@ def test_the_guard_falls_back_while_tuned_plans_are_slowed_and_returns(job, tmp_
     dump = tmp_path / "slowed"
     window, slow = 4, range(8, 18)
     _torchrun(["-m", "torchtitan.train", *_args(
-        job, dump, "--training.steps", "56", "--pipetune.calibrate_steps", "4", "--pipetune.guard_probe_every", "4",
-        "--pipetune.guard_window", str(window), "--slow_from", str(slow.start), "--slow_to", str(slow.stop), "--slow_s", "0.15",
+        job, dump, "--training.steps", "56", "--pipetune.calibration.steps", "4", "--pipetune.guard.probe_every", "4",
+        "--pipetune.guard.window", str(window), "--slow_from", str(slow.start), "--slow_to", str(slow.stop), "--slow_s", "0.15",
         module="titan_slowed_job", config="slowed_muse_glimmer_mm")], timeout=210)
-    recs = [r for r in _records(dump) if not r.get("serial")]
-    calibration = [r for r in recs if r["kind"] == "calibration"]
-    assert [r["batch"] for r in calibration] == [0, 1, 2, 3] and [r["mbs"] for r in calibration] == [1, 2, 3, 4]
-    states = {r["batch"]: r.get("guard") for r in recs}
+    recs = _records(dump)
+    calibration = [r for r in recs if r.kind is StepKind.CALIBRATION]
+    assert [r.batch for r in calibration] == [0, 1, 2, 3] and [r.mbs for r in calibration] == [1, 2, 3, 4]
+    states = {r.batch: r.guard for r in recs}
     fell = [b for b, s in states.items() if s == "fallback"]
     assert fell, "the guard never fell back although pipetune's plans were slowed"
     assert slow.start <= fell[0] <= slow.start + 2 * window + 2, f"fell back at batch {fell[0]}"
     for r in recs:  # a step that starts in fallback runs the baseline plan
-        if states.get(r["batch"] - 1) == "fallback":
-            assert r["kind"] == "baseline" and r["mode"] != "pipetune"
+        if states.get(r.batch - 1) == "fallback":
+            assert r.kind is StepKind.BASELINE and r.mode != "pipetune"
     # back to pipetune's plans after the slow-down: a retry alternates baseline and tuned steps (8 steps for a window of
     # 4); 56 steps leave room for one false alarm on the first retry (its backoff doubles to 16)
     assert any(b > slow.stop and states[b] == "tuned" for b in states), states
-    retry = [r["kind"] for r in recs if states.get(r["batch"] - 1) == "retry"]
-    assert retry[:2] == ["baseline", "tuned"], retry
-    assert not any(r["kind"] == "tuned" and r["mode"] != "pipetune" for r in recs)
+    retry = [r.kind for r in recs if states.get(r.batch - 1) == "retry"]
+    assert retry[:2] == [StepKind.BASELINE, StepKind.TUNED], retry
+    assert not any(r.kind is StepKind.TUNED and r.mode != "pipetune" for r in recs)
 
 
 def test_a_replayed_job_runs_the_recorded_plans_with_the_same_losses(job, tmp_path):
-    """``--pipetune.replay`` runs an earlier job's recorded plans (how benchmarks time one plan
-    several times); on the same data and weights the losses are the same, bit for bit. Given two
-    jobs' records, every step runs both jobs' plans of its batch, the first of them alternating:
-    step 0's runs reproduce each job's loss bit for bit (the same initial weights, no update
-    between the runs), and later steps, trained on the last run's gradients, stay within float
-    rounding of both jobs' losses (every plan of a batch gives the same gradients)."""
+    """``--pipetune.replay.path`` runs an earlier job's recorded plans; on the same data and
+    weights the losses are the same, bit for bit."""
     steps = "3"
-    tuned, original = tmp_path / "tuned", tmp_path / "original"
+    tuned = tmp_path / "tuned"
     _torchrun(["-m", "torchtitan.train", *_args(job, tuned, "--training.steps", steps, "--pipetune.max_mbs", "2")])
-    _torchrun(["-m", "torchtitan.train", *_args(job, original, "--training.steps", steps, "--pipetune.mode", "original")])
-    files = [d / "pipetune" / "steps.jsonl" for d in (tuned, original)]
-    _torchrun(["-m", "torchtitan.train", *_args(job, tmp_path / "replayed", "--training.steps", steps, "--pipetune.replay",
-                                                 str(files[0]), "--pipetune.mode", "original")])
+    _torchrun(["-m", "torchtitan.train", *_args(job, tmp_path / "replayed", "--training.steps", steps, "--pipetune.replay.path",
+                                                 str(tuned / "pipetune" / "steps.jsonl"), "--pipetune.mode", "original")])
     a, b = _records(tuned), _records(tmp_path / "replayed")
-    assert [r["kind"] for r in b] == ["replay"] * 3
+    assert [r.kind for r in b] == [StepKind.REPLAY] * 3
     for x, y in zip(a, b):
-        assert (x["samples"], x["order"], x["mode"], x["loss"]) == (y["samples"], y["order"], y["mode"], y["loss"])
-
-    _torchrun(["-m", "torchtitan.train", *_args(job, tmp_path / "both", "--training.steps", steps, "--pipetune.replay",
-                                                 ",".join(map(str, files)))])
-    recorded = [{r["batch"]: r for r in _records(d)} for d in (tuned, original)]
-    assert any(recorded[0][k]["samples"] != recorded[1][k]["samples"] for k in recorded[0]), "the two jobs ran the same plans"
-    runs = _records(tmp_path / "both")
-    assert [(r["batch"], r["replay_of"]) for r in runs] == [(0, 0), (0, 1), (1, 1), (1, 0), (2, 0), (2, 1)]
-    for r in runs:
-        x = recorded[r["replay_of"]][r["batch"]]
-        assert (r["samples"], r["order"], r["mode"], r["kind"]) == (x["samples"], x["order"], x["mode"], "replay")
-        if r["batch"] == 0:
-            assert r["loss"] == x["loss"]
-        assert r["loss"] == pytest.approx(x["loss"], rel=1e-4)
+        assert (x.samples, x.order, x.mode, x.loss) == (y.samples, y.order, y.mode, y.loss)
 
 
-def _overlap_s(rec: dict) -> float:
-    """Seconds during which two of a run's actions ran at once. A serial run's come only from a
-    sender's bookkeeping after its message left (measured: usually up to 2 ms, once 17 ms on a CI
-    machine); pipelined runs of the calibration's plans overlap 30-56 % of their time."""
-    spans = sorted((s, e) for _, _, s, e, _ in rec["timeline"])
-    return sum(max(0.0, min(x[1], y[1]) - y[0]) for k, x in enumerate(spans) for y in spans[k + 1:])
-
-
-def test_calibration_steps_also_run_their_plans_serially(job, tmp_path):
-    """A calibration step of several micro-batches runs its plan pipelined and serially
-    (``calibrate_serial``, on by default), the first of the two alternating with the batch: the
-    serial run has the same micro-batches and order, no two ranks compute at once, and its
-    loss equals the pipelined run's bit for bit (same weights, same micro-batch order). Rank 0
-    fits kappa on those pairs and holds it after the calibration steps. Replaying the job runs its
-    pipelined plans only. Messages under ``strict_order``, as NCCL orders them."""
-    dump = tmp_path / "serial"
-    _torchrun(["-m", "torchtitan.train", *_args(job, dump, "--training.steps", "4", "--pipetune.calibrate_steps", "3",
-                                                 "--pipetune.online_window", "4", "--pipetune.max_mbs", "1")])
-    recs = _records(dump)
-    runs = {b: [r for r in recs if r["batch"] == b] for b in range(4)}
-    assert [len(r) for r in runs.values()] == [2, 2, 2, 1] and not runs[3][0].get("serial")
-    for b in range(3):
-        pipelined, twin = sorted(runs[b], key=lambda r: bool(r.get("serial")))
-        assert runs[b][b % 2] is pipelined and twin["serial"] and twin["kind"] == pipelined["kind"] == "calibration"
-        assert (twin["samples"], twin["order"]) == (pipelined["samples"], pipelined["order"]) and twin["plan"] != pipelined["plan"]
-        assert twin["loss"] == pipelined["loss"]
-        assert _overlap_s(twin) < 0.04 * twin["measured_s"] and _overlap_s(pipelined) > 0.05 * pipelined["measured_s"]
-    assert runs[3][0]["contention"] == runs[2][-1]["contention"]  # measured on the twins, then held
-    # the size's first step is cold (one-off costs): both its runs say so, and its twin measures no kappa
-    assert [[bool(r.get("cold")) for r in runs[b]] for b in range(4)] == [[True, True], [False, False], [False, False], [False]]
-    assert "contention" not in runs[0][1]
+def test_testbed_job_runs_twins_beside_its_steps_and_replays_side_by_side(job, tmp_path):
+    """The CPU testbed (``TestbedTrainer``): with two sizes to calibrate, every calibration step of
+    several micro-batches also runs its plan serially (same micro-batches, order and loss, bit for
+    bit), those at mbs 1 also the batch at mbs 2 serially (same samples, loss up to packing's
+    rounding), and with ``tuned_twin_every 2`` every second later step whose plan is pipetune's
+    runs serially too; twins are ``extra_run`` records, so replaying the job runs its own plans
+    only. Replayed side by side with another job's records, every step runs both jobs' plans of its
+    batch, and each run's loss on batch 0 equals the recorded one (same weights). Which runs a step
+    schedules and in which order is tested as pure rules in ``test_testbed_runs``; messages under
+    ``strict_order``, as NCCL orders them."""
+    dump = tmp_path / "testbed"
+    testbed = dict(module="configs", config="muse_glimmer_mm_testbed")
+    _torchrun(["-m", "torchtitan.train", *_args(job, dump, "--training.steps", "6", "--pipetune.calibration.steps", "3",
+                                                 "--pipetune.calibration.online_window", "4", "--pipetune.max_mbs", "2",
+                                                 "--testbed.tuned_twin_every", "2", "--testbed.heap_reserve_gib", "0", **testbed)])
+    recs = TestbedRecord.read(dump / "pipetune" / "steps.jsonl")
+    runs = {b: [r for r in recs if r.batch == b] for b in range(6)}
+    for b, rs in runs.items():
+        own = [r for r in rs if not r.extra_run]
+        assert len(own) == 1 and own[0].twin is None
+        for twin in (r for r in rs if r.twin is not None):
+            assert twin.extra_run
+            if twin.twin is Twin.SIZE:
+                assert b in (0, 2) and (twin.mbs, own[0].mbs) == (2, 1) and twin.kind is StepKind.CALIBRATION
+                assert sorted(i for mb in twin.samples for i in mb) == sorted(i for mb in own[0].samples for i in mb)
+                assert twin.loss == pytest.approx(own[0].loss, rel=1e-4)
+            else:
+                assert (twin.samples, twin.order, twin.loss, twin.cold) == (own[0].samples, own[0].order, own[0].loss, own[0].cold)
+                assert twin.kind is (StepKind.CALIBRATION if b < 3 else StepKind.TUNED)
+    assert {r.twin for r in recs} == {None, Twin.SERIAL, Twin.SIZE, Twin.TUNED}
+    assert all(r.contention is not None for r in recs if r.twin is Twin.SERIAL and not r.cold)
     replayed = load_replay(dump / "pipetune" / "steps.jsonl")
-    assert all(replayed[b] == next(r["plan"] for r in runs[b] if not r.get("serial")) for b in range(4))
+    assert all(replayed[b] == next(r.plan for r in rs if not r.extra_run) for b, rs in runs.items())
 
-
-def test_every_nth_tuned_step_also_runs_its_plan_serially(job, tmp_path):
-    """With ``tuned_twin_every 2`` every second step after calibration whose plan is pipetune's
-    (not the guard's baseline) also runs it serially, the first of the two alternating from twin
-    to twin: same micro-batches, order and loss, no two ranks computing at once, recorded as a
-    serial run of kind ``tuned``; the other steps run once, and replaying the job runs its
-    pipelined plans only. Messages under ``strict_order``, as NCCL orders them."""
-    dump = tmp_path / "tuned_twins"
-    _torchrun(["-m", "torchtitan.train", *_args(job, dump, "--training.steps", "6", "--pipetune.calibrate_steps", "2",
-                                                 "--pipetune.online_window", "4", "--pipetune.max_mbs", "1",
-                                                 "--pipetune.tuned_twin_every", "2")])
-    recs = _records(dump)
-    runs = {b: [r for r in recs if r["batch"] == b] for b in range(6)}
-    twinned = [b for b in range(2, 6) if len(runs[b]) == 2]
-    assert twinned == [b for b in (2, 4) if runs[b][0]["mode"] == "pipetune"] and twinned
-    for b in twinned:
-        pipelined, twin = sorted(runs[b], key=lambda r: bool(r.get("serial")))
-        assert runs[b][(b - 2) // 2 % 2] is pipelined and twin["serial"] and twin["kind"] == "tuned" and "size_twin" not in twin
-        assert (twin["samples"], twin["order"], twin["mode"]) == (pipelined["samples"], pipelined["order"], "pipetune")
-        assert twin["loss"] == pipelined["loss"] and pipelined["micro_batches"] > 1
-        assert _overlap_s(twin) < 0.04 * twin["measured_s"] and _overlap_s(pipelined) > 0.05 * pipelined["measured_s"]
-    assert all(len(runs[b]) == 1 for b in (3, 5))
-    replayed = load_replay(dump / "pipetune" / "steps.jsonl")
-    assert all(replayed[b] == next(r["plan"] for r in runs[b] if not r.get("serial")) for b in range(6))
-
-
-def test_calibration_steps_of_the_smallest_size_also_run_the_batch_at_the_largest(job, tmp_path):
-    """With two sizes to calibrate, a calibration step at mbs 1 also runs its batch at mbs 2 on
-    the serial schedule (the size twin): the same samples, no two ranks computing at once, the
-    same loss up to packing's rounding. Rank 0 measures the per-call overhead on the (serial twin,
-    size twin) pair of a warm step and holds it; replaying the job runs its pipelined plans only.
-    Messages under ``strict_order``, as NCCL orders them."""
-    dump = tmp_path / "size_twin"
-    _torchrun(["-m", "torchtitan.train", *_args(job, dump, "--training.steps", "4", "--pipetune.calibrate_steps", "3",
-                                                 "--pipetune.online_window", "4", "--pipetune.max_mbs", "2")])
-    recs = _records(dump)
-    runs = {b: [r for r in recs if r["batch"] == b] for b in range(4)}
-    for b in (0, 2):
-        size_twin = next(r for r in runs[b] if r.get("size_twin"))
-        pipelined = next(r for r in runs[b] if not r.get("serial"))
-        assert size_twin["serial"] and size_twin["kind"] == "calibration" and (size_twin["mbs"], pipelined["mbs"]) == (2, 1)
-        assert sorted(i for mb in size_twin["samples"] for i in mb) == sorted(i for mb in pipelined["samples"] for i in mb)
-        assert size_twin["micro_batches"] < pipelined["micro_batches"]
-        assert size_twin["loss"] == pytest.approx(pipelined["loss"], rel=1e-4)
-        assert _overlap_s(size_twin) < 0.04 * size_twin["measured_s"]
-    assert not any(r.get("size_twin") for b in (1, 3) for r in runs[b])
-    # batch 0 is every size's first step (cold, no pair); batch 2's runs go size twin, pipelined,
-    # serial twin, and the pair is complete with the last
-    assert [bool(r.get("size_twin")) for r in runs[2]] == [True, False, False] and runs[2][2]["serial"]
-    assert runs[2][0]["call_overhead_s"] is None and runs[2][2]["call_overhead_s"] >= 0
-    assert "call_overhead_s" not in runs[0][2]
-    replayed = load_replay(dump / "pipetune" / "steps.jsonl")
-    assert all(replayed[b] == next(r["plan"] for r in runs[b] if not r.get("serial")) for b in range(4))
+    other = tmp_path / "original"
+    _torchrun(["-m", "torchtitan.train", *_args(job, other, "--training.steps", "2", "--pipetune.mode", "original")])
+    both = tmp_path / "both"
+    files = [dump / "pipetune" / "steps.jsonl", other / "pipetune" / "steps.jsonl"]
+    _torchrun(["-m", "torchtitan.train", *_args(job, both, "--training.steps", "2", "--pipetune.replay.path", str(files[0]),
+                                                 "--testbed.side_by_side", str(files[1]), "--testbed.heap_reserve_gib", "0", **testbed)])
+    recorded = [{r.batch: r for r in StepRecord.read(f) if not r.extra_run} for f in files]
+    sbs = TestbedRecord.read(both / "pipetune" / "steps.jsonl")
+    assert [(r.batch, r.replay_of) for r in sbs] == [(0, 0), (0, 1), (1, 1), (1, 0)]
+    for r in sbs:
+        x = recorded[r.replay_of][r.batch]
+        assert (r.samples, r.order, r.mode, r.kind) == (x.samples, x.order, x.mode, StepKind.REPLAY)
+        if r.batch == 0:
+            assert r.loss == x.loss

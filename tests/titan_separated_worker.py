@@ -34,7 +34,7 @@ from torchtitan_patches.data import DataLoaderConfig
 from torchtitan_patches.pipeline.executor import ImageShapes, PlanExecutor
 from torchtitan_patches.titan.model_spec import muse_glimmer_spec, planning_model_config
 from torchtitan_patches.titan.stages import TitanStage, encoder_chunks, keep_encoder_chunks
-from torchtitan_patches.trainer import VISION_MODULES, layout_fqns, local_encoder_chunks
+from torchtitan_patches.titan.model_parts import VISION_MODULES, layout_fqns, local_encoder_chunks
 
 SEQ = 512
 GRID = 4  # patches per image side: 16 patches, 2x2 windows (the sparse blocks' permutation is not the identity), 4 tokens

@@ -38,5 +38,5 @@ class SlowedTrainer(PipeTuneTrainer):
 
 
 def slowed_muse_glimmer_mm() -> SlowedTrainer.Config:
-    base = config_registry.pipetune_muse_glimmer_mm()
+    base = config_registry.muse_glimmer_mm()
     return SlowedTrainer.Config(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)})

@@ -1,16 +1,13 @@
-"""Rank 0's source of every step's plan in a ``PipeTuneTrainer`` job.
+"""Rank 0's source of every step's plan in a ``PipeTuneTrainer`` job (torch-free).
 
 Which plan a step runs, in order of precedence:
 
 1. ``replay``: a plan recorded by an earlier job of the same configuration (its ``steps.jsonl``),
    validated against this step's batch: the same plans timed again (benchmarks repeat runs so)
-   or a run's plans reproduced. With several files this is the first file's plan; the trainer
-   runs the others' beside it (``PipeTuneSettings.replay``).
+   or a run's plans reproduced.
 2. Calibration steps (the first ``calibrate_steps`` batches): balanced plans cycling through every
    micro-batch size, so the online calibration has seen each size's per-call costs before the
-   planner compares sizes by them. They train like any other step (the trainer also runs each
-   one serially, and those of the smallest size also at the largest size serially, ``size_twin``:
-   ``PipeTuneSettings.calibrate_serial``).
+   planner compares sizes by them. They train like any other step.
 3. Otherwise the job's planner (``AsyncPlanner``, planning ahead), unless the measured guard
    (``pipetune.plan.guard``, pipetune mode only) asks for the baseline: the best fixed
    configuration (packer and micro-batch size chosen once on sampled batches), which is also
@@ -20,15 +17,13 @@ For the guard, both plans of a batch are priced by the same model: the calibrati
 (deterministic simulation). The tuned plan's own ``predicted_s`` was made ``plan_ahead`` batches
 earlier by an older model, and right after the calibration steps the model moves by several per
 cent a step; comparing it with a baseline priced now made the guard fall back on that
-difference alone (measured: a tuned plan predicted 7 % slower than the baseline, both at mbs 1).
+difference alone.
 Per step it keeps a ``StepPlan`` (which kind ran, both prices) for the trainer's record.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 
 from pipetune.data.batch import BatchMeta
@@ -37,13 +32,7 @@ from pipetune.plan.guard import Guard, PlanKind
 from pipetune.plan.plan import IterationPlan, PlanError
 from pipetune.plan.search import Planner
 from pipetune.calibrate.online import simulate_plan
-
-
-class StepKind(str, Enum):
-    TUNED = "tuned"
-    BASELINE = "baseline"
-    CALIBRATION = "calibration"
-    REPLAY = "replay"
+from pipetune.records import StepKind, StepRecord
 
 
 @dataclass(frozen=True)
@@ -59,36 +48,22 @@ class StepPlan:
 
 
 def load_replay(path: str | Path) -> dict[int, str]:
-    """Plans by batch step from a job's ``steps.jsonl`` (each record's ``plan``; serial twins of
-    calibration steps left out)."""
+    """Plans by batch step from a job's ``steps.jsonl`` (the step's own runs: ``extra_run`` records
+    of an extension, such as the CPU testbed's twins, left out)."""
+    out: dict[int, str] = {}
     try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as e:
-        raise ValueError(f"pipetune.replay: cannot read {path}: {e.strerror}") from None
-    except UnicodeDecodeError:
-        raise ValueError(f"pipetune.replay: {path} is not a text file of pipetune step records") from None
-    out = {}
-    for k, line in enumerate(lines, 1):
-        try:
-            rec = json.loads(line)
-            if not rec.get("serial"):  # a calibration step's serial twin is not the job's plan
-                out[int(rec["batch"])] = rec["plan"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"pipetune.replay: {path}, line {k}: not a pipetune step record with a plan ({e})") from None
+        records = StepRecord.read(path)
+    except ValueError as e:
+        raise ValueError(f"pipetune.replay: {e}") from None
+    for r in records:
+        if r.extra_run:
+            continue
+        if r.batch in out:
+            raise ValueError(f"pipetune.replay: {path} records batch {r.batch} twice; give one job's steps.jsonl")
+        out[r.batch] = r.plan
     if not out:
         raise ValueError(f"pipetune.replay: {path} holds no step records; give the steps.jsonl of a job that ran")
     return out
-
-
-def load_replays(paths: list[str]) -> list[dict[int, str]]:
-    """``load_replay`` of each path; files replayed side by side must record the same batches."""
-    replays = [load_replay(path) for path in paths]
-    for path, other in zip(paths[1:], replays[1:]):
-        if other.keys() != replays[0].keys():
-            raise ValueError(f"pipetune.replay: {path} records batches {min(other)}..{max(other)} ({len(other)}) but "
-                             f"{paths[0]} records {min(replays[0])}..{max(replays[0])} ({len(replays[0])}); files "
-                             "replayed side by side must record the same batches")
-    return replays
 
 
 class PlanSource:
@@ -125,14 +100,6 @@ class PlanSource:
         if self.guard.choose() is PlanKind.BASELINE:
             return StepPlan(base, StepKind.BASELINE, tuned_s, base_s)
         return StepPlan(tuned, StepKind.TUNED, tuned_s, base_s)
-
-    def size_twin(self, meta: BatchMeta) -> IterationPlan | None:
-        """At a calibration step of the smallest size, the batch's calibration plan at the largest,
-        on the serial schedule: run beside the step's own serial twin, the pair measures what
-        smaller micro-batches cost (``OnlineCalibrator``). ``None`` at other steps."""
-        if not (meta.step < self.calibrate_steps and len(self.calibration) > 1 and meta.step % len(self.calibration) == 0):
-            return None
-        return self.calibration[-1].plan(meta).serialised()
 
     def pop(self, batch_step: int) -> StepPlan:
         return self.decided.pop(batch_step)

@@ -6,11 +6,8 @@ the device module into their own globals, and its memory monitor calls ``torch.c
 functions. There is no CPU switch to call, so ``use_cpu`` rebinds those globals to ``"cpu"`` and a
 device module whose memory statistics read this process's resident set size (peak RSS stands in
 for peak reserved memory). Process groups then default to gloo for ``cpu`` (TorchTitan asks torch's
-``default_device_backend_map``).
-
-It also keeps freed CPU memory in the process (``cpu_allocator``), as the profiler does, and
-touches the heap the job asks for up front.
-Call it before the ``Trainer`` is built; it does nothing when CUDA is available.
+``default_device_backend_map``). Call it before the ``Trainer`` is built; it does nothing when CUDA
+is available.
 """
 
 from __future__ import annotations
@@ -21,9 +18,6 @@ import resource
 import types
 
 import torch
-from torchtitan.tools.logging import logger
-
-from profiling.cpu_allocator import retain_freed_memory
 
 _MODULES = (
     "torchtitan.tools.utils",
@@ -59,15 +53,10 @@ def _cpu_device_module() -> types.SimpleNamespace:
     )
 
 
-def use_cpu(heap_reserve_bytes: int = 0) -> bool:
-    """Point TorchTitan at the CPU when there is no CUDA device; True if it did. On CPU, also
-    touch ``heap_reserve_bytes`` of heap before training (``cpu_allocator``)."""
+def use_cpu() -> bool:
+    """Point TorchTitan at the CPU when there is no CUDA device; True if it did."""
     if torch.cuda.is_available():
         return False
-    # as the profiler measured the latency table (see cpu_allocator)
-    if not retain_freed_memory(heap_reserve_bytes) and heap_reserve_bytes:
-        logger.warning(f"pipetune: could not keep and touch {heap_reserve_bytes / 2**30:.1f} GiB of heap (no glibc mallopt, or "
-                       "the memory is not there); steps pay page faults while the heap grows, and the calibration sees them")
     module = _cpu_device_module()
     for name in _MODULES:
         mod = importlib.import_module(name)

@@ -1,0 +1,1 @@
+"""pipetune's TorchTitan job configs: ``--module configs --config <fn>`` (see ``config_registry``)."""

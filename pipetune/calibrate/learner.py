@@ -1,0 +1,86 @@
+"""What rank 0 learns from each run of a plan: the online refit, the per-mbs correction and the
+guard's judgement.
+
+The trainer calls ``Learner.observe`` after every step, and the benchmarks replay a job's records
+through the same call, so a re-analysis learns exactly what the job learnt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipetune.calibrate.correction import FamilyCorrection
+from pipetune.calibrate.online import MeasuredStep, OnlineCalibrator
+from pipetune.cost.cost_model import CostModel
+from pipetune.cost.table import LatencyTable
+from pipetune.data.batch import BatchMeta
+from pipetune.plan.guard import Decision, Guard, GuardState, PlanKind
+from pipetune.plan.plan import IterationPlan
+from pipetune.records import StepKind, StepRecord
+
+
+def call_overhead_s(table: LatencyTable) -> float:
+    """Fixed seconds of one stage forward + backward call."""
+    return table.fixed("fwd") + table.fixed("bwd")
+
+
+@dataclass(frozen=True)
+class Learned:
+    """What changed: the model every planner prices with from now on, the per-mbs factors the
+    planner compares sizes with, and the guard's state before and its decision (``None``: no
+    change, or not judged)."""
+
+    cost: CostModel | None = None
+    factors: dict[int, float] | None = None
+    guard: tuple[GuardState, Decision] | None = None
+
+
+class Learner:
+    """Rank 0's learning: ``calibrator`` refits the profiled model (``profiled``) to recent steps,
+    ``correction`` tracks each micro-batch size's bias, ``guard`` judges pipetune's plans against
+    the baseline. Each part may be ``None`` (off)."""
+
+    def __init__(self, profiled: CostModel, *, calibrator: OnlineCalibrator | None = None,
+                 correction: FamilyCorrection | None = None, guard: Guard | None = None):
+        self.profiled, self.calibrator, self.correction, self.guard = profiled, calibrator, correction, guard
+
+    def measured(self, record: StepRecord, plan: IterationPlan, meta: BatchMeta) -> MeasuredStep:
+        return MeasuredStep.from_timelines(self.profiled, [record.timed_actions()], plan, meta, record.measured_s)
+
+    def observe(self, record: StepRecord, plan: IterationPlan, meta: BatchMeta) -> Learned:
+        """Learn from the step's run of ``plan`` on batch ``meta`` and note it in ``record``. The
+        job's first step (one-off warm-up costs) and replays teach nothing; a size's first step
+        (``record.cold``) refits the window but does not anchor later fits."""
+        if record.step == 1 or record.kind is StepKind.REPLAY:
+            return Learned()
+        cost = factors = judged = None
+        if self.calibrator is not None:
+            cost, _ = self.calibrator.update(self.measured(record, plan, meta),
+                                             calibration=record.kind is StepKind.CALIBRATION and not record.cold)
+            record.contention, record.call_overhead_s = cost.table.contention, call_overhead_s(cost.table)
+        if self.correction is not None:
+            self.correction.observe(record.mbs, record.measured_s, record.predicted_s)
+            factors = self.correction.factors()
+        if self.guard is not None and record.kind in (StepKind.TUNED, StepKind.BASELINE):
+            kind = PlanKind(record.kind.value)
+            before = self.guard.state
+            ran_s = record.tuned_predicted_s if kind is PlanKind.TUNED else record.baseline_predicted_s
+            d = self.guard.observe(kind, record.measured_s, ran_s, record.baseline_predicted_s)
+            record.guard, record.guard_advantage = d.state.value, d.advantage
+            judged = (before, d)
+        return Learned(cost, factors, judged)
+
+    def state_dict(self) -> dict:
+        return {name: part.state_dict() if part is not None else None
+                for name, part in (("calibrator", self.calibrator), ("correction", self.correction), ("guard", self.guard))}
+
+    def load_state_dict(self, state: dict) -> Learned:
+        """Restore every part that is on and saved; returns the model and factors to plan with."""
+        for name in ("correction", "guard"):
+            part = getattr(self, name)
+            if part is not None and state.get(name) is not None:
+                part.load_state_dict(state[name])
+        fitted = None
+        if self.calibrator is not None and state.get("calibrator") is not None:
+            fitted = self.calibrator.load_state_dict(state["calibrator"])
+        return Learned(fitted[0] if fitted else None, self.correction.factors() if self.correction is not None else None)

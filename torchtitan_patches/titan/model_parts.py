@@ -1,0 +1,108 @@
+"""How TorchTitan splits and parallelises a model for pipetune's stage layout.
+
+The layout (``pipetune.layout``: even, explicit counts, searched, or DIP's separated layout) is
+chosen before TorchTitan builds the model and handed to its splitter as
+``parallelism.module_fqns_per_model_part``, so planner and runtime agree on it. Layouts that are
+searched are scored on batches sampled from the job's own data with the job's latency table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+
+from pipetune.config.model import ModelConfig
+from pipetune.cost import CostModel, LatencyTable, StageLayout
+from pipetune.data.batch import BatchMeta
+from pipetune.data.storage import open_dataset
+from pipetune.plan.layout import LayoutSearch, sample_batches
+from pipetune.schedule.table import Placement
+from torchtitan_patches.titan.stages import keep_encoder_chunks
+from torchtitan_patches.titan.tokenizer import text_encoder
+
+VISION_MODULES = ("vision_encoder", "vision_adapter", "vision_projection", "perception_emb_norm")
+
+
+def layout_fqns(layout: StageLayout, parts: list[str], *, separated: bool = False) -> list[list[str]]:
+    """TorchTitan module names per pipeline stage for ``layout`` (the vision stack and embeddings
+    on stage 0, norm and head on the last stage). ``separated`` (DIP's layout): every stage keeps
+    ``vision_encoder``, which ``keep_encoder_chunks`` then cuts to the rank's encoder chunks
+    (TorchTitan's splitter keeps or drops only whole top-level modules)."""
+    fqns = [[f"layers.{i}" for i in range(lo, hi)] for lo, hi in layout.layer_ranges]
+    fqns[0][:0] = [*(p for p in parts if not (separated and p == "vision_encoder")), "tok_embeddings"]
+    fqns[-1] += ["norm", "lm_head"]
+    return [["vision_encoder", *f] for f in fqns] if separated else fqns
+
+
+def local_encoder_chunks(rank: int, pp: int, chunk_ranges) -> list[int]:
+    """The encoder chunks of DIP's separated layout that ``rank`` of ``pp`` holds."""
+    return [k for k, r in enumerate(Placement.separated(pp, len(chunk_ranges), encoder_trained=False).encoder) if r == rank]
+
+
+def sample_job_batches(config, model: ModelConfig) -> list[BatchMeta]:
+    """8 batches of the job's data drawn with their own seed (deterministic, so every rank draws
+    the same): the layout search and the choice of the guard's baseline are made on them."""
+    dl = config.dataloader
+    encode = text_encoder(config.tokenizer.build(tokenizer_path=config.hf_assets_path))
+    return sample_batches(open_dataset(dl.dataset_path, encode=encode).table, model, gbs=dl.gbs, max_seq_len=config.training.seq_len,
+                          count=8, seed=dl.seed, overlong=dl.overlong)
+
+
+def layout_search(config, model: ModelConfig, table: LatencyTable, sample: list[BatchMeta]) -> LayoutSearch:
+    """The layout search of a job (``auto``, and the partitioner for ``separated``): its latency
+    table, memory and micro-batch limits, on ``sample``."""
+    pt, pp = config.pipetune, config.parallelism.pipeline_parallel_degree
+    return LayoutSearch(model, CostModel(table, StageLayout.even(model.backbone.n_layers, pp)), sample, max_seq_len=config.training.seq_len,
+                        memory_bytes=pt.memory_gib * 2**30, max_mbs=pt.max_mbs, seed=config.dataloader.seed)
+
+
+def pipeline_only(parallelize_fn, encoder_chunks=()):
+    """The model's ``parallelize_fn`` without data parallelism: with one replica FSDP shards
+    nothing, and its lazy initialisation refuses a submodule (the encoder, run by its own actions)
+    running before the root module. With ``encoder_chunks`` (DIP's separated layout: the
+    encoder's block ranges), each rank's part is first cut to its encoder chunks (still on the
+    meta device: TorchTitan materialises the parts after parallelising them)."""
+    if "skip_dp" not in inspect.signature(parallelize_fn).parameters:
+        raise ValueError(f"{parallelize_fn.__qualname__} cannot skip FSDP (no skip_dp argument); PipeTuneTrainer needs that")
+    if not encoder_chunks:
+        return functools.partial(parallelize_fn, skip_dp=True)
+
+    def parallelize(model, *, parallel_dims, **kwargs):
+        rank = parallel_dims.get_mesh("pp").get_local_rank()
+        keep_encoder_chunks(model.vision_encoder, encoder_chunks, local_encoder_chunks(rank, parallel_dims.pp, encoder_chunks))
+        if getattr(model, "vision_adapter", None) is not None:
+            return parallelize_fn(model, parallel_dims=parallel_dims, skip_dp=True, **kwargs)
+        # a part with encoder chunks but no adapter (not stage 0): Muse Glimmer's parallelize_fn
+        # asserts that a vision encoder comes with its adapter, so it parallelises the part
+        # without its encoder chunks (with no TP, compile or activation checkpointing on them)
+        chunks, model.vision_encoder = model.vision_encoder, None
+        model = parallelize_fn(model, parallel_dims=parallel_dims, skip_dp=True, **kwargs)
+        model.vision_encoder = chunks
+        return model
+
+    return parallelize
+
+
+def choose_layout(config, model: ModelConfig, table: LatencyTable, sample) -> StageLayout:
+    """``even`` or explicit counts; ``separated``: the partitioner's layout; ``auto``: the faster
+    of the best co-located split and the separated layout on the sampled batches (``sample()``,
+    called only for those two). The separated planner scores deterministic times only, so
+    jitter-aware jobs stay co-located."""
+    layout, pp = config.pipetune.layout, config.parallelism.pipeline_parallel_degree
+    if layout not in ("auto", "separated"):
+        return StageLayout.parse(layout, model.backbone.n_layers, pp)
+    search = layout_search(config, model, table, sample())
+    if layout == "separated":
+        return search.partition().layout
+    return search.search(separated=model.encoder is not None and not config.pipetune.jitter_draws).best.layout
+
+
+def split_for_layout(config, layout: StageLayout) -> None:
+    """Point TorchTitan's splitter at ``layout`` and its ``parallelize_fn`` at the parts pipetune
+    runs (``pipeline_only``)."""
+    spec = config.model_spec
+    chunks = layout.encoder_chunks if layout.is_separated else ()
+    vision = [m for m in VISION_MODULES if getattr(spec.model, m, None) is not None]
+    config.parallelism.module_fqns_per_model_part = layout_fqns(layout, vision, separated=bool(chunks))
+    config.model_spec = dataclasses.replace(spec, parallelize_fn=pipeline_only(spec.parallelize_fn, chunks))
