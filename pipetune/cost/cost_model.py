@@ -45,7 +45,7 @@ from pipetune.cost.layout import StageLayout
 from pipetune.cost.table import Curve, LatencyTable
 from pipetune.data.samples import SampleTable
 from pipetune.packing.flops import attention_pairs
-from pipetune.packing.packing import Packing
+from pipetune.packing.groups import Packing
 from pipetune.packing.sub_batches import SubBatches
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}

@@ -30,7 +30,7 @@ from pipetune.cost.cost_model import CostModel, MicroBatchShapes, rank_work
 from pipetune.cost.layout import StageLayout
 from pipetune.cost.memory import max_micro_batch_size
 from pipetune.data.batch import BatchMeta
-from pipetune.packing.batch_packer import PackerKind, PackingConfig
+from pipetune.packing.config import PackerKind, PackingConfig
 from pipetune.plan.partitioner import Partition, partition
 from pipetune.plan.mode import Mode
 from pipetune.plan.search import PlannerConfig

@@ -46,8 +46,8 @@ from pipetune.config.model import ModelConfig
 from pipetune.cost.cost_model import CostModel, MicroBatchShapes
 from pipetune.cost.memory import max_micro_batch_size, model_state_bytes
 from pipetune.data.batch import BatchMeta
-from pipetune.packing.batch_packer import PackerKind, PackingConfig
-from pipetune.packing.packing import Packing
+from pipetune.packing.config import PackerKind, PackingConfig
+from pipetune.packing.groups import Packing
 from pipetune.plan.interleave import Interleaved
 from pipetune.plan.mode import Mode
 from pipetune.plan.ordering import candidate_orders

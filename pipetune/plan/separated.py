@@ -28,7 +28,7 @@ import numpy as np
 
 from pipetune.cost.cost_model import MicroBatchShapes
 from pipetune.data.batch import BatchMeta
-from pipetune.packing.batch_packer import PackerKind, PackingConfig
+from pipetune.packing.config import PackerKind, PackingConfig
 from pipetune.plan.interleave import Interleaved, interleave, segment_priorities
 from pipetune.plan.ordering import candidate_orders
 from pipetune.plan.plan import IterationPlan, plan_from_table
