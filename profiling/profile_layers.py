@@ -47,7 +47,7 @@ from sklearn.isotonic import IsotonicRegression
 from tqdm import tqdm
 
 from pipetune.config.model import ModelConfig
-from pipetune.cost.table import Curve, LatencyTable
+from pipetune.cost.latency_table import Curve, LatencyTable
 from pipetune.files import write_text_atomic
 from profiling.timing import Clock, fwd_bwd_sample, saved_activation_bytes
 from torchtitan_patches.cpu_allocator import retain_freed_memory

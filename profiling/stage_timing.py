@@ -16,7 +16,7 @@ import torch
 from pipetune.config.model import ModelConfig
 from pipetune.cost.calibration import Observation, Observed, Part
 from pipetune.cost.cost_model import MicroBatchShapes
-from pipetune.cost.layout import StageLayout
+from pipetune.cost.stage_layout import StageLayout
 from pipetune.packing.config import PackingConfig
 from profiling.timing import Clock, fwd_bwd_sample
 from torchtitan_patches.cpu_allocator import retain_freed_memory

@@ -41,8 +41,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipetune.config.model import ModelConfig
-from pipetune.cost.layout import StageLayout
-from pipetune.cost.table import Curve, LatencyTable
+from pipetune.cost.latency_table import Curve, LatencyTable
+from pipetune.cost.stage_layout import StageLayout
 from pipetune.data.samples import SampleTable
 from pipetune.packing.flops import attention_pairs
 from pipetune.packing.groups import Packing

@@ -27,12 +27,12 @@ import numpy as np
 
 from pipetune.config.model import ModelConfig
 from pipetune.cost.cost_model import CostModel, MicroBatchShapes, rank_work
-from pipetune.cost.layout import StageLayout
 from pipetune.cost.memory import max_micro_batch_size
+from pipetune.cost.stage_layout import StageLayout
 from pipetune.data.batch import BatchMeta
 from pipetune.packing.config import PackerKind, PackingConfig
-from pipetune.plan.partitioner import Partition, partition
 from pipetune.plan.mode import Mode
+from pipetune.plan.partitioner import Partition, partition
 from pipetune.plan.search import PlannerConfig
 from pipetune.schedule.schedules import Schedule
 

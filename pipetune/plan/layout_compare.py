@@ -8,12 +8,12 @@ from dataclasses import dataclass
 
 from pipetune.config.model import ModelConfig
 from pipetune.cost.cost_model import CostModel
-from pipetune.cost.layout import StageLayout
+from pipetune.cost.stage_layout import StageLayout
 from pipetune.data.samples import SampleTable
 from pipetune.plan.compare import ModeSummary, compare_modes
 from pipetune.plan.layout import LayoutSearch, sample_batches
-from pipetune.plan.partitioner import Partition
 from pipetune.plan.mode import Mode
+from pipetune.plan.partitioner import Partition
 
 
 @dataclass(frozen=True)
