@@ -111,7 +111,7 @@ def _separated(args, model, data) -> int:
     import numpy as np
 
     from pipetune.cost import CostModel
-    from pipetune.plan.layout_compare import compare_layouts
+    from pipetune.plan.layout_search import compare_layouts
 
     if args.dp > 1:
         raise ValueError("--layout separated compares layouts on one pipeline; leave out --dp")

@@ -70,7 +70,7 @@ from pipetune.plan import Mode, PlannerConfig
 from pipetune.plan.async_planner import AsyncPlanner
 from pipetune.plan.compare import best_static_planner
 from pipetune.plan.guard import Guard, GuardConfig, GuardState, PlanKind
-from pipetune.plan.layout import LayoutSearch, sample_batches
+from pipetune.plan.layout_search import LayoutSearch, sample_batches
 from pipetune.plan.plan import IterationPlan
 from pipetune.schedule.table import Placement
 from pipetune.simulate import TimedAction
