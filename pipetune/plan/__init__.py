@@ -2,6 +2,6 @@
 
 from pipetune.plan.plan import IterationPlan, PlanError
 from pipetune.plan.mode import Mode
-from pipetune.plan.search import Planner, PlannerConfig
+from pipetune.plan.planner import Planner, PlannerConfig
 
 __all__ = ["IterationPlan", "Mode", "PlanError", "Planner", "PlannerConfig"]

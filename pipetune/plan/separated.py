@@ -32,7 +32,7 @@ from pipetune.packing.config import PackerKind, PackingConfig
 from pipetune.plan.interleave import Interleaved, interleave, segment_priorities
 from pipetune.plan.ordering import candidate_orders
 from pipetune.plan.plan import IterationPlan, plan_from_table
-from pipetune.plan.search import Planner, _Candidate
+from pipetune.plan.planner import Planner, _Candidate
 from pipetune.schedule.table import ScheduleTable
 from pipetune.simulate.lower_bound import placement_lower_bound
 from pipetune.simulate.simulator import Latencies, simulate

@@ -35,7 +35,7 @@ from pipetune.data.batch import BatchMeta
 from pipetune.plan.async_planner import AsyncPlanner
 from pipetune.plan.guard import Guard, PlanKind
 from pipetune.plan.plan import IterationPlan, PlanError
-from pipetune.plan.search import Planner
+from pipetune.plan.planner import Planner
 from torchtitan_patches.pipeline.calibrate import simulate_plan
 
 
