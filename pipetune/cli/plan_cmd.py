@@ -96,7 +96,7 @@ def run(args) -> int:
 def _data_parallel(args, model, cost, data, memory) -> dict:
     from pipetune.plan.dp_balance import compare_dp
     from pipetune.plan.mode import Mode
-    from pipetune.plan.planner import PlannerConfig
+    from pipetune.plan.planner_config import PlannerConfig
 
     if args.gbs % args.dp:
         raise ValueError(f"--gbs {args.gbs} is not a multiple of --dp {args.dp}")

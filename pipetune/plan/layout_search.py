@@ -40,7 +40,7 @@ from pipetune.packing.config import PackerKind, PackingConfig
 from pipetune.plan.compare import ModeSummary, compare_modes
 from pipetune.plan.mode import Mode
 from pipetune.plan.partitioner import Partition, partition
-from pipetune.plan.planner import PlannerConfig
+from pipetune.plan.planner_config import PlannerConfig
 from pipetune.schedule.schedules import Schedule
 
 
