@@ -51,7 +51,7 @@ from pipetune.plan.candidate import Candidate
 from pipetune.plan.mode import Mode
 from pipetune.plan.ordering import candidate_orders
 from pipetune.plan.plan import IterationPlan, build_plan
-from pipetune.plan.precompute import fill_gaps
+from pipetune.plan.precompute import move_encoders_into_gaps
 from pipetune.simulate.dag import CompiledSchedule, compile_schedule
 from pipetune.simulate.jitter import JitteredLatencies, expected_makespan, jitter
 from pipetune.simulate.lower_bound import makespan_lower_bound
@@ -163,7 +163,7 @@ class Planner:
         if self.encoder and self.config.precompute and not self.cost.encoder_trainable:
             moved_orders = np.repeat(cands, len(PRECOMPUTE_OVERFLOWS), axis=0)
             overflows = np.tile(PRECOMPUTE_OVERFLOWS, len(keep))
-            moved = fill_gaps(c.dag, c.lat, moved_orders, overflows)
+            moved = move_encoders_into_gaps(c.dag, c.lat, moved_orders, overflows)
             moved_span, fits = self._evaluate(c.dag, c.lat, c.noisy, moved_orders, moved)
             cands = np.vstack([cands, moved_orders])
             slots = np.vstack([slots, moved])

@@ -84,7 +84,7 @@ from torchtitan_patches.titan.model_spec import planning_model_config
 from torchtitan_patches.titan.plan_source import PlanSource, StepKind, load_replays
 from torchtitan_patches.titan.stages import TitanStage, encoder_chunks, keep_encoder_chunks
 from torchtitan_patches.titan.tokenizer import text_encoder
-from torchtitan_patches.titan.torch_compat import fill_gaps
+from torchtitan_patches.titan.torch_compat import add_missing_torch_apis as fill_gaps
 
 VISION_MODULES = ("vision_encoder", "vision_adapter", "vision_projection", "perception_emb_norm")
 
