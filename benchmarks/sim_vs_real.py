@@ -5,7 +5,7 @@ torchtitan_patches.titan --config pipetune_muse_glimmer_mm``, Muse Glimmer ``deb
 with pipetune's plans, one job per planner mode (original, balanced, pipetune; pipetune with its
 measured guard), through ``benchmarks/titan_jobs.py``.
 
-1. Profile the job's planning shapes on this CPU once (``torchtitan_patches.titan.prepare``).
+1. Profile the job's planning shapes on this CPU once (``profiling.prepare_job``).
 2. Per data mix, every mode trains ``--calibrate-steps`` calibration steps (balanced plans at
    every micro-batch size, each also run serially to measure the contention kappa; they feed the
    online calibration and are not scored) and then

@@ -1,1 +1,2 @@
-"""Execution of iteration plans on torch.distributed: executor, plan distribution, reference."""
+"""Calibration of the latency table from the runtime's action timelines (``calibrate``); plan
+execution itself is in ``torchtitan_patches.runtime``."""

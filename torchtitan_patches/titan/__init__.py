@@ -10,7 +10,8 @@ pipetune's per-step plans need it.
 * ``model_spec``: TorchTitan's Muse Glimmer spec with attention that trains on CPU, and pipetune's
   planning shapes derived from the TorchTitan config;
 * ``attention`` / ``vision``: the CPU attention backends behind TorchTitan's interfaces;
-* ``tokenizer``: pipetune's byte-level tokenizer as a ``BaseTokenizer``;
-* ``cpu_device`` / ``torch_compat``: TorchTitan 0.3.0 on a CPU and on torch 2.13;
-* ``prepare``: the data set and latency table a job reads.
+* ``tokenizer``: pipetune's byte-level tokenizer as a ``BaseTokenizer``.
+
+TorchTitan 0.3.0 on a CPU and on torch 2.13 needs ``torchtitan_patches.compat``; the data set and
+latency table a job reads come from ``python -m profiling.prepare_job``.
 """

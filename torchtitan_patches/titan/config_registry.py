@@ -59,7 +59,7 @@ def pipetune_muse_glimmer_heavy_vit() -> PipeTuneTrainer.Config:
     layout runs the whole encoder (``benchmarks/layout_real.py`` trains it with the even, the
     searched and the separated layout).
 
-    Data: DataMix3 (``python -m torchtitan_patches.titan.prepare --config
+    Data: DataMix3 (``python -m profiling.prepare_job --config
     pipetune_muse_glimmer_heavy_vit --mix datamix3 --out out/titan_heavy``). GBS 12 at seq_len 512
     (about 5 packed sequences per step) keeps a step near one second on two CPU cores. Trains on
     CPU: the backbone's attention is pipetune's per-document SDPA (``titan.attention.

@@ -74,17 +74,17 @@ from pipetune.plan.layout_search import LayoutSearch, sample_batches
 from pipetune.plan.plan import IterationPlan
 from pipetune.schedule.table import Placement
 from pipetune.simulate import TimedAction
+from torchtitan_patches.compat.cpu_device import use_cpu
+from torchtitan_patches.compat.torch_compat import add_missing_torch_apis as fill_gaps
 from torchtitan_patches.data.micro_batch import GlobalBatch
 from torchtitan_patches.pipeline.calibrate import MeasuredStep, OnlineCalibrator
-from torchtitan_patches.pipeline.executor import ImageShapes, PlanExecutor
-from torchtitan_patches.pipeline.plan_channel import PlanChannel
-from torchtitan_patches.titan.cpu_device import use_cpu
+from torchtitan_patches.runtime.executor import ImageShapes, PlanExecutor
+from torchtitan_patches.runtime.plan_channel import PlanChannel
 from torchtitan_patches.titan.dataloader import PipeTuneTitanDataLoader
 from torchtitan_patches.titan.model_spec import planning_model_config
 from torchtitan_patches.titan.plan_source import PlanSource, StepKind, load_replays
 from torchtitan_patches.titan.stages import TitanStage, encoder_chunks, keep_encoder_chunks
 from torchtitan_patches.titan.tokenizer import text_encoder
-from torchtitan_patches.titan.torch_compat import add_missing_torch_apis as fill_gaps
 
 VISION_MODULES = ("vision_encoder", "vision_adapter", "vision_projection", "perception_emb_norm")
 
