@@ -76,7 +76,7 @@ from pipetune.schedule.lowering import Compute, Direction, Message, MessageKind,
 from pipetune.schedule.table import Action, Module, Op, ScheduleTable
 from pipetune.simulate.simulator import TimedAction
 from torchtitan_patches.data.micro_batch import GlobalBatch, PackedMicroBatch
-from torchtitan_patches.model.attention import varlen_metadata
+from torchtitan_patches.model.packed_attention import varlen_metadata
 from torchtitan_patches.model.vlm import BackboneStage, token_loss_sum
 from torchtitan_patches.runtime.timing import Clock
 

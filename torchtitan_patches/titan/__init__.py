@@ -9,7 +9,7 @@ pipetune's per-step plans need it.
   as the plan's encoder actions;
 * ``model_spec``: TorchTitan's Muse Glimmer spec with attention that trains on CPU, and pipetune's
   planning shapes derived from the TorchTitan config;
-* ``attention`` / ``vision``: the CPU attention backends behind TorchTitan's interfaces;
+* ``document_attention`` / ``vision``: the CPU attention backends behind TorchTitan's interfaces;
 * ``tokenizer``: pipetune's byte-level tokenizer as a ``BaseTokenizer``.
 
 TorchTitan 0.3.0 on a CPU and on torch 2.13 needs ``torchtitan_patches.compat``; the data set and

@@ -62,7 +62,7 @@ def pipetune_muse_glimmer_heavy_vit() -> PipeTuneTrainer.Config:
     Data: DataMix3 (``python -m profiling.prepare_job --config
     pipetune_muse_glimmer_heavy_vit --mix datamix3 --out out/titan_heavy``). GBS 12 at seq_len 512
     (about 5 packed sequences per step) keeps a step near one second on two CPU cores. Trains on
-    CPU: the backbone's attention is pipetune's per-document SDPA (``titan.attention.
+    CPU: the backbone's attention is pipetune's per-document SDPA (``titan.document_attention.
     DocumentAttention``), the ViT's is SDPA under dense per-image masks (``VisionMaskAttention``)."""
     config = pipetune_muse_glimmer_mm()
     spec = muse_glimmer_spec("heavy_vit")
