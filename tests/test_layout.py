@@ -1,8 +1,6 @@
 """Stage layout: parsing, and the layout search (never worse than even, memory respected, equal to
 exhaustive search where that is affordable)."""
 
-import itertools
-
 import numpy as np
 import pytest
 
