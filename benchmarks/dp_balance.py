@@ -16,7 +16,7 @@ from pipetune.cost import CostModel, StageLayout, analytical_table
 from pipetune.data import make_mix
 from pipetune.plan.dp_balance import compare_dp
 from pipetune.plan.mode import Mode
-from pipetune.plan.search import PlannerConfig
+from pipetune.plan.planner_config import PlannerConfig
 
 
 def main() -> None:

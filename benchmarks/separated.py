@@ -29,8 +29,7 @@ from pipetune.cost import CostModel, StageLayout, analytical_table
 from pipetune.data import BatchStream, batch_meta, make_mix
 from pipetune.plan import PlannerConfig
 from pipetune.plan.interleave import interleave, segment_priorities
-from pipetune.plan.layout import LayoutSearch, sample_batches
-from pipetune.plan.layout_compare import compare_layouts
+from pipetune.plan.layout_search import LayoutSearch, compare_layouts, sample_batches
 from pipetune.plan.ordering import candidate_orders
 from pipetune.plan.separated import LEADS, MAX_CLUSTERS
 from pipetune.simulate import Latencies

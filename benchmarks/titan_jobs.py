@@ -23,7 +23,7 @@ from benchmarks.testbed.learning import TestbedRecord  # noqa: E402
 
 def prepare(out: Path, config: str = "muse_glimmer_mm", *extra: str) -> None:
     """``<out>/data`` and ``<out>/table.json`` for ``config`` (kept when they exist)."""
-    subprocess.run([sys.executable, "-m", "torchtitan_patches.titan.prepare", "--config", config, "--out", str(out), *extra],
+    subprocess.run([sys.executable, "-m", "profiling.prepare_job", "--config", config, "--out", str(out), *extra],
                    check=True, cwd=ROOT)
 
 

@@ -4,7 +4,7 @@ By default glibc serves every buffer over 128 KiB-32 MiB with a fresh ``mmap`` a
 free, so each training step page-faults its activations back in. On CPU that costs ~20 % of a
 stage's time and grows with the number of live tensors, which makes a stage slower than the sum
 of its separately profiled layers. Profiling, stage timing and the trainer on CPU
-(``titan.cpu_device``) all call ``retain_freed_memory`` first so that they run under the same
+(``compat.cpu_device``) all call ``retain_freed_memory`` first so that they run under the same
 allocator behaviour.
 
 Retained memory still has to be faulted in once: while the heap grows to the job's peak, every

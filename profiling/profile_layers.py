@@ -47,13 +47,13 @@ from sklearn.isotonic import IsotonicRegression
 from tqdm import tqdm
 
 from pipetune.config.model import ModelConfig
-from pipetune.cost.table import Curve, LatencyTable
+from pipetune.cost.latency_table import Curve, LatencyTable
 from pipetune.files import write_text_atomic
-from profiling.timing import Clock, fwd_bwd_sample, saved_activation_bytes
 from profiling.cpu_allocator import retain_freed_memory
-from torchtitan_patches.model.attention import PackedAttention, flash_attn_available, varlen_metadata
 from torchtitan_patches.model.blocks import decoder_layer_config
+from torchtitan_patches.model.packed_attention import PackedAttention, flash_attn_available, varlen_metadata
 from torchtitan_patches.model.vlm import Projector, VisionEncoder
+from torchtitan_patches.runtime.timing import Clock, fwd_bwd_sample, saved_activation_bytes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 REST_DOC_LEN = 64

@@ -16,21 +16,21 @@ import torch
 from pipetune.config.model import ModelConfig
 from pipetune.calibrate.action_fit import Observation, Observed, Part
 from pipetune.cost.cost_model import MicroBatchShapes
-from pipetune.cost.layout import StageLayout
-from pipetune.packing.batch_packer import PackingConfig
-from profiling.timing import Clock, fwd_bwd_sample
+from pipetune.cost.stage_layout import StageLayout
+from pipetune.packing.config import PackingConfig
 from profiling.cpu_allocator import retain_freed_memory
 from torchtitan_patches.data.loader import DataLoaderConfig
 from torchtitan_patches.data.micro_batch import PackedMicroBatch
-from torchtitan_patches.model.attention import varlen_metadata
+from torchtitan_patches.model.packed_attention import varlen_metadata
 from torchtitan_patches.model.vlm import build_stages, token_loss_sum
+from torchtitan_patches.runtime.timing import Clock, fwd_bwd_sample
 
 
 class StageTimer:
     """Times stages and the encoder on real packed micro-batches, one sample per call, as the
     runtime runs them: stages built by ``build_stages`` on ``device`` (default: CUDA when there is
-    one), the runtime's attention backend and compute dtype, and its clock (``profiling.timing``:
-    CUDA events on a GPU)."""
+    one), the runtime's attention backend and compute dtype, and its clock
+    (``torchtitan_patches.runtime.timing``: CUDA events on a GPU)."""
 
     def __init__(self, model: ModelConfig, layout: StageLayout, *, max_seq_len: int, seed: int = 0,
                  device: torch.device | str | None = None, attention_backend: str = "auto",

@@ -29,9 +29,9 @@ from pipetune.schedule import Action, Op, Placement, ScheduleTable, place_encode
 from pipetune.schedule.lowering import Direction, MessageKind, Post, lower
 from torchtitan_patches.data import DataLoaderConfig
 from torchtitan_patches.model.vlm import build_encoder_chunks, build_stages, build_vlm
-from torchtitan_patches.pipeline import executor as executor_module
-from torchtitan_patches.pipeline.executor import ImageShapes, PlanExecutor, PlanMismatchError
-from torchtitan_patches.pipeline.reference import reference_step, whole_model_names
+from torchtitan_patches.runtime import executor as executor_module
+from torchtitan_patches.runtime.executor import ImageShapes, PlanExecutor, PlanMismatchError
+from torchtitan_patches.runtime.reference import reference_step, whole_model_names
 
 MAX_SEQ_LEN = 256
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -215,7 +215,7 @@ def swapped_order(rank, world, data, opts):
     """Rank 1 posts its first two receives up front, in swapped order (a lowering bug). With tags gloo
     still pairs each message with its buffer; with ``strict`` (one tag) it pairs them by order,
     as NCCL does, and the step must fail rather than train."""
-    import torchtitan_patches.pipeline.executor as executor
+    import torchtitan_patches.runtime.executor as executor
 
     def swapped(table, r):
         steps = lower(table, r)

@@ -191,7 +191,7 @@ def _channel_worker(scenario: str, rank: int, port: int) -> None:
 
     from pipetune.data import BatchStream, batch_meta, make_mix
     from pipetune.plan.plan import PlanError, build_plan
-    from torchtitan_patches.pipeline.plan_channel import PlanChannel
+    from torchtitan_patches.runtime.plan_channel import PlanChannel
 
     dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}",
                             timeout=timedelta(seconds=JOB_TIMEOUT_S))

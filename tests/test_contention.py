@@ -8,7 +8,7 @@ import pytest
 from pipetune.config import load_hardware, load_model_config
 from pipetune.cost import CostModel, StageLayout, analytical_table
 from pipetune.calibrate.action_fit import OVERHEAD_GRID, Design, calibrate_design
-from pipetune.cost.table import LatencyTableError, table_from_dict
+from pipetune.cost.latency_table import LatencyTableError, table_from_dict
 from pipetune.data import BatchStream, batch_meta, make_mix
 from pipetune.plan import PlannerConfig
 from pipetune.simulate import Latencies, TimedAction, compile_schedule, evaluate, simulate

@@ -5,7 +5,7 @@ from pipetune.config import load_hardware, load_model_config
 from pipetune.cost import CostModel, LatencyTable, MicroBatchShapes, StageLayout, analytical_table
 from pipetune.calibrate.action_fit import Observation, Observed, Part, calibrate
 from pipetune.cost.cost_model import lookup
-from pipetune.cost.table import Curve, table_from_dict
+from pipetune.cost.latency_table import Curve, table_from_dict
 from pipetune.packing import Packing
 from pipetune.packing.flops import attention_pairs
 

@@ -9,7 +9,7 @@ from pipetune.data.batch import batch_meta
 from pipetune.data.stream import BatchStream
 from pipetune.plan.dp_balance import balance, lpt_split
 from pipetune.plan.mode import Mode
-from pipetune.plan.search import PlannerConfig
+from pipetune.plan.planner_config import PlannerConfig
 
 
 def test_lpt_split_is_a_partition_with_equal_counts():

@@ -7,8 +7,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from pipetune.packing import FlopsModel
-from torchtitan_patches.model.attention import varlen_metadata
 from torchtitan_patches.model.blocks import decoder_layer_config, no_rope, vit_layer_config
+from torchtitan_patches.model.packed_attention import varlen_metadata
 
 
 def counted(fn):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pipetune.cost.variability import Spread, Variability
-from pipetune.plan.precompute import fill_gaps
+from pipetune.plan.precompute import move_encoders_into_gaps
 from pipetune.schedule import one_f_one_b
 from pipetune.simulate import Latencies, compile_schedule, evaluate
 from pipetune.simulate.jitter import draw_makespans, expected_makespan, jitter
@@ -25,7 +25,7 @@ def candidates(rng, dag, lat, n):
     """``n`` random orders, each with the schedule's encoder placement and a gap-filling one."""
     m = lat.fwd.shape[0]
     orders = np.array([rng.permutation(m) for _ in range(n)])
-    moved = fill_gaps(dag, lat, orders, np.full(n, 0.5))
+    moved = move_encoders_into_gaps(dag, lat, orders, np.full(n, 0.5))
     return np.vstack([orders, orders]), np.vstack([np.tile(dag.float_slot, (n, 1)), moved])
 
 

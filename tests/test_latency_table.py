@@ -8,7 +8,7 @@ import pytest
 
 from pipetune.config import load_model_config
 from pipetune.cost import LatencyTableError, load_latency_table
-from pipetune.cost.table import table_from_dict
+from pipetune.cost.latency_table import table_from_dict
 
 
 @pytest.fixture(scope="module")

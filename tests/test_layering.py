@@ -1,10 +1,69 @@
-"""The planning core stays free of torch, so planning never touches the training process's CUDA state."""
+"""Layers point one way: the planning core stays free of torch (planning never touches the
+training process's CUDA state), the runtime never reaches up into the profiler, and the planning
+core's modules import each other without a circle (a circle only loads in one order)."""
 
+import ast
 import pkgutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pipetune
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, at any depth (a deferred import still ties the modules),
+    except under ``if TYPE_CHECKING:``; a ``from X import name`` counts ``X`` and ``X.name``."""
+    out: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.add(node.module)
+            out.update(f"{node.module}.{a.name}" for a in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text(), str(path)))
+    return out
+
+
+def _modules(package: str) -> dict[str, Path]:
+    out = {}
+    for path in sorted((ROOT / package).rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of ``graph`` as ``[a, b, ..., a]``, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def walk(m: str) -> list[str] | None:
+        state[m] = 1
+        path.append(m)
+        for dep in sorted(graph[m]):
+            if state.get(dep) == 1:
+                return path[path.index(dep):] + [dep]
+            if dep not in state and (found := walk(dep)):
+                return found
+        path.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := walk(m)):
+            return found
+    return None
 
 
 def test_planning_core_never_imports_torch():
@@ -19,3 +78,19 @@ def test_planning_core_never_imports_torch():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
     assert len(modules) > 10
+
+
+def test_runtime_never_imports_profiling():
+    modules = _modules("torchtitan_patches")
+    bad = {name: found for name, path in modules.items()
+           if (found := sorted(m for m in _imports(path) if m == "profiling" or m.startswith("profiling.")))}
+    assert len(modules) > 10
+    assert not bad, f"the profiler builds on the runtime, not the reverse; these import it: {bad}"
+
+
+def test_planning_core_has_no_import_cycle():
+    modules = _modules("pipetune")
+    graph = {name: {m for m in _imports(path) if m in modules and m != name} for name, path in modules.items()}
+    assert len(graph) > 10
+    cycle = _cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)

@@ -1,15 +1,13 @@
 """Stage layout: parsing, and the layout search (never worse than even, memory respected, equal to
 exhaustive search where that is affordable)."""
 
-import itertools
-
 import numpy as np
 import pytest
 
 from pipetune.config import load_hardware, load_model_config
 from pipetune.cost import CostModel, StageLayout, analytical_table
 from pipetune.data import make_mix
-from pipetune.plan.layout import LayoutSearch, sample_batches
+from pipetune.plan.layout_search import LayoutSearch, sample_batches
 
 
 def test_parse_and_from_sizes():

@@ -11,7 +11,7 @@ from pipetune.data.batch import batch_meta
 from pipetune.data.stream import BatchStream
 from pipetune.packing.flops import FlopsModel
 from pipetune.plan.mode import Mode
-from pipetune.plan.search import PlannerConfig
+from pipetune.plan.planner_config import PlannerConfig
 
 
 def _heavy(recompute=False):

@@ -8,7 +8,7 @@ import pytest
 from pipetune.config import load_hardware, load_model_config
 from pipetune.cost import CostModel, StageLayout, analytical_table
 from pipetune.calibrate.action_fit import Observed, Part
-from pipetune.cost.table import CURVES, Curve
+from pipetune.cost.latency_table import CURVES, Curve
 from pipetune.data import BatchStream, batch_meta, make_mix
 from pipetune.plan import Mode, PlannerConfig
 from pipetune.plan.guard import Guard

@@ -21,7 +21,8 @@ def run_ranks(scenario: str, data: Path, out: Path, timeout: float = 60.0, expec
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(WORKER.parents[1])}  # the checkout under test, not an installed copy
     procs = [
         subprocess.Popen([sys.executable, str(WORKER), scenario, str(data), str(out), json.dumps(opts)], env={**env, "RANK": str(r)},
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -152,8 +153,8 @@ def test_several_stages_on_one_rank_hand_over_locally(datamix2_dir):
     from pipetune.schedule import Placement, one_f_one_b
     from torchtitan_patches.data import DataLoaderConfig
     from torchtitan_patches.model.vlm import build_stages, build_vlm
-    from torchtitan_patches.pipeline.executor import PlanExecutor
-    from torchtitan_patches.pipeline.reference import reference_step, whole_model_names
+    from torchtitan_patches.runtime.executor import PlanExecutor
+    from torchtitan_patches.runtime.reference import reference_step, whole_model_names
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -284,8 +285,8 @@ def test_separated_plan_on_one_rank_hands_over_locally(datamix2_dir):
     import torch
 
     from torchtitan_patches.model.vlm import build_encoder_chunks, build_stages, build_vlm
-    from torchtitan_patches.pipeline.executor import ImageShapes, PlanExecutor
-    from torchtitan_patches.pipeline.reference import reference_step, whole_model_names
+    from torchtitan_patches.runtime.executor import ImageShapes, PlanExecutor
+    from torchtitan_patches.runtime.reference import reference_step, whole_model_names
 
     model, batch, plan = _one_rank_separated(datamix2_dir, trained=True)
     dist = _world_of_one()
@@ -312,7 +313,7 @@ def test_a_model_built_for_another_layout_is_refused_before_any_message(datamix2
     what is wrong, not a hang or a wrong model."""
     from pipetune.plan.plan import PlanError
     from torchtitan_patches.model.vlm import build_encoder_chunks, build_stages
-    from torchtitan_patches.pipeline.executor import ImageShapes, PlanExecutor, PlanMismatchError
+    from torchtitan_patches.runtime.executor import ImageShapes, PlanExecutor, PlanMismatchError
 
     model, batch, plan = _one_rank_separated(datamix2_dir, trained=False)
     encoder, stages = build_stages(model, [(0, 4)], [0], max_seq_len=1024, seed=0, attention_backend="sdpa")

@@ -9,7 +9,7 @@ import pytest
 from pipetune.config import load_hardware, load_model_config
 from pipetune.config.model import BackboneConfig, ModelConfig
 from pipetune.cost import CostModel, LatencyTable, StageLayout, analytical_table
-from pipetune.cost.table import Curve
+from pipetune.cost.latency_table import Curve
 from pipetune.cost.variability import Spread, Variability
 from pipetune.data import BatchStream, batch_meta, make_mix
 from pipetune.data.batch import BatchMeta

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from torchtitan_patches.model.attention import PackedAttention, varlen_metadata
+from torchtitan_patches.model.packed_attention import PackedAttention, varlen_metadata
 
 
 def test_flash_refuses_fp32_with_a_clear_message():

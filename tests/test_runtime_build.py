@@ -7,7 +7,7 @@ import torch
 from pipetune.config import load_model_config
 from pipetune.cost import StageLayout
 from torchtitan_patches.model.vlm import build_stages, build_vlm
-from torchtitan_patches.pipeline.reference import whole_model_names
+from torchtitan_patches.runtime.reference import whole_model_names
 
 
 def analytic_params(model, lo: int, hi: int, *, first: bool, last: bool) -> int:

@@ -2,7 +2,7 @@
 
 import torch
 
-import profiling.timing as timing
+import torchtitan_patches.runtime.timing as timing
 
 
 class FakeClock:

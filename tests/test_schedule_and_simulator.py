@@ -103,7 +103,7 @@ def test_a_straggler_delays_exactly_what_depends_on_it():
     assert c.time_of("0B0") == pytest.approx((6, 8))  # rank 0 was busy with 0F1 until 6
 
 
-def test_precomputed_encoders_fill_gaps_without_overlap_and_after_their_data():
+def test_precomputed_encoders_move_into_gaps_without_overlap_and_after_their_data():
     S, m = 3, 6
     rng = np.random.default_rng(0)
     lat = Latencies(rng.random((m, S)) + 0.5, rng.random((m, S)) + 1.0, rng.random(m) * 0.8, np.full(m, 0.05),

@@ -10,7 +10,7 @@ import pytest
 from pipetune.config import load_hardware, load_model_config
 from pipetune.cost import CostModel, StageLayout, analytical_table
 from pipetune.cost.cost_model import MicroBatchShapes
-from pipetune.cost.table import Curve
+from pipetune.cost.latency_table import Curve
 from pipetune.data import BatchStream, batch_meta, make_mix
 from pipetune.packing.sub_batches import SubBatches
 from pipetune.plan import IterationPlan, PlannerConfig

@@ -10,7 +10,7 @@ import pytest
 from pipetune.config import load_hardware, load_model_config
 from pipetune.cost import LatencyTableError, analytical_table
 from pipetune.calibrate.action_fit import UNKNOWNS, Design, calibrate_design
-from pipetune.cost.table import table_from_dict
+from pipetune.cost.latency_table import table_from_dict
 from pipetune.cost.variability import Spread, Variability
 
 NOISY = Variability(stage=Spread(log_var=0.01, log_var_s=2e-4, min_s=1e-3), encoder=Spread(log_var=0.02),

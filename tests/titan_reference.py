@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from torchtitan_patches.data.micro_batch import IMAGE_TOKEN_ID
-from torchtitan_patches.model.attention import varlen_metadata
+from torchtitan_patches.model.packed_attention import varlen_metadata
 from torchtitan_patches.model.vlm import token_loss_sum
 from torchtitan_patches.titan.stages import patchify
 

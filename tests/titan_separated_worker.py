@@ -31,7 +31,7 @@ from torchtitan.distributed.pipeline_parallel import _split_module
 from pipetune.cost import StageLayout
 from pipetune.packing import PackingConfig
 from torchtitan_patches.data import DataLoaderConfig
-from torchtitan_patches.pipeline.executor import ImageShapes, PlanExecutor
+from torchtitan_patches.runtime.executor import ImageShapes, PlanExecutor
 from torchtitan_patches.titan.model_spec import muse_glimmer_spec, planning_model_config
 from torchtitan_patches.titan.stages import TitanStage, encoder_chunks, keep_encoder_chunks
 from torchtitan_patches.titan.model_parts import VISION_MODULES, layout_fqns, local_encoder_chunks

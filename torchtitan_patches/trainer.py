@@ -56,15 +56,15 @@ from pipetune.plan.plan_source import PlanSource, load_replay
 from pipetune.records import StepKind, StepRecord
 from pipetune.simulate import TimedAction
 from torchtitan_patches.data.micro_batch import GlobalBatch
-from torchtitan_patches.pipeline.executor import ImageShapes, PlanExecutor, StepResult
-from torchtitan_patches.pipeline.plan_channel import PlanChannel
+from torchtitan_patches.runtime.executor import ImageShapes, PlanExecutor, StepResult
+from torchtitan_patches.runtime.plan_channel import PlanChannel
 from torchtitan_patches.settings import PipeTuneSettings
-from torchtitan_patches.titan.cpu_device import use_cpu
+from torchtitan_patches.compat.cpu_device import use_cpu
 from torchtitan_patches.titan.dataloader import PipeTuneTitanDataLoader
 from torchtitan_patches.titan.model_parts import choose_layout, local_encoder_chunks, sample_job_batches, split_for_layout
 from torchtitan_patches.titan.model_spec import planning_model_config
 from torchtitan_patches.titan.stages import TitanStage, encoder_chunks
-from torchtitan_patches.titan.torch_compat import fill_gaps
+from torchtitan_patches.compat.torch_compat import add_missing_torch_apis
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ class PipeTuneTrainer(Trainer):
     record_class: ClassVar[type[StepRecord]] = StepRecord
 
     def __init__(self, config: Config):
-        fill_gaps()
+        add_missing_torch_apis()
         use_cpu()
         pt, pp = config.pipetune, config.parallelism.pipeline_parallel_degree
         if pp < 2:

@@ -41,7 +41,7 @@ import numpy as np
 from scipy.optimize import nnls
 
 from pipetune.cost.cost_model import CostModel, MicroBatchShapes
-from pipetune.cost.table import CURVES, LatencyTable
+from pipetune.cost.latency_table import CURVES, LatencyTable
 from pipetune.cost.variability import Variability, fit_spread
 
 RIDGE = 0.05

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pipetune.calibrate.correction import FamilyCorrection
 from pipetune.calibrate.online import MeasuredStep, OnlineCalibrator
 from pipetune.cost.cost_model import CostModel
-from pipetune.cost.table import LatencyTable
+from pipetune.cost.latency_table import LatencyTable
 from pipetune.data.batch import BatchMeta
 from pipetune.plan.guard import Decision, Guard, GuardState, PlanKind
 from pipetune.plan.plan import IterationPlan

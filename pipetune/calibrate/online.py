@@ -13,8 +13,8 @@ import numpy as np
 
 from pipetune.calibrate.action_fit import CalibrationReport, Design, Observation, Observed, Part, calibrate_design
 from pipetune.cost.cost_model import CostModel
-from pipetune.cost.layout import StageLayout
-from pipetune.cost.table import CURVES, LatencyTable
+from pipetune.cost.stage_layout import StageLayout
+from pipetune.cost.latency_table import CURVES, LatencyTable
 from pipetune.data.batch import BatchMeta
 from pipetune.plan.plan import IterationPlan
 from pipetune.schedule.table import Op

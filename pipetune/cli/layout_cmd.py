@@ -1,4 +1,4 @@
-"""``pipetune layout``: propose a stage layout for a job before training (see ``pipetune.plan.layout``)."""
+"""``pipetune layout``: propose a stage layout for a job before training (see ``pipetune.plan.layout_search``)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def cost_and_layout_from_args(args, model, data):
     """The job's cost model on the layout ``--layout`` asks for (``plan`` handles ``separated``
     itself: it compares it with the co-located layouts), and the search result (``None`` unless
     ``auto``, which picks the faster of the best co-located split and the separated layout)."""
-    from pipetune.plan.layout import LayoutSearch, sample_batches
+    from pipetune.plan.layout_search import LayoutSearch, sample_batches
 
     base = cost_model_from_args(args, model)
     cost = CostModel(base.table, base.layout, recompute_encoder=args.recompute_encoder)

@@ -96,7 +96,7 @@ def run(args) -> int:
 def _data_parallel(args, model, cost, data, memory) -> dict:
     from pipetune.plan.dp_balance import compare_dp
     from pipetune.plan.mode import Mode
-    from pipetune.plan.search import PlannerConfig
+    from pipetune.plan.planner_config import PlannerConfig
 
     if args.gbs % args.dp:
         raise ValueError(f"--gbs {args.gbs} is not a multiple of --dp {args.dp}")
@@ -111,7 +111,7 @@ def _separated(args, model, data) -> int:
     import numpy as np
 
     from pipetune.cost import CostModel
-    from pipetune.plan.layout_compare import compare_layouts
+    from pipetune.plan.layout_search import compare_layouts
 
     if args.dp > 1:
         raise ValueError("--layout separated compares layouts on one pipeline; leave out --dp")

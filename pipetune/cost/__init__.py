@@ -2,8 +2,8 @@
 
 from pipetune.cost.analytical import analytical_table
 from pipetune.cost.cost_model import CostModel, MicroBatchShapes, StageCosts
-from pipetune.cost.layout import StageLayout
-from pipetune.cost.table import LatencyTable, LatencyTableError, load_latency_table
+from pipetune.cost.latency_table import LatencyTable, LatencyTableError, load_latency_table
+from pipetune.cost.stage_layout import StageLayout
 
 __all__ = [
     "CostModel",

@@ -28,7 +28,7 @@ import numpy as np
 
 from pipetune.config.hardware import HardwareSpec
 from pipetune.config.model import ModelConfig
-from pipetune.cost.table import Curve, LatencyTable
+from pipetune.cost.latency_table import Curve, LatencyTable
 from pipetune.packing.flops import BACKWARD_FACTOR, FlopsModel, attention_pairs
 
 BYTES = 2  # BF16

@@ -41,11 +41,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipetune.config.model import ModelConfig
-from pipetune.cost.layout import StageLayout
-from pipetune.cost.table import Curve, LatencyTable
+from pipetune.cost.latency_table import Curve, LatencyTable
+from pipetune.cost.stage_layout import StageLayout
 from pipetune.data.samples import SampleTable
 from pipetune.packing.flops import attention_pairs
-from pipetune.packing.packing import Packing
+from pipetune.packing.groups import Packing
 from pipetune.packing.sub_batches import SubBatches
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from pipetune.packing.flops import FlopsModel
-from pipetune.packing.packing import Packing
+from pipetune.packing.groups import Packing
 
 
 def packing_stats(lengths: np.ndarray, packing: Packing, flops: FlopsModel) -> dict:

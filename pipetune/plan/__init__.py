@@ -1,7 +1,8 @@
 """Per-iteration planning: search, iteration plans, asynchronous planning."""
 
-from pipetune.plan.plan import IterationPlan, PlanError
 from pipetune.plan.mode import Mode
-from pipetune.plan.search import Planner, PlannerConfig
+from pipetune.plan.plan import IterationPlan, PlanError
+from pipetune.plan.planner import Planner
+from pipetune.plan.planner_config import PlannerConfig
 
 __all__ = ["IterationPlan", "Mode", "PlanError", "Planner", "PlannerConfig"]

@@ -20,7 +20,7 @@ from typing import Callable
 
 from pipetune.data.batch import BatchMeta
 from pipetune.plan.plan import IterationPlan, PlanError
-from pipetune.plan.search import Planner
+from pipetune.plan.planner import Planner
 
 
 class AsyncPlanner:

@@ -19,7 +19,8 @@ from pipetune.data.batch import BatchMeta, batch_meta
 from pipetune.data.samples import Overlong, SampleTable
 from pipetune.data.stream import BatchStream
 from pipetune.plan.mode import Mode
-from pipetune.plan.search import Planner, PlannerConfig
+from pipetune.plan.planner import Planner
+from pipetune.plan.planner_config import PlannerConfig
 
 
 @dataclass(frozen=True)

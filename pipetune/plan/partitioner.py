@@ -24,7 +24,7 @@ import numpy as np
 
 from pipetune.config.model import ModelConfig
 from pipetune.cost.cost_model import CostModel, MicroBatchShapes, lookup
-from pipetune.cost.layout import StageLayout
+from pipetune.cost.stage_layout import StageLayout
 
 THRESHOLD = 0.95
 

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, replace
 
 from pipetune.cost.cost_model import MicroBatchShapes
 from pipetune.data.batch import BatchMeta
-from pipetune.packing.packing import Packing
+from pipetune.packing.groups import Packing
 from pipetune.plan.mode import Mode
 from pipetune.schedule.schedules import Schedule, place_encoders, serial
 from pipetune.schedule.table import Action, Placed, Placement, ScheduleError, ScheduleTable

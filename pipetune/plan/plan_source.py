@@ -30,7 +30,7 @@ from pipetune.data.batch import BatchMeta
 from pipetune.plan.async_planner import AsyncPlanner
 from pipetune.plan.guard import Guard, PlanKind
 from pipetune.plan.plan import IterationPlan, PlanError
-from pipetune.plan.search import Planner
+from pipetune.plan.planner import Planner
 from pipetune.calibrate.online import simulate_plan
 from pipetune.records import StepKind, StepRecord
 

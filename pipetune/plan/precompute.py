@@ -20,7 +20,8 @@ from pipetune.simulate.dag import CompiledSchedule
 from pipetune.simulate.simulator import Latencies, timelines
 
 
-def fill_gaps(dag: CompiledSchedule, lat: Latencies, orders: np.ndarray, overflows: np.ndarray, *, passes: int = 2) -> np.ndarray:
+def move_encoders_into_gaps(dag: CompiledSchedule, lat: Latencies, orders: np.ndarray, overflows: np.ndarray, *,
+                            passes: int = 2) -> np.ndarray:
     """Encoder slots (node before which each slot's encoder runs), one row per (order, overflow)."""
     rank0 = dag.rank_nodes[dag.table.placement.encoder[0]].tolist()
     fwd_node = dag.float_slot

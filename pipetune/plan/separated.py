@@ -28,11 +28,12 @@ import numpy as np
 
 from pipetune.cost.cost_model import MicroBatchShapes
 from pipetune.data.batch import BatchMeta
-from pipetune.packing.batch_packer import PackerKind, PackingConfig
+from pipetune.packing.config import PackerKind, PackingConfig
+from pipetune.plan.candidate import Candidate
 from pipetune.plan.interleave import Interleaved, interleave, segment_priorities
 from pipetune.plan.ordering import candidate_orders
 from pipetune.plan.plan import IterationPlan, plan_from_table
-from pipetune.plan.search import Planner, _Candidate
+from pipetune.plan.planner import Planner
 from pipetune.schedule.table import ScheduleTable
 from pipetune.simulate.lower_bound import placement_lower_bound
 from pipetune.simulate.simulator import Latencies, simulate
@@ -51,7 +52,7 @@ class SeparatedPlanner(Planner):
         limit = self.budget - self.states if limited else None
         return interleave(self.cost.placement(), parent, lat, pr, sub_pr, limit, name=f"separated lead {lead}")
 
-    def _candidate(self, meta: BatchMeta, mbs: int, packer: PackerKind) -> _Candidate:
+    def _candidate(self, meta: BatchMeta, mbs: int, packer: PackerKind) -> Candidate:
         packing = PackingConfig(packer=packer, mbs=mbs, max_seq_len=self.config.max_seq_len, seed=self.config.seed).build(self.model)(
             meta.table.lengths, meta.step
         )
@@ -64,11 +65,11 @@ class SeparatedPlanner(Planner):
         best = best or self._schedule(lat, parent, identity, 0, limited=False)
         proto = ScheduleTable(placement=self.cost.placement(), num_micro_batches=packing.num_micro_batches, ranks=(),
                               sub_mb_parent=parent)
-        c = _Candidate(mbs, packing, lat, None, best.makespan, placement_lower_bound(proto, lat), fits)
+        c = Candidate(mbs, packing, lat, None, best.makespan, placement_lower_bound(proto, lat), fits)
         c.best_s, c.order, c.schedule = (best.makespan if fits else np.inf), identity, best
         return c
 
-    def _improve(self, c: _Candidate) -> None:
+    def _improve(self, c: Candidate) -> None:
         """Segment orders (clustered micro-batch orders x encoder leads) for one packing, in place."""
         parent = c.schedule.table.sub_mb_parent
         for order in candidate_orders(c.lat, min(self.config.max_clusters, MAX_CLUSTERS), parent):
@@ -77,7 +78,7 @@ class SeparatedPlanner(Planner):
                 if s is not None and s.makespan < c.best_s:
                     c.best_s, c.order, c.schedule = s.makespan, order, s
 
-    def _to_plan(self, meta: BatchMeta, c: _Candidate, search_s: float, *, lower_bound_s: float, fallback: bool = False) -> IterationPlan:
+    def _to_plan(self, meta: BatchMeta, c: Candidate, search_s: float, *, lower_bound_s: float, fallback: bool = False) -> IterationPlan:
         ids = meta.table.ids
         return plan_from_table(
             c.schedule.table,

@@ -30,7 +30,7 @@ from pipetune.data.samples import Overlong, OverlongTotals
 from pipetune.data.storage import SampleStore, open_dataset
 from pipetune.data.stream import BatchStream
 from pipetune.data.text import TextEncoder
-from pipetune.packing.batch_packer import PackingConfig
+from pipetune.packing.config import PackingConfig
 from torchtitan_patches.data.micro_batch import ContentSpec, GlobalBatch, build_micro_batch, sample_content
 
 

@@ -16,7 +16,7 @@ from pipetune.config.model import ModelConfig
 from pipetune.cost import CostModel, LatencyTable, StageLayout
 from pipetune.data.batch import BatchMeta
 from pipetune.data.storage import open_dataset
-from pipetune.plan.layout import LayoutSearch, sample_batches
+from pipetune.plan.layout_search import LayoutSearch, sample_batches
 from pipetune.schedule.table import Placement
 from torchtitan_patches.titan.stages import keep_encoder_chunks
 from torchtitan_patches.titan.tokenizer import text_encoder

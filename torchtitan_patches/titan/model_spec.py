@@ -40,7 +40,7 @@ from torchtitan.models.muse_glimmer.vision_encoder import MuseGlimmerVisionEncod
 from torchtitan.protocols.model_spec import ModelSpec
 
 from pipetune.config.model import BackboneConfig, ConfigError, EncoderConfig, ModelConfig
-from torchtitan_patches.titan.attention import DocumentAttention, VisionMaskAttention
+from torchtitan_patches.titan.document_attention import DocumentAttention, VisionMaskAttention
 from torchtitan_patches.titan.vision import DenseMaskVisionEncoder
 
 

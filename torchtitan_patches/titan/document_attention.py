@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torchtitan.models.common.attention import VarlenAttention, VarlenMetadata
 from torchtitan.protocols.module import Module
 
-from torchtitan_patches.model.attention import PackedAttention
+from torchtitan_patches.model.packed_attention import PackedAttention
 
 
 def _window(window_size: tuple[int, int]) -> tuple[bool, int | None]:

@@ -1,5 +1,6 @@
 """The one clock of profiler, stage timer and pipeline runtime: CUDA events on a GPU (recorded on
-the compute stream, so they time kernels, not their launches), ``perf_counter`` on CPU."""
+the compute stream, so they time kernels, not their launches), ``perf_counter`` on CPU. It lives in
+the runtime, whose executor times every action with it; ``profiling`` imports it from here."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from pipetune.packing.packing import Packing
+from pipetune.packing.groups import Packing
 
 
 def _check_inputs(lengths: np.ndarray, capacity: int) -> None:

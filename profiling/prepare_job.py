@@ -1,7 +1,7 @@
 """Make what a pipetune TorchTitan job reads before it starts: a data set and the latency table.
 
-    python -m torchtitan_patches.titan.prepare --config pipetune_muse_glimmer_mm --out out/titan
-    python -m torchtitan_patches.titan.prepare --module my_jobs --config my_vlm_pipetune --device cuda \
+    python -m profiling.prepare_job --config muse_glimmer_mm --out out/titan
+    python -m profiling.prepare_job --module my_jobs --config my_vlm_pipetune --device cuda \
         --no-data --out tables/my_vlm_h100
 
 ``<out>/data`` is a generated mix (``pipetune data make``; ``--no-data`` for a job that trains
@@ -28,9 +28,10 @@ from torchtitan_patches.titan.model_spec import planning_model_config
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m torchtitan_patches.titan.prepare", description=__doc__.split("\n\n")[0])
-    p.add_argument("--module", default="torchtitan_patches.titan", help="package whose config_registry holds --config (as TorchTitan's)")
-    p.add_argument("--config", default="pipetune_muse_glimmer_mm", help="config function returning a PipeTuneTrainer.Config")
+    p = argparse.ArgumentParser(prog="python -m profiling.prepare_job", description=__doc__.split("\n\n")[0])
+    p.add_argument("--module", default="configs", help="package whose config_registry holds --config (as TorchTitan's; "
+                   "run from the repository root for pipetune's own)")
+    p.add_argument("--config", default="muse_glimmer_mm", help="config function returning a PipeTuneTrainer.Config")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--no-data", action="store_true", help="only the latency table (the job trains on its own data set)")
     p.add_argument("--device", default="cpu", help="cpu or cuda: the device the job trains on")

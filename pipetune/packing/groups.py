@@ -35,12 +35,6 @@ class Packing:
     def groups(self) -> list[np.ndarray]:
         return [self.order[a:b] for a, b in zip(self.ptr[:-1], self.ptr[1:])]
 
-    def assignment(self, num_rows: int) -> np.ndarray:
-        """Micro-batch index of each row (``num_rows`` = rows of the batch)."""
-        out = np.full(num_rows, -1, dtype=np.int64)
-        out[self.order] = np.repeat(np.arange(self.num_micro_batches), np.diff(self.ptr))
-        return out
-
     def per_micro_batch(self, values: np.ndarray) -> np.ndarray:
         """Sum a per-row quantity (tokens, FLOPs, images) over each micro-batch."""
         return np.add.reduceat(values[self.order], self.ptr[:-1]) if len(self.order) else np.zeros(0)

@@ -4,8 +4,8 @@ Supported pair: torch 2.13.0 with TorchTitan 0.3.0 (TorchTitan 0.3.0 was written
 2.14). Two gaps are met on the training path:
 
 * ``torch.distributed.set_timeout`` (TorchTitan shortens process-group timeouts after step 1):
-  torch 2.13 has the same operation as ``distributed_c10d._set_pg_timeout``; ``fill_gaps`` adds
-  the public name.
+  torch 2.13 has the same operation as ``distributed_c10d._set_pg_timeout``;
+  ``add_missing_torch_apis`` adds the public name.
 * ``PipelineSchedule.step(arg_mbs=..., kwarg_mbs=...)``: not needed, because ``PipeTuneTrainer``
   runs its plans through ``PlanExecutor`` and never calls a torch schedule's ``step``.
 """
@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 
-def fill_gaps() -> None:
+def add_missing_torch_apis() -> None:
+    """Give torch 2.13 the public names TorchTitan 0.3.0 calls (see the module doc); idempotent."""
     if not hasattr(dist, "set_timeout"):
         dist.set_timeout = lambda timeout, group=None: distributed_c10d._set_pg_timeout(timeout, group)

@@ -8,9 +8,9 @@ from enum import Enum
 import numpy as np
 
 from pipetune.config.model import ModelConfig
+from pipetune.packing.algorithms import pack_balanced, pack_original
 from pipetune.packing.flops import FlopsModel
-from pipetune.packing.packers import pack_balanced, pack_original
-from pipetune.packing.packing import Packing
+from pipetune.packing.groups import Packing
 
 
 class PackerKind(str, Enum):

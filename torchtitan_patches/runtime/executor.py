@@ -53,8 +53,9 @@ content (token ids and labels), and every rank's encoder chunks' layer ranges; a
 ``PlanMismatchError`` on every rank, naming it, instead of hanging in a receive or training on
 another rank's labels or a mis-cut encoder.
 
-Timelines come from ``profiling.timing.ActionTimeline``: CUDA events on a GPU, the host clock on
-CPU, in the simulator's semantics (idle time is time spent waiting for messages).
+Timelines come from ``ActionTimeline`` (``torchtitan_patches.runtime.timing``): CUDA events on a
+GPU, the host clock on CPU, in the simulator's semantics (idle time is time spent waiting for
+messages).
 """
 
 from __future__ import annotations
@@ -74,10 +75,10 @@ from pipetune.plan.plan import IterationPlan, PlanError
 from pipetune.schedule.lowering import Compute, Direction, Message, MessageKind, Post, Wait, inputs, lower
 from pipetune.schedule.table import Action, Module, Op, ScheduleTable
 from pipetune.simulate.simulator import TimedAction
-from profiling.timing import Clock
 from torchtitan_patches.data.micro_batch import GlobalBatch, PackedMicroBatch
-from torchtitan_patches.model.attention import varlen_metadata
+from torchtitan_patches.model.packed_attention import varlen_metadata
 from torchtitan_patches.model.vlm import BackboneStage, token_loss_sum
+from torchtitan_patches.runtime.timing import Clock
 
 MAX_MICRO_BATCHES = 1 << 16
 

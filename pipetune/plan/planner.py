@@ -38,7 +38,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -46,86 +46,22 @@ from pipetune.config.model import ModelConfig
 from pipetune.cost.cost_model import CostModel, MicroBatchShapes
 from pipetune.cost.memory import max_micro_batch_size, model_state_bytes
 from pipetune.data.batch import BatchMeta
-from pipetune.packing.batch_packer import PackerKind, PackingConfig
-from pipetune.packing.packing import Packing
-from pipetune.plan.interleave import Interleaved
+from pipetune.packing.config import PackerKind, PackingConfig
+from pipetune.plan.candidate import Candidate
 from pipetune.plan.mode import Mode
 from pipetune.plan.ordering import candidate_orders
 from pipetune.plan.plan import IterationPlan, build_plan
-from pipetune.plan.precompute import fill_gaps
-from pipetune.schedule.schedules import Schedule
+from pipetune.plan.precompute import move_encoders_into_gaps
 from pipetune.simulate.dag import CompiledSchedule, compile_schedule
 from pipetune.simulate.jitter import JitteredLatencies, expected_makespan, jitter
 from pipetune.simulate.lower_bound import makespan_lower_bound
 from pipetune.simulate.simulator import Latencies, evaluate
 
+if TYPE_CHECKING:
+    from pipetune.plan.planner_config import PlannerConfig
+
 log = logging.getLogger(__name__)
 PRECOMPUTE_OVERFLOWS = np.array([0.0, 0.5])
-
-
-@dataclass(frozen=True, kw_only=True)
-class PlannerConfig:
-    """Search settings. ``memory_bytes`` is one GPU's memory (``reserve`` of it is kept free);
-    ``mbs`` fixes the micro-batch size of the fixed-size modes (default: the largest that fits).
-    ``max_clusters`` bounds the clusters whose permutations are tried (the paper stays below six);
-    ``top_sizes`` micro-batch sizes (best packing-order makespan first) get the order search, and
-    their ``top_orders`` best orders get encoder placements. ``jitter_draws`` (0 or >= 2): draws of
-    per-action noise that candidates are scored over (expected makespan), when the cost model's
-    table has a variability model; 0 scores the deterministic makespan.
-    """
-
-    mode: Mode = Mode.PIPETUNE
-    max_seq_len: int
-    memory_bytes: float
-    reserve: float = 0.1
-    mbs: int | None = None
-    max_mbs: int = 64
-    schedule: Schedule = Schedule.ONE_F_ONE_B
-    max_clusters: int = 5
-    top_sizes: int = 3
-    top_orders: int = 3
-    precompute: bool = True
-    seed: int = 0
-    jitter_draws: int = 0
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "mode", Mode(self.mode))
-        if self.schedule not in set(Schedule):
-            raise ValueError(f"unknown schedule {self.schedule!r}; known: {[s.value for s in Schedule]}")
-        object.__setattr__(self, "schedule", Schedule(self.schedule))
-        if self.mbs is not None and self.mbs < 1:
-            raise ValueError(f"mbs must be >= 1 (or None for the largest that fits), got {self.mbs}")
-        if not 1 <= self.max_clusters <= 6:
-            raise ValueError(f"max_clusters must be in 1..6 (6! = 720 orders), got {self.max_clusters}")
-        if self.jitter_draws == 1 or self.jitter_draws < 0:
-            raise ValueError(f"jitter_draws must be 0 (deterministic) or >= 2, got {self.jitter_draws}")
-
-    def build(self, model: ModelConfig, cost: CostModel) -> "Planner":
-        """The planner for ``cost``'s layout: co-located (``Planner``) or separated (``SeparatedPlanner``)."""
-        if cost.layout.is_separated:
-            from pipetune.plan.separated import SeparatedPlanner
-
-            if self.jitter_draws:
-                raise ValueError("jitter_draws: the separated layout's planner scores deterministic times only; use jitter_draws=0")
-
-            return SeparatedPlanner(self, model, cost)
-        return Planner(self, model, cost)
-
-
-@dataclass
-class _Candidate:
-    mbs: int
-    packing: Packing
-    lat: Latencies
-    dag: CompiledSchedule
-    base_s: float
-    lower_bound_s: float
-    fits: bool
-    noisy: JitteredLatencies | None = None  # jitter draws (co-located planner only)
-    best_s: float = np.inf
-    order: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    schedule: Interleaved | None = None  # the separated planner's best table
 
 
 class Planner:
@@ -180,7 +116,7 @@ class Planner:
     def _factor(self, mbs: int) -> float:
         return self.correction.get(mbs, 1.0)
 
-    def _score(self, c: _Candidate) -> float:
+    def _score(self, c: Candidate) -> float:
         return c.best_s * self._factor(c.mbs)
 
     def _dag(self, m: int) -> CompiledSchedule:
@@ -191,7 +127,7 @@ class Planner:
             self._dags[key] = compile_schedule(table)
         return self._dags[key]
 
-    def _candidate(self, meta: BatchMeta, mbs: int, packer: PackerKind) -> _Candidate:
+    def _candidate(self, meta: BatchMeta, mbs: int, packer: PackerKind) -> Candidate:
         lengths = meta.table.lengths
         packing = PackingConfig(packer=packer, mbs=mbs, max_seq_len=self.config.max_seq_len, seed=self.config.seed).build(self.model)(
             lengths, meta.step
@@ -202,7 +138,7 @@ class Planner:
         draws, variability = self.config.jitter_draws, self.cost.table.variability
         noisy = jitter(lat, variability, draws, (self.config.seed, meta.step)) if draws and variability else None
         span, fits = self._evaluate(dag, lat, noisy, identity[None])
-        c = _Candidate(mbs, packing, lat, dag, float(span[0]), makespan_lower_bound(lat), bool(fits[0]), noisy)
+        c = Candidate(mbs, packing, lat, dag, float(span[0]), makespan_lower_bound(lat), bool(fits[0]), noisy)
         c.best_s, c.order, c.slots = (c.base_s if c.fits else np.inf), identity, dag.float_slot.copy()
         return c
 
@@ -217,7 +153,7 @@ class Planner:
         span = res.makespan if noisy is None else expected_makespan(dag, noisy, orders, slots)
         return span, self._fits(res.peak_bytes)
 
-    def _improve(self, c: _Candidate) -> None:
+    def _improve(self, c: Candidate) -> None:
         """Search orders and encoder placements for one packing (in place)."""
         orders = candidate_orders(c.lat, self.config.max_clusters)
         span, fits = self._evaluate(c.dag, c.lat, c.noisy, orders)
@@ -227,7 +163,7 @@ class Planner:
         if self.encoder and self.config.precompute and not self.cost.encoder_trainable:
             moved_orders = np.repeat(cands, len(PRECOMPUTE_OVERFLOWS), axis=0)
             overflows = np.tile(PRECOMPUTE_OVERFLOWS, len(keep))
-            moved = fill_gaps(c.dag, c.lat, moved_orders, overflows)
+            moved = move_encoders_into_gaps(c.dag, c.lat, moved_orders, overflows)
             moved_span, fits = self._evaluate(c.dag, c.lat, c.noisy, moved_orders, moved)
             cands = np.vstack([cands, moved_orders])
             slots = np.vstack([slots, moved])
@@ -279,7 +215,7 @@ class Planner:
         log.warning("step %d: planning exceeded its time budget; using the balanced plan at mbs=%d", meta.step, c.mbs)
         return self._to_plan(meta, c, time.perf_counter() - t0, lower_bound_s=c.lower_bound_s, fallback=True)
 
-    def _to_plan(self, meta: BatchMeta, c: _Candidate, search_s: float, *, lower_bound_s: float, fallback: bool = False) -> IterationPlan:
+    def _to_plan(self, meta: BatchMeta, c: Candidate, search_s: float, *, lower_bound_s: float, fallback: bool = False) -> IterationPlan:
         order = [int(x) for x in c.order]
         pos = c.dag.rank_position()
         moved = {order[k]: int(pos[s]) for k, s in enumerate(c.slots) if s != c.dag.float_slot[k]}

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from pipetune.data.batch import BatchMeta
 from pipetune.plan.plan import IterationPlan, PlanError
-from torchtitan_patches.pipeline.executor import PlanMismatchError
+from torchtitan_patches.runtime.executor import PlanMismatchError
 
 
 def group_timeout(group=None) -> timedelta:

@@ -11,7 +11,7 @@ from contextlib import nullcontext
 import torch
 
 from torchtitan_patches.data.micro_batch import GlobalBatch
-from torchtitan_patches.model.attention import varlen_metadata
+from torchtitan_patches.model.packed_attention import varlen_metadata
 from torchtitan_patches.model.vlm import BackboneStage, VisionEncoder, token_loss_sum
 
 

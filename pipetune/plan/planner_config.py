@@ -1,0 +1,60 @@
+"""The planner's settings, and ``PlannerConfig.build``, which picks the planner for a cost model's
+layout. Kept apart from both planners so that ``pipetune.plan.separated`` can subclass ``Planner``
+without ``pipetune.plan.planner`` importing it back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipetune.config.model import ModelConfig
+from pipetune.cost.cost_model import CostModel
+from pipetune.plan.mode import Mode
+from pipetune.plan.planner import Planner
+from pipetune.plan.separated import SeparatedPlanner
+from pipetune.schedule.schedules import Schedule
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannerConfig:
+    """Search settings. ``memory_bytes`` is one GPU's memory (``reserve`` of it is kept free);
+    ``mbs`` fixes the micro-batch size of the fixed-size modes (default: the largest that fits).
+    ``max_clusters`` bounds the clusters whose permutations are tried (the paper stays below six);
+    ``top_sizes`` micro-batch sizes (best packing-order makespan first) get the order search, and
+    their ``top_orders`` best orders get encoder placements. ``jitter_draws`` (0 or >= 2): draws of
+    per-action noise that candidates are scored over (expected makespan), when the cost model's
+    table has a variability model; 0 scores the deterministic makespan.
+    """
+
+    mode: Mode = Mode.PIPETUNE
+    max_seq_len: int
+    memory_bytes: float
+    reserve: float = 0.1
+    mbs: int | None = None
+    max_mbs: int = 64
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    max_clusters: int = 5
+    top_sizes: int = 3
+    top_orders: int = 3
+    precompute: bool = True
+    seed: int = 0
+    jitter_draws: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", Mode(self.mode))
+        if self.schedule not in set(Schedule):
+            raise ValueError(f"unknown schedule {self.schedule!r}; known: {[s.value for s in Schedule]}")
+        object.__setattr__(self, "schedule", Schedule(self.schedule))
+        if self.mbs is not None and self.mbs < 1:
+            raise ValueError(f"mbs must be >= 1 (or None for the largest that fits), got {self.mbs}")
+        if not 1 <= self.max_clusters <= 6:
+            raise ValueError(f"max_clusters must be in 1..6 (6! = 720 orders), got {self.max_clusters}")
+        if self.jitter_draws == 1 or self.jitter_draws < 0:
+            raise ValueError(f"jitter_draws must be 0 (deterministic) or >= 2, got {self.jitter_draws}")
+
+    def build(self, model: ModelConfig, cost: CostModel) -> Planner:
+        """The planner for ``cost``'s layout: co-located (``Planner``) or separated (``SeparatedPlanner``)."""
+        if cost.layout.is_separated:
+            if self.jitter_draws:
+                raise ValueError("jitter_draws: the separated layout's planner scores deterministic times only; use jitter_draws=0")
+            return SeparatedPlanner(self, model, cost)
+        return Planner(self, model, cost)

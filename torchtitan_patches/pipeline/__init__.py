@@ -1,1 +1,0 @@
-"""Execution of iteration plans on torch.distributed: executor, plan distribution, reference."""

@@ -1,0 +1,5 @@
+"""Execution of iteration plans on torch.distributed: the executor, plan distribution from rank 0,
+the non-pipelined reference and the clock the executor times its actions with.
+
+The profiler (``profiling``) builds on this package; nothing here imports it.
+"""
