@@ -22,7 +22,7 @@ from pipetune.plan.plan_source import load_replay
 from pipetune.records import StepKind, StepRecord
 
 pytestmark = pytest.mark.timeout(170)
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("titan_grad_worker.py")
 
 
@@ -54,7 +54,7 @@ def _torchrun(target: list[str], timeout: float = 100) -> str:
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port), *target]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])})
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), str(WORKER.parent)])})
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
     return res.stdout + res.stderr
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pipetune
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _imports(path: Path) -> set[str]:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TOP_LEVEL_SKIP = {".git", ".venv", "build", "dist", "out", "data", ".pytest_cache"}
 
 

@@ -22,7 +22,8 @@ def run_ranks(scenario: str, data: Path, out: Path, timeout: float = 60.0, expec
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(WORKER.parents[1])}  # the checkout under test, not an installed copy
+           "PYTHONPATH": os.pathsep.join(map(str, (WORKER.parents[2], WORKER.parents[1])))}  # the checkout under test
+           # (not an installed copy) and the shared test helpers
     procs = [
         subprocess.Popen([sys.executable, str(WORKER), scenario, str(data), str(out), json.dumps(opts)], env={**env, "RANK": str(r)},
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -21,7 +21,8 @@ def _run(data: Path, out: Path, timeout: float = 90.0, **opts) -> list[dict]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(WORKER.parents[1])}  # the checkout under test, not an installed copy
+           "PYTHONPATH": os.pathsep.join(map(str, (WORKER.parents[2], WORKER.parents[1])))}  # the checkout under test
+           # (not an installed copy) and the shared test helpers
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(data), str(out), json.dumps(opts)], env={**env, "RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
     try:

@@ -12,7 +12,7 @@ import pytest
 from pipetune.cli.main import main
 from pipetune.data import make_mix, open_dataset, write_dataset
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # (file name, content, message regex); rows are counted from 0, lines from 1
 BAD_FILES = [

@@ -1,4 +1,4 @@
-"""The heavy-encoder TorchTitan job (``pipetune_muse_glimmer_heavy_vit``, run by
+"""The heavy-encoder TorchTitan job (``muse_glimmer_heavy_vit``, run by
 ``benchmarks/layout_real.py``): its planning shapes are what the built ViT produces, its encoder
 outweighs its backbone on the job's data, and the layout search moves layers off stage 0.
 
@@ -26,7 +26,7 @@ FLOPS_ONLY = HardwareSpec(
 
 
 def _job():
-    config = config_registry.pipetune_muse_glimmer_heavy_vit()
+    config = config_registry.muse_glimmer_heavy_vit()
     pt = config.pipetune
     return config, planning_model_config(config.model_spec, image_grid=pt.image_grid, encoder_frozen=pt.freeze_vision_encoder)
 
