@@ -133,38 +133,38 @@ def read_mix(mix: str, work: Path, args) -> dict[str, list[dict]]:
     ``serial_runs`` (its plan run serially, per side-by-side round) where the rounds ran them
     (runs before they did replayed the three modes only)."""
     out = work / mix
-    tuned_job = read_records(out / "pipetune_0")  # as the trainer saw them (``add_own_view`` replays them)
-    jobs = {mode: [[vars(r).copy() for r in read_records(out / f"{mode}_0")]] for mode in MODES}
+    jobs = {mode: [read_records(out / f"{mode}_0")] for mode in MODES}
     serial = []
     for k in range(1, args.rounds):
-        runs = [vars(r).copy() for r in read_records(out / f"side_by_side_{k}")]
-        names = REPLAYED if max(r["replay_of"] for r in runs) == len(MODES) else MODES
+        runs = read_records(out / f"side_by_side_{k}")
+        names = REPLAYED if max(r.replay_of for r in runs) == len(MODES) else MODES
         for i, name in enumerate(side_by_side_order(k, names)):
-            replayed = [r for r in runs if r["replay_of"] == i]
+            replayed = [r for r in runs if r.replay_of == i]
             if name == SERIAL:
-                serial.append({r["batch"]: r for r in replayed})
+                serial.append({r.batch: r for r in replayed})
             else:
                 jobs[name].append(replayed)
     scored = {}
     for mode, rounds in jobs.items():
-        recs = [r for r in rounds[0] if r["batch"] >= args.calibrate_steps + args.warmup and not r["extra_run"]]
-        for r in recs:
-            again = [next(x for x in rnd if x["batch"] == r["batch"]) for rnd in rounds]
-            assert all(x["samples"] == r["samples"] and x["order"] == r["order"] for x in again), "a replay ran another plan"
-            r["runs"] = [x["measured_s"] for x in again]
-            r["timelines"] = [TestbedRecord(**x).timed_actions() for x in again]
-            r["measured_s"] = float(np.median(r["runs"]))
-        scored[mode] = recs
+        scored[mode] = []
+        for rec in rounds[0]:
+            if rec.batch < args.calibrate_steps + args.warmup or rec.extra_run:
+                continue
+            again = [next(x for x in rnd if x.batch == rec.batch) for rnd in rounds]
+            assert all((x.samples, x.order) == (rec.samples, rec.order) for x in again), "a replay ran another plan"
+            runs = [x.measured_s for x in again]
+            scored[mode].append({**vars(rec), "runs": runs, "timelines": [x.timed_actions() for x in again],
+                                 "measured_s": float(np.median(runs))})
     if len(serial) == args.rounds - 1:
         for r in scored["pipetune"]:
-            r["serial_runs"] = [rnd[r["batch"]]["measured_s"] for rnd in serial]
+            r["serial_runs"] = [rnd[r["batch"]].measured_s for rnd in serial]
     config = config_registry.muse_glimmer_mm()
     model = planning_model_config(config.model_spec, image_grid=config.pipetune.image_grid)
     loader = DataLoaderConfig(data=str(out / "data"), gbs=args.gbs, max_seq_len=args.seq_len, seed=0, overlong=Overlong.TRUNCATE,
                               packing=PackingConfig(max_seq_len=args.seq_len)).build(model)
-    profiled = CostModel(load_latency_table(out / "table.json", model=model, tp=1), StageLayout.from_sizes(jobs["pipetune"][0][0]["layout"]))
+    profiled = CostModel(load_latency_table(out / "table.json", model=model, tp=1), StageLayout.from_sizes(jobs["pipetune"][0][0].layout))
     add_held_out(scored, loader, profiled)
-    add_own_view(scored, tuned_job, loader, profiled, args.online_window, args.kappas)
+    add_own_view(scored, jobs["pipetune"][0], loader, profiled, args.online_window, args.kappas)
     return scored
 
 

@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -220,7 +221,8 @@ def test_testbed_job_runs_twins_beside_its_steps_and_replays_side_by_side(job, t
     bit), those at mbs 1 also the batch at mbs 2 serially (same samples, loss up to packing's
     rounding), and with ``tuned_twin_every 2`` every second later step whose plan is pipetune's
     runs serially too; twins are ``extra_run`` records, so replaying the job runs its own plans
-    only. Replayed side by side with another job's records, every step runs both jobs' plans of its
+    only, and feeding its records to the testbed's learner (as the benchmarks re-analyse a job)
+    learns exactly what the job recorded. Replayed side by side with another job's records, every step runs both jobs' plans of its
     batch, and each run's loss on batch 0 equals the recorded one (same weights). Which runs a step
     schedules and in which order is tested as pure rules in ``test_testbed_runs``; messages under
     ``strict_order``, as NCCL orders them."""
@@ -247,6 +249,7 @@ def test_testbed_job_runs_twins_beside_its_steps_and_replays_side_by_side(job, t
     assert all(r.contention is not None for r in recs if r.twin is Twin.SERIAL and not r.cold)
     replayed = load_replay(dump / "pipetune" / "steps.jsonl")
     assert all(replayed[b] == next(r.plan for r in rs if not r.extra_run) for b, rs in runs.items())
+    _replaying_the_records_learns_what_the_job_learnt(job, recs, window=4)
 
     other = tmp_path / "original"
     _torchrun(["-m", "torchtitan.train", *_args(job, other, "--training.steps", "2", "--pipetune.mode", "original")])
@@ -262,3 +265,27 @@ def test_testbed_job_runs_twins_beside_its_steps_and_replays_side_by_side(job, t
         assert (r.samples, r.order, r.mode, r.kind) == (x.samples, x.order, x.mode, StepKind.REPLAY)
         if r.batch == 0:
             assert r.loss == x.loss
+
+
+def _replaying_the_records_learns_what_the_job_learnt(job: Path, recs: list[TestbedRecord], *, window: int) -> None:
+    """The benchmarks re-analyse a job by feeding its records to ``PairLearner``, the learner its
+    trainer ran: every contention and per-call overhead the job recorded comes out again."""
+    from benchmarks.testbed.learning import PairLearner
+    from pipetune.calibrate.pairs import PairCalibrator
+    from pipetune.cost import CostModel, StageLayout, load_latency_table
+    from pipetune.data import Overlong
+    from pipetune.packing import PackingConfig
+    from pipetune.plan.plan import IterationPlan
+    from torchtitan_patches.data import DataLoaderConfig
+
+    config = config_registry.muse_glimmer_mm()
+    model = planning_model_config(config.model_spec, image_grid=config.pipetune.image_grid)
+    loader = DataLoaderConfig(data=str(job / "data"), gbs=8, max_seq_len=512, seed=0, overlong=Overlong.TRUNCATE,
+                              packing=PackingConfig(max_seq_len=512)).build(model)
+    profiled = CostModel(load_latency_table(job / "table.json", model=model, tp=1), StageLayout.from_sizes(recs[0].layout))
+    learner = PairLearner(profiled, calibrator=PairCalibrator(profiled.table, profiled.layout, window))
+    for r in recs:
+        again = replace(r, contention=None, call_overhead_s=None)
+        learner.observe(again, IterationPlan.from_json(r.plan), loader.meta(r.batch))
+        assert (again.contention, again.call_overhead_s) == (r.contention, r.call_overhead_s), (r.step, r.batch, r.twin)
+    assert any(r.contention is not None for r in recs) and any(r.call_overhead_s is not None for r in recs if r.extra_run)

@@ -13,7 +13,7 @@ from pipetune.data import BatchStream, batch_meta, make_mix
 from pipetune.plan import PlannerConfig
 from pipetune.simulate import Latencies, TimedAction, compile_schedule, evaluate, simulate
 from pipetune.simulate.contention import concurrent_time, overlap_with_others
-from pipetune.calibrate.online import MeasuredStep, fit_steps, simulate_plan, with_overhead
+from pipetune.calibrate.online import MeasuredStep, OnlineCalibrator, fit_steps, simulate_plan, with_overhead
 from pipetune.calibrate.pairs import TUNED_TWINS_MIN, PairCalibrator, size_overhead, twin_contention
 
 
@@ -120,6 +120,20 @@ def test_calibration_recovers_contention_and_predicts_the_other_family(job, kapp
         assert simulate_plan(cost, plan, meta).makespan == pytest.approx(true_s, rel=0.03)
         if kappa:
             assert simulate_plan(blind, plan, meta).makespan > 1.1 * true_s
+
+
+def test_the_online_calibration_holds_the_tables_kappa_unless_a_testbed_fits_it(job):
+    """GPU ranks do not share compute, so the trainer's ``OnlineCalibrator`` keeps the profiled
+    table's kappa (0) on any window; the CPU testbed's ``PairCalibrator`` fits it in the window
+    until pairs measure it (here, with no pairs, from the actions' overlaps)."""
+    model, base, metas = job
+    truth = CostModel(replace(base.table, scales={"rest": 1.3}), base.layout)
+    steps = steps_of(model, truth, base, metas[:6], [1] * 6, 0.5)
+    core, testbed = OnlineCalibrator(base.table, base.layout, 6), PairCalibrator(base.table, base.layout, 6)
+    for step in steps:
+        held, fitted = core.update(step)[0], testbed.update(step)[0]
+    assert held.table.contention == base.table.contention == 0
+    assert fitted.table.contention == pytest.approx(0.5, abs=0.1)
 
 
 def test_a_held_contention_is_kept_and_the_other_family_priced_by_it(job):
