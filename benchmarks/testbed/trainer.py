@@ -60,6 +60,21 @@ class TestbedSettings(Configurable):
                                  f"{self.heap_reserve_gib} and {self.tuned_twin_every}")
 
 
+def load_side_by_side(first: str, paths: list[str]) -> list[dict[int, str]]:
+    """``load_replay`` of each of ``paths``; they must record the same batches as ``first`` (the
+    ``pipetune.replay.path`` they run beside)."""
+    if not paths:
+        return []
+    want = load_replay(first).keys()
+    replays = [load_replay(path) for path in paths]
+    for path, got in zip(paths, replays):
+        if got.keys() != want:
+            raise ValueError(f"testbed.side_by_side: {path} records batches {min(got)}..{max(got)} ({len(got)}) but "
+                             f"{first} records {min(want)}..{max(want)} ({len(want)}); files replayed side by side must "
+                             "record the same batches")
+    return replays
+
+
 @dataclass(frozen=True)
 class TestbedRun(Run):
     __test__ = False  # not a pytest test class
@@ -84,7 +99,7 @@ class TestbedTrainer(PipeTuneTrainer):
         if not torch.cuda.is_available() and not retain_freed_memory(reserve) and reserve:
             logger.warning(f"testbed: could not keep and touch {tb.heap_reserve_gib:.1f} GiB of heap (no glibc mallopt, or the "
                            "memory is not there); steps pay page faults while the heap grows, and the calibration sees them")
-        self.beside = [load_replay(path) for path in tb.side_by_side]
+        self.beside = load_side_by_side(config.pipetune.replay.path, tb.side_by_side)
         super().__init__(config)
 
     def _learner(self, pt: PipeTuneSettings.Config) -> PairLearner:

@@ -72,3 +72,21 @@ def test_a_serial_twin_never_computes_on_two_ranks_at_once(plans):
             actions = simulate_plan(cost, p, meta).actions
             overlapped = concurrent_time(np.array([[a.start] for a in actions]), np.array([[a.end] for a in actions]))[0]
             assert (overlapped > 0) == shared, (p.schedule, overlapped)
+
+
+def test_files_replayed_side_by_side_must_record_the_same_batches(tmp_path):
+    from benchmarks.testbed.trainer import load_side_by_side
+    from pipetune.records import StepRecord
+
+    def write(name, batches):
+        path = tmp_path / name
+        for b in batches:
+            StepRecord(step=b + 1, batch=b, mode="pipetune", mbs=1, micro_batches=1, order=[0], samples=[[0]], precomputed_encoders=0,
+                       predicted_s=0.1, measured_s=0.1, plan_setup_s=0.0, loss=1.0, fallback=False, layout=[4, 4], separated=False,
+                       plan=f"plan {b}").append_to(path)
+        return str(path)
+
+    first, same, short = write("a.jsonl", [0, 1]), write("b.jsonl", [0, 1]), write("c.jsonl", [0])
+    assert load_side_by_side(first, [same]) == [{0: "plan 0", 1: "plan 1"}] and load_side_by_side(first, []) == []
+    with pytest.raises(ValueError, match=r"c.jsonl records batches 0..0 \(1\) but .*a.jsonl records 0..1 \(2\)"):
+        load_side_by_side(first, [same, short])
