@@ -254,7 +254,10 @@ def test_testbed_job_runs_twins_beside_its_steps_and_replays_side_by_side(job, t
     other = tmp_path / "original"
     _torchrun(["-m", "torchtitan.train", *_args(job, other, "--training.steps", "2", "--pipetune.mode", "original")])
     both = tmp_path / "both"
-    files = [dump / "pipetune" / "steps.jsonl", other / "pipetune" / "steps.jsonl"]
+    files = [tmp_path / "testbed_first_2.jsonl", other / "pipetune" / "steps.jsonl"]  # both record batches 0 and 1
+    for r in recs:
+        if r.batch < 2:
+            r.append_to(files[0])
     _torchrun(["-m", "torchtitan.train", *_args(job, both, "--training.steps", "2", "--pipetune.replay.path", str(files[0]),
                                                  "--testbed.side_by_side", str(files[1]), "--testbed.heap_reserve_gib", "0", **testbed)])
     recorded = [{r.batch: r for r in StepRecord.read(f) if not r.extra_run} for f in files]
