@@ -18,7 +18,7 @@ metrics and logging. What is overridden, and why:
 
 A step: rank 0's ``PlanSource`` gives the batch's plan (replayed, calibration cycle, the planner
 planning ``plan_ahead`` batches ahead in a background thread, or the guard's baseline) over a gloo
-control group; every rank runs it (``runs``: one run; extensions such as the CPU testbed add
+control group; every rank runs it (``runs``: one run; a subclass may add
 measurement runs); rank 0 learns from it (``pipetune.calibrate.learner``: online refit, per-mbs
 correction, guard) and appends a ``StepRecord`` to ``<dump_folder>/pipetune/steps.jsonl``.
 
@@ -158,7 +158,7 @@ class PipeTuneTrainer(Trainer):
             loss_fn=lambda logits, labels, n: self.loss_fn(logits, labels, torch.tensor(n, device=logits.device))[0])
 
     def _learner(self, pt: PipeTuneSettings.Config) -> Learner:
-        """Rank 0's learning (an extension point: the CPU testbed measures more)."""
+        """Rank 0's learning (an extension point: a subclass may measure more)."""
         return pt.learner(self.profiled)
 
     def _plan_source(self, config: Config, loader) -> PlanSource:
