@@ -3,7 +3,7 @@
 One typed record per executed plan, written by the trainer and read back by replays, the
 benchmarks and the online calibration's re-analyses, so all of them agree on one schema.
 Fields learnt on rank 0 (``kind``, the guard's and the calibration's) are ``None`` on other
-ranks, which never write records.
+ranks, which never write records (there ``plan`` and ``timeline`` are left empty, not serialised).
 """
 
 from __future__ import annotations

@@ -242,15 +242,16 @@ class PipeTuneTrainer(Trainer):
         dist.all_gather_object(every, (res.start, res.end, res.timeline, res.loss, res.overhead_s), group=self.control)
         start = min(g[0] for g in every)
         timeline = [TimedAction(t.rank, t.action, t.start - start, t.end - start, t.precomputed) for g in every for t in g[2]]
-        plan = run.plan
+        plan, writer = run.plan, self.rank == 0  # only rank 0 writes records: the others skip serialising plan and timeline
         return self.record_class(
             step=self.step, batch=run.batch.step, mode=plan.mode, mbs=plan.mbs, micro_batches=plan.num_micro_batches,
             order=list(plan.order), samples=[list(mb) for mb in plan.micro_batches],
             precomputed_encoders=sum(t.precomputed for t in timeline), predicted_s=plan.predicted_s,
             measured_s=max(g[1] for g in every) - start, plan_setup_s=max(g[4] for g in every),
             loss=next(g[3] for g in every if g[3] is not None), fallback=plan.fallback, layout=self.layout.layers_per_stage(),
-            separated=self.layout.is_separated, plan=plan.to_json(), cold=cold,
-            timeline=[[t.rank, str(t.action), t.start, t.end, t.precomputed] for t in timeline], **self.run_fields(run))
+            separated=self.layout.is_separated, plan=plan.to_json() if writer else "", cold=cold,
+            timeline=[[t.rank, str(t.action), t.start, t.end, t.precomputed] for t in timeline] if writer else [],
+            **self.run_fields(run))
 
     def run_fields(self, run: Run) -> dict:
         """Record fields that describe how ``run`` ran (an extension point)."""
