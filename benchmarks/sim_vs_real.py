@@ -73,6 +73,7 @@ os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 from pipetune.data import Overlong  # noqa: E402
 from pipetune.packing import PackingConfig  # noqa: E402
 from pipetune.plan.plan import IterationPlan  # noqa: E402
+from pipetune.plan.replicas import ReplicaPlans  # noqa: E402
 from torchtitan_patches.data import DataLoaderConfig  # noqa: E402
 from benchmarks.testbed.learning import PairLearner, TestbedRecord  # noqa: E402
 from pipetune.calibrate.learner import call_overhead_s  # noqa: E402
@@ -202,7 +203,7 @@ def add_own_view(scored: dict[str, list[dict]], tuned_job: list[TestbedRecord], 
                 if "serial_runs" in x:
                     x["own_serial_s"] = simulate_plan(cost, serial_run(plan), meta).makespan
                 x["held_s"] = {k: simulate_plan(c, plan, meta).makespan for k, c in costs.items()}
-        learner.observe(replace(r), IterationPlan.from_json(r.plan), loader.meta(r.batch))
+        learner.observe([replace(r)], ReplicaPlans(r.batch, (IterationPlan.from_json(r.plan),)), loader.meta(r.batch))
 
 
 def errors(measured, predicted) -> tuple[float, float]:

@@ -47,7 +47,7 @@ def muse_glimmer_mm() -> PipeTuneTrainer.Config:
         metrics=MetricsProcessor.Config(log_freq=1),
         optimizer=default_adamw(lr=8e-4),
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.0),
-        training=TrainingConfig(local_batch_size=2, seq_len=1024, steps=10, disable_cuda_graphs=True),
+        training=TrainingConfig(local_batch_size=2, seq_len=1024, steps=10, disable_cuda_graphs=True, mixed_precision_param="float32"),
         parallelism=ParallelismConfig(spmd_backend="spmd_types", pipeline_parallel_degree=2, pipeline_parallel_schedule="1F1B"),
         checkpoint=CheckpointManager.Config(interval=5, last_save_model_only=False),
         activation_checkpoint=None,

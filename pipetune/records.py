@@ -38,7 +38,9 @@ class StepRecord:
     with times relative to the run's first action. ``cold``: the process's first run at this
     micro-batch size (it meets the size's tensor shapes first, so calibration leaves it out).
     ``extra_run``: a run beside the step's own plan (a measurement run of an extension such as the
-    CPU testbed's twins); replays and per-step statistics skip it."""
+    CPU testbed's twins); replays and per-step statistics skip it. ``replica``: the data-parallel
+    replica whose run this is (a step of ``D`` replicas writes ``D`` records; ``measured_s`` is the
+    replica's time, the step's is their maximum)."""
 
     step: int
     batch: int
@@ -59,6 +61,7 @@ class StepRecord:
     timeline: list[list] = field(default_factory=list)
     cold: bool = False
     extra_run: bool = False
+    replica: int = 0
     kind: StepKind | None = None
     tuned_predicted_s: float | None = None
     baseline_predicted_s: float | None = None

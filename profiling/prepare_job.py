@@ -7,7 +7,9 @@
 ``<out>/data`` is a generated mix (``pipetune data make``; ``--no-data`` for a job that trains
 on its own data set) and ``<out>/table.json`` the latency table of this device (``--device``) for
 the job's planning shapes, derived from the job's TorchTitan model config (``--module`` and
-``--config`` name it as TorchTitan's own ``--module``/``--config`` do). The profiler times pipetune's reference blocks of
+``--config`` name it as TorchTitan's own ``--module``/``--config`` do), in the job's compute dtype
+(``training.mixed_precision_param``, or ``--dtype`` for a job that overrides it on its command line:
+the trainer refuses a table of another device or dtype). The profiler times pipetune's reference blocks of
 those shapes (the planner's cost model), not the TorchTitan modules themselves; the trainer's
 online calibration fits the table to the measured steps of the real model. Both files are kept
 when they exist, so re-runs are free.
@@ -35,6 +37,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--no-data", action="store_true", help="only the latency table (the job trains on its own data set)")
     p.add_argument("--device", default="cpu", help="cpu or cuda: the device the job trains on")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), help="compute dtype the job trains in (default: its "
+                   "training.mixed_precision_param)")
     p.add_argument("--mix", default="datamix2")
     p.add_argument("--samples", type=positive_int, default=4000)
     p.add_argument("--seed", type=int, default=0)
@@ -68,14 +72,14 @@ def main(argv=None) -> int:
     if not table.exists():
         seq = config.training.seq_len
         cfg = ProfileConfig(max_seq_len=seq, max_tokens=seq * pt.max_mbs, max_images=32, points=6, repeats=5, threads=args.threads,
-                            device=args.device, dtype="bfloat16" if args.device.startswith("cuda") else "float32")
+                            device=args.device, dtype=args.dtype or config.training.mixed_precision_param)
         try:
             run_profile(model, cfg, table, progress=False)
         except P2PMeasurementError as e:
             # the job still runs; the online calibration absorbs the message cost into per-call overheads
             print(f"warning: {e}\nprofiling with the assumed message cost instead (the table's notes say so)")
             run_profile(model, dataclasses.replace(cfg, p2p=False), table, progress=False)
-        print(f"wrote {table} (latency table of {model.name} on {args.device})")
+        print(f"wrote {table} (latency table of {model.name} on {args.device} in {cfg.dtype})")
     return 0
 
 

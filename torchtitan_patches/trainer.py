@@ -16,23 +16,31 @@ metrics and logging. What is overridden, and why:
 * ``state_dict``: adds rank 0's learning (calibration window and anchors, per-mbs correction,
   guard), so a resumed job plans as the uninterrupted one would.
 
-A step: rank 0's ``PlanSource`` gives the batch's plan (replayed, calibration cycle, the planner
-planning ``plan_ahead`` batches ahead in a background thread, or the guard's baseline) over a gloo
-control group; every rank runs it (``runs``: one run; a subclass may add
-measurement runs); rank 0 learns from it (``pipetune.calibrate.learner``: online refit, per-mbs
-correction, guard) and appends a ``StepRecord`` to ``<dump_folder>/pipetune/steps.jsonl``.
+A step: rank 0's ``PlanSource`` gives the batch's plans, one per data-parallel replica (replayed,
+calibration cycle, the planner planning ``plan_ahead`` batches ahead in a background thread, or
+the guard's baseline) over a gloo control group; every rank runs its replica's plan on its
+pipeline (``runs``: one run; a subclass may add measurement runs); rank 0 learns from every
+replica's run (``pipetune.calibrate.learner``: online refit, per-mbs correction, guard) and appends
+one ``StepRecord`` per replica to ``<dump_folder>/pipetune/steps.jsonl``.
 
-Limits: pipeline parallelism only (no data, tensor or context parallelism yet: the executor
-addresses ranks of the world group), one stage per rank, step times taken from the ranks' own
-clocks (right on one node). Compute: on CUDA in ``training.mixed_precision_param`` under autocast
-(fp32 master weights and residual stream; CUDA latency tables are profiled in bf16), on CPU fp32;
-the CUDA path has not yet run on a GPU.
+Data parallelism (FSDP, or HSDP with a replicate degree; ``runtime.data_parallel``): every rank
+reads the global batch, rank 0 splits it over the replicas (``pipetune.plan.dp_balance``) and
+plans each, every replica runs its own plan on its pipeline (TorchTitan's ``pp`` mesh), FSDP
+gathers and reduces once per step, and the loss is normalised by the global batch's label tokens.
+Times are taken per rank from its own step start, so ranks on other nodes need no common clock.
+
+Limits: one stage per rank (1F1B/GPipe-style splits); no tensor or context parallelism;
+DIP's separated layout only without data parallelism (``titan.job_checks`` refuses the rest at
+config time). Compute in ``training.mixed_precision_param`` (with FSDP its mixed-precision policy
+casts the weights, without it autocast); the CUDA path has not yet run on a GPU.
 """
 
 from __future__ import annotations
 
+import math
 import pickle
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -53,14 +61,17 @@ from pipetune.plan.compare import best_static_planner
 from pipetune.plan.guard import GuardState
 from pipetune.plan.plan import IterationPlan
 from pipetune.plan.plan_source import PlanSource, load_replay
+from pipetune.plan.replicas import ReplicaPlanner
 from pipetune.records import StepKind, StepRecord
 from pipetune.simulate import TimedAction
 from torchtitan_patches.data.micro_batch import GlobalBatch
+from torchtitan_patches.runtime.data_parallel import FsdpStep
 from torchtitan_patches.runtime.executor import ImageShapes, PlanExecutor, StepResult
 from torchtitan_patches.runtime.plan_channel import PlanChannel
 from torchtitan_patches.settings import PipeTuneSettings
 from torchtitan_patches.compat.cpu_device import use_cpu
 from torchtitan_patches.titan.dataloader import PipeTuneTitanDataLoader
+from torchtitan_patches.titan.job_checks import check_table, refuse_unsupported
 from torchtitan_patches.titan.model_parts import choose_layout, local_encoder_chunks, sample_job_batches, split_for_layout
 from torchtitan_patches.titan.model_spec import planning_model_config
 from torchtitan_patches.titan.stages import TitanStage, encoder_chunks
@@ -77,6 +88,28 @@ class Run:
     extra: bool = False
 
 
+@dataclass(frozen=True)
+class Share:
+    """What one rank reports of a run (its times are from its own step start)."""
+
+    replica: int
+    tp_rank: int
+    elapsed_s: float
+    loss: float | None
+    overhead_s: float
+    timeline: list[TimedAction]
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    """A run as every rank knows it: the loss over all replicas, the time of the slowest, and on
+    rank 0 the records (one per replica)."""
+
+    loss: float
+    measured_s: float
+    records: list[StepRecord]
+
+
 class PipeTuneTrainer(Trainer):
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
@@ -85,6 +118,7 @@ class PipeTuneTrainer(Trainer):
     record_class: ClassVar[type[StepRecord]] = StepRecord
 
     def __init__(self, config: Config):
+        refuse_unsupported(config)
         add_missing_torch_apis()
         use_cpu()
         pt, pp = config.pipetune, config.parallelism.pipeline_parallel_degree
@@ -92,17 +126,17 @@ class PipeTuneTrainer(Trainer):
             raise ValueError("PipeTuneTrainer plans pipelines: set parallelism.pipeline_parallel_degree >= 2")
         self.planning_model = planning_model_config(config.model_spec, image_grid=pt.image_grid, encoder_frozen=pt.freeze_vision_encoder)
         self.table = load_latency_table(pt.latency_table, model=self.planning_model, tp=1)
+        check_table(self.table, device_type="cuda" if torch.cuda.is_available() else "cpu", dtype=config.training.mixed_precision_param,
+                    where=pt.latency_table)
         self.layout = choose_layout(config, self.planning_model, self.table, lambda: self._sample(config))
         logger.info(f"pipetune layout ({pt.layout}): backbone layers per stage {self.layout.layers_per_stage()}"
                     + (f"; separated encoder, blocks per chunk {[hi - lo for lo, hi in self.layout.encoder_chunks]}, "
                        f"{self.layout.image_sub_batch} images per sub-microbatch" if self.layout.is_separated else ""))
         split_for_layout(config, self.layout)
         super().__init__(config)
-        if self.parallel_dims.world_size != pp:
-            raise ValueError(f"PipeTuneTrainer runs pipeline parallelism only: world size {self.parallel_dims.world_size} != PP {pp}")
         if len(self.model_parts) != 1:
             raise ValueError("PipeTuneTrainer runs one pipeline stage per rank (a flat 1F1B-style split)")
-        self._build_pipetune(config, pp)
+        self._build_pipetune(config)
 
     def _sample(self, config: Config):
         """8 batches of the job's data (the layout search and the guard's baseline are chosen on them)."""
@@ -110,10 +144,14 @@ class PipeTuneTrainer(Trainer):
             self._sampled = sample_job_batches(config, self.planning_model)
         return self._sampled
 
-    def _build_pipetune(self, config: Config, pp: int) -> None:
+    def _build_pipetune(self, config: Config) -> None:
+        dims = self.parallel_dims
         self.rank = dist.get_rank()
+        self.stage = dims.get_mesh("pp").get_local_rank()
+        self.replicas, self.replica = (dims.get_mesh("batch").size(), dims.get_mesh("batch").get_local_rank()) if dims.dp_enabled else (1, 0)
         self.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=config.comm.init_timeout_seconds))
-        self.executor = self._build_executor(config.pipetune, pp)
+        self.executor = self._build_executor(config.pipetune, dims.pp)
+        self.fsdp = FsdpStep(self.model_parts[0]) if dims.dp_enabled else None
         self.profiled = CostModel(self.table, self.layout)
         self.sizes_run: set[int] = set()  # micro-batch sizes this process has run (a size's first run is cold)
         if not isinstance(self.dataloader, PipeTuneTitanDataLoader):
@@ -130,41 +168,43 @@ class PipeTuneTrainer(Trainer):
         dist.broadcast_object_list(error, src=0, group=self.control)
         if error[0] is not None:
             raise ValueError(f"pipetune: rank 0 cannot plan this job: {error[0]}")
-        self.channel = PlanChannel(self.source, group=self.control)
+        self.channel = PlanChannel(self.source, replica=self.replica, replicas=self.replicas, group=self.control)
         loader.packing_source = self.channel
         self.records_path = Path(config.dump_folder) / "pipetune" / "steps.jsonl"
 
     def _build_executor(self, pt: PipeTuneSettings.Config, pp: int) -> PlanExecutor:
         """This rank's backbone stage and encoder chunks (meta-initialised: each rank materialised
-        only its own part) behind a ``PlanExecutor``."""
-        part = self.model_parts[0]
+        only its own part) behind a ``PlanExecutor`` on its pipeline (TorchTitan's ``pp`` mesh)."""
+        part, stage = self.model_parts[0], self.stage
         if pt.freeze_vision_encoder and getattr(part, "vision_encoder", None) is not None:
             part.vision_encoder.requires_grad_(False)  # AdamW skips parameters without gradients
-        sizes = [None] * pp
+        sizes = [None] * dist.get_world_size()
         dist.all_gather_object(sizes, sum(p.numel() * p.element_size() for p in part.parameters()), group=self.control)
         if self.rank == 0:
             logger.info("pipetune: parameter bytes per rank " + ", ".join(f"rank {r} {b / 2**20:.1f} MiB" for r, b in enumerate(sizes)))
-        stage = TitanStage(part, is_first=self.rank == 0, is_last=self.rank == pp - 1, image_grid=pt.image_grid)
+        backbone = TitanStage(part, is_first=stage == 0, is_last=stage == pp - 1, image_grid=pt.image_grid)
         enc = self.planning_model.encoder
         if self.layout.is_separated:
             ranges = self.layout.encoder_chunks
-            chunks = encoder_chunks(part, ranges, local_encoder_chunks(self.rank, pp, ranges), image_grid=pt.image_grid)
+            chunks = encoder_chunks(part, ranges, local_encoder_chunks(stage, pp, ranges), image_grid=pt.image_grid)
         else:
-            chunks = encoder_chunks(part, [(0, enc.n_layers)], [0], image_grid=pt.image_grid) if enc is not None and stage.is_first else {}
+            chunks = encoder_chunks(part, [(0, enc.n_layers)], [0], image_grid=pt.image_grid) if enc is not None and backbone.is_first else {}
         return PlanExecutor(
-            {self.rank: stage}, chunks, dim=self.planning_model.backbone.dim, rank=self.rank, control_group=self.control,
-            image_shapes=ImageShapes.of(enc) if enc is not None else None, device=self.device, strict_order=pt.strict_order,
-            compute_dtype=TORCH_DTYPE_MAP[self.config.training.mixed_precision_param] if self.device.type == "cuda" else torch.float32,
+            {stage: backbone}, chunks, dim=self.planning_model.backbone.dim, rank=stage, group=self.parallel_dims.get_mesh("pp").get_group(),
+            control_group=self.control, replica=self.replica, image_shapes=ImageShapes.of(enc) if enc is not None else None,
+            device=self.device, strict_order=pt.strict_order, compute_dtype=TORCH_DTYPE_MAP[self.config.training.mixed_precision_param],
             loss_fn=lambda logits, labels, n: self.loss_fn(logits, labels, torch.tensor(n, device=logits.device))[0])
 
     def _learner(self, pt: PipeTuneSettings.Config) -> Learner:
         """Rank 0's learning (an extension point: a subclass may measure more)."""
-        return pt.learner(self.profiled)
+        return pt.learner(self.profiled, replicas=self.replicas)
 
     def _plan_source(self, config: Config, loader) -> PlanSource:
         """Rank 0's planners: the job's mode, the calibration cycle, and the guard's baseline. Every
         planner predicts the same kind of time (expected under jitter, or deterministic), so the
-        per-mbs correction and the guard compare like with like."""
+        per-mbs correction and the guard compare like with like. With data parallelism each plans
+        every replica: the job's planner on the balanced split (``pipetune.plan.dp_balance``; mode
+        ``original`` keeps TorchTitan's round-robin), the others round-robin."""
         pt, seq, seed = config.pipetune, config.training.seq_len, config.debug.seed or 0
         memory = pt.memory_gib * 2**30
 
@@ -172,13 +212,16 @@ class PipeTuneTrainer(Trainer):
             return PlannerConfig(mode=mode, max_seq_len=seq, memory_bytes=memory, max_mbs=max_mbs, mbs=mbs, seed=seed,
                                  jitter_draws=pt.jitter_draws).build(self.planning_model, self.profiled)
 
-        tuned = planner(Mode(pt.mode), pt.mbs or None)
-        calibration = [planner(Mode.BALANCED, k) for k in range(1, tuned.max_mbs + 1)] if pt.calibration.steps else []
-        baseline = best_static_planner(self.planning_model, self.profiled, self._sample(config), max_seq_len=seq, memory_bytes=memory,
-                                       seed=seed, max_mbs=pt.max_mbs, jitter_draws=pt.jitter_draws) if pt.guarded else None
+        def replicas(p, *, balanced: bool = False) -> ReplicaPlanner:
+            return ReplicaPlanner(p, self.replicas, balanced=balanced)
+
+        tuned = replicas(planner(Mode(pt.mode), pt.mbs or None), balanced=Mode(pt.mode) is not Mode.ORIGINAL)
+        calibration = [replicas(planner(Mode.BALANCED, k)) for k in range(1, tuned.max_mbs + 1)] if pt.calibration.steps else []
+        baseline = replicas(best_static_planner(self.planning_model, self.profiled, self._sample(config), max_seq_len=seq,
+                                                memory_bytes=memory, seed=seed, max_mbs=pt.max_mbs, jitter_draws=pt.jitter_draws)) if pt.guarded else None
         if baseline is not None:
-            logger.info(f"pipetune guard: baseline = {baseline.config.mode.value} packing at mbs {baseline.fixed_mbs} "
-                        "(best fixed configuration on 8 sampled batches)")
+            logger.info(f"pipetune guard: baseline = {baseline.config.mode.value} packing at mbs {baseline.fixed_mbs}"
+                        + (", round-robin over replicas" if self.replicas > 1 else "") + " (best fixed configuration on 8 sampled batches)")
         self.planners = [tuned, *calibration, *([baseline] if baseline else [])]
         self.async_planner = AsyncPlanner(tuned, loader.meta, budget_s=pt.budget_s, lookahead=pt.plan_ahead)
         return PlanSource(self.async_planner, baseline=baseline, calibration=calibration, calibrate_steps=pt.calibration.steps,
@@ -207,7 +250,10 @@ class PipeTuneTrainer(Trainer):
         cold = {run.plan.mbs for run in runs} - self.sizes_run
         self.sizes_run |= cold
         self.ntokens_seen += sum(mb.num_tokens for mb in batch.micro_batches)
-        records = [self._execute(run, cold=run.plan.mbs in cold) for run in runs]
+        outcomes = [self._execute(run, cold=run.plan.mbs in cold) for run in runs]
+        own = next(o for o, run in zip(outcomes, runs) if not run.extra)
+        if not math.isfinite(own.loss):  # TorchTitan's check, before the optimizer takes the step
+            raise RuntimeError(f"Loss is not finite (loss={own.loss}) at step {self.step}. Stopping training.")
         grad_norm = dist_utils.clip_grad_norm_(
             [p for m in self.model_parts for p in m.parameters()], self.config.training.max_norm, foreach=True,
             pp_mesh=self.parallel_dims.get_optional_mesh("pp"), ep_enabled=self.parallel_dims.ep_enabled)
@@ -215,55 +261,80 @@ class PipeTuneTrainer(Trainer):
         self.optimizers.step()
         self.lr_schedulers.step()
         if self.metrics_processor.should_log(self.step):
-            own = next(r for r in records if not r.extra_run)
-            extra = {f"pipetune/{k}": getattr(own, k) for k in ("mbs", "micro_batches", "precomputed_encoders", "predicted_s", "measured_s")}
-            if self.rank == 0:
-                extra["pipetune/baseline_ran"] = float(own.kind is StepKind.BASELINE)
+            extra = {"pipetune/measured_s": own.measured_s}
+            if own.records:  # rank 0
+                slowest = max(own.records, key=lambda r: r.measured_s)
+                extra |= {f"pipetune/{k}": getattr(slowest, k) for k in ("mbs", "micro_batches", "precomputed_encoders", "predicted_s")}
+                extra["pipetune/baseline_ran"] = float(slowest.kind is StepKind.BASELINE)
             self.metrics_processor.log(self.step, own.loss, own.loss, float(grad_norm.item()), extra_metrics={**extra, **lr_metrics})
 
-    def _execute(self, run: Run, *, cold: bool) -> StepRecord:
-        """Run ``run`` from the step's weights; on rank 0 learn from it and write its record."""
+    def _execute(self, run: Run, *, cold: bool) -> "RunOutcome":
+        """Run ``run`` from the step's weights (under data parallelism with one FSDP reduction);
+        on rank 0 learn from it and write its records, one per replica."""
         self.optimizers.zero_grad()
-        with self.train_context():
+        with self.train_context(), self.fsdp.step() if self.fsdp is not None else nullcontext():
             res = self.executor.run(run.batch, run.plan)
-        record = self._record(run, res, cold=cold)
+        outcome = self._gather(run, res, cold=cold)
         if self.rank == 0:
-            self._learn(run, record)
-            record.append_to(self.records_path)
-            logger.info(f"pipetune step {self.step}: {record.kind.value if record.kind else '?'} plan ({run.plan.mode}), "
-                        f"mbs {record.mbs}, {record.micro_batches} micro-batches, {record.precomputed_encoders} encoders "
-                        f"pre-computed, predicted {record.predicted_s * 1e3:.1f} ms, measured {record.measured_s * 1e3:.1f} ms"
-                        + (f"; guard {record.guard}" if record.guard else ""))
-        return record
+            self._learn(run, outcome.records)
+            for record in outcome.records:
+                record.append_to(self.records_path)
+            r = max(outcome.records, key=lambda r: r.measured_s)
+            logger.info(f"pipetune step {self.step}: {r.kind.value if r.kind else '?'} plan ({run.plan.mode}), "
+                        + (f"{self.replicas} replicas, slowest {r.replica}: " if self.replicas > 1 else "")
+                        + f"mbs {r.mbs}, {r.micro_batches} micro-batches, {r.precomputed_encoders} encoders "
+                        f"pre-computed, predicted {r.predicted_s * 1e3:.1f} ms, measured {r.measured_s * 1e3:.1f} ms"
+                        + (f"; guard {r.guard}" if r.guard else ""))
+        return outcome
 
-    def _record(self, run: Run, res: StepResult, *, cold: bool) -> StepRecord:
-        """Every rank's timing and loss, gathered over the control group, as this run's record."""
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, (res.start, res.end, res.timeline, res.loss, res.overhead_s), group=self.control)
-        start = min(g[0] for g in every)
-        timeline = [TimedAction(t.rank, t.action, t.start - start, t.end - start, t.precomputed) for g in every for t in g[2]]
-        plan, writer = run.plan, self.rank == 0  # only rank 0 writes records: the others skip serialising plan and timeline
-        return self.record_class(
-            step=self.step, batch=run.batch.step, mode=plan.mode, mbs=plan.mbs, micro_batches=plan.num_micro_batches,
-            order=list(plan.order), samples=[list(mb) for mb in plan.micro_batches],
-            precomputed_encoders=sum(t.precomputed for t in timeline), predicted_s=plan.predicted_s,
-            measured_s=max(g[1] for g in every) - start, plan_setup_s=max(g[4] for g in every),
-            loss=next(g[3] for g in every if g[3] is not None), fallback=plan.fallback, layout=self.layout.layers_per_stage(),
-            separated=self.layout.is_separated, plan=plan.to_json() if writer else "", cold=cold,
-            timeline=[[t.rank, str(t.action), t.start, t.end, t.precomputed] for t in timeline] if writer else [],
-            **self.run_fields(run))
+    def _run_plans(self, run: Run) -> list[IterationPlan]:
+        """Rank 0: the plans every replica ran in ``run`` (an extension's extra run: its one plan)."""
+        if run.extra:
+            return [run.plan]
+        return list(self.source.decided[run.batch.step].plans.plans)
+
+    def _gather(self, run: Run, res: StepResult, *, cold: bool) -> "RunOutcome":
+        """Every rank's timing and loss, gathered over the control group: the run's loss (summed
+        over replicas) and time (its slowest replica's) everywhere, and on rank 0 one record per
+        replica, whose timeline is that of the replica's first pipeline (of its tensor-parallel
+        ranks, which run the same actions). Times are from each rank's own step start
+        (``StepResult``), so clocks of other nodes need not agree."""
+        tp = self.parallel_dims.get_optional_mesh("tp")
+        mine = Share(self.replica, tp.get_local_rank() if tp is not None else 0, res.elapsed_s, res.loss, res.overhead_s,
+                     res.timeline)
+        every: list[Share] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine, group=self.control)
+        line = [g for g in every if g.tp_rank == 0]
+        loss = sum(g.loss for g in line if g.loss is not None)
+        measured = max(g.elapsed_s for g in every)
+        if self.rank != 0:
+            return RunOutcome(loss, measured, [])
+        records = []
+        for r, plan in enumerate(self._run_plans(run)):
+            ranks = [g for g in line if g.replica == r]
+            timeline = sorted((t for g in ranks for t in g.timeline), key=lambda t: (t.start, t.rank))
+            records.append(self.record_class(
+                step=self.step, batch=run.batch.step, mode=plan.mode, mbs=plan.mbs, micro_batches=plan.num_micro_batches,
+                order=list(plan.order), samples=[list(mb) for mb in plan.micro_batches],
+                precomputed_encoders=sum(t.precomputed for t in timeline), predicted_s=plan.predicted_s,
+                measured_s=max(g.elapsed_s for g in every if g.replica == r), plan_setup_s=max(g.overhead_s for g in every),
+                loss=sum(g.loss for g in ranks if g.loss is not None), fallback=plan.fallback, layout=self.layout.layers_per_stage(),
+                separated=self.layout.is_separated, plan=plan.to_json(), cold=cold, replica=r,
+                timeline=[[t.rank, str(t.action), t.start, t.end, t.precomputed] for t in timeline], **self.run_fields(run)))
+        return RunOutcome(loss, measured, records)
 
     def run_fields(self, run: Run) -> dict:
         """Record fields that describe how ``run`` ran (an extension point)."""
         return {"extra_run": run.extra}
 
-    def _learn(self, run: Run, record: StepRecord) -> None:
+    def _learn(self, run: Run, records: list[StepRecord]) -> None:
         """Rank 0, after the step's own run: why it ran (the plan source's decision) and what the
         learner takes from it."""
         decided = self.source.pop(run.batch.step)
-        record.kind = decided.kind
-        record.tuned_predicted_s, record.baseline_predicted_s = decided.tuned_predicted_s, decided.baseline_predicted_s
-        self._apply(self.learner.observe(record, run.plan, self.dataloader.inner.meta(run.batch.step)))
+        for record in records:
+            record.kind = decided.kind
+            record.tuned_predicted_s, record.baseline_predicted_s = decided.tuned_predicted_s, decided.baseline_predicted_s
+        self._apply(self.learner.observe(records, decided.plans, self.dataloader.inner.meta(run.batch.step)))
 
     def _apply(self, learned: Learned) -> None:
         """Rank 0: every planner prices with the latest model, the job's planner compares sizes with

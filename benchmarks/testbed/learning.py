@@ -3,6 +3,7 @@ the very code the trainer ran)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -10,7 +11,7 @@ from benchmarks.testbed.runs import Twin
 from pipetune.calibrate.learner import Learned, Learner
 from pipetune.calibrate.pairs import PairCalibrator
 from pipetune.data.batch import BatchMeta
-from pipetune.plan.plan import IterationPlan
+from pipetune.plan.replicas import ReplicaPlans
 from pipetune.records import StepKind, StepRecord
 
 
@@ -32,9 +33,11 @@ class PairLearner(Learner):
 
     calibrator: PairCalibrator | None
 
-    def observe(self, record: TestbedRecord, plan: IterationPlan, meta: BatchMeta) -> Learned:
-        if record.twin is None:
-            return super().observe(record, plan, meta)
+    def observe(self, records: Sequence[TestbedRecord], plans: ReplicaPlans, meta: BatchMeta) -> Learned:
+        """A step's run (``Learner.observe``), or one twin's (the testbed runs one replica)."""
+        if records[0].twin is None:
+            return super().observe(records, plans, meta)
+        (record,), (plan,) = records, plans.plans
         if record.cold or self.calibrator is None:  # a size's first run pays one-off costs
             return Learned()
         fitted = self.calibrator.observe_serial(self.measured(record, plan, meta), size_twin=record.twin is Twin.SIZE,

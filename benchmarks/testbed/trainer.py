@@ -21,9 +21,11 @@ from pipetune.calibrate.pairs import PairCalibrator
 from pipetune.data.batch import BatchMeta
 from pipetune.plan.plan import IterationPlan
 from pipetune.plan.plan_source import load_replay
+from pipetune.plan.replicas import ReplicaPlans
 from pipetune.records import StepKind
 from profiling.cpu_allocator import retain_freed_memory
 from torchtitan_patches.settings import PipeTuneSettings
+from torchtitan_patches.titan.model_parts import replicas_of
 from torchtitan_patches.trainer import PipeTuneTrainer, Run
 
 
@@ -99,6 +101,9 @@ class TestbedTrainer(PipeTuneTrainer):
         if not torch.cuda.is_available() and not retain_freed_memory(reserve) and reserve:
             logger.warning(f"testbed: could not keep and touch {tb.heap_reserve_gib:.1f} GiB of heap (no glibc mallopt, or the "
                            "memory is not there); steps pay page faults while the heap grows, and the calibration sees them")
+        if replicas_of(config) != 1:
+            raise ValueError("the CPU testbed runs one pipeline replica: set parallelism.data_parallel_shard_degree and "
+                             "data_parallel_replicate_degree to 1 (or use PipeTuneTrainer's configs for data parallelism)")
         self.beside = load_side_by_side(config.pipetune.replay.path, tb.side_by_side)
         super().__init__(config)
 
@@ -126,12 +131,12 @@ class TestbedTrainer(PipeTuneTrainer):
         is a calibration batch of the smallest size (rank 0 knows the sizes)."""
         plans = []
         if self.rank == 0 and has_size_twin(step, calibrate_steps=self.source.calibrate_steps, sizes=len(self.source.calibration)):
-            plans = [self.source.calibration[-1].plan(self.dataloader.inner.meta(step)).serialised().to_json()]
+            plans = [self.source.calibration[-1].plan(self.dataloader.inner.meta(step)).plans[0].serialised().to_json()]
         return self._sent_from_rank0(step, plans)
 
     def _beside(self, step: int) -> list[tuple]:
         """The plans of batch ``step`` in the ``side_by_side`` files, with the batch packed as each says."""
-        return self._sent_from_rank0(step, [r[step] for r in self.beside] if self.beside and self.rank == 0 else [])
+        return self._sent_from_rank0(step, [r[step][0] for r in self.beside] if self.beside and self.rank == 0 else [])
 
     def _sent_from_rank0(self, step: int, plans: list[str]) -> list[tuple]:
         """Rank 0's ``plans`` of batch ``step`` (JSON), sent to every rank over the control group,
@@ -146,11 +151,12 @@ class TestbedTrainer(PipeTuneTrainer):
     def run_fields(self, run: TestbedRun) -> dict:
         return {**super().run_fields(run), "twin": run.twin, "replay_of": run.replay_of}
 
-    def _learn(self, run: TestbedRun, record: TestbedRecord) -> None:
+    def _learn(self, run: TestbedRun, records: list[TestbedRecord]) -> None:
         if run.twin is None and not run.replay_of:
-            return super()._learn(run, record)
+            return super()._learn(run, records)
+        (record,) = records
         if run.replay_of:  # a further job's plan: timed, not learnt from
             record.kind, record.tuned_predicted_s, record.baseline_predicted_s = StepKind.REPLAY, run.plan.predicted_s, float("nan")
             return
         record.kind, record.tuned_predicted_s, record.baseline_predicted_s = twin_kind(run.twin), float("nan"), float("nan")
-        self._apply(self.learner.observe(record, run.plan, self.dataloader.inner.meta(run.batch.step)))
+        self._apply(self.learner.observe(records, ReplicaPlans(run.batch.step, (run.plan,)), self.dataloader.inner.meta(run.batch.step)))

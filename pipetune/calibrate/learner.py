@@ -7,6 +7,7 @@ through the same call, so a re-analysis learns exactly what the job learnt.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipetune.calibrate.correction import FamilyCorrection
@@ -16,6 +17,7 @@ from pipetune.cost.latency_table import LatencyTable
 from pipetune.data.batch import BatchMeta
 from pipetune.plan.guard import Decision, Guard, GuardState, PlanKind
 from pipetune.plan.plan import IterationPlan
+from pipetune.plan.replicas import ReplicaPlans
 from pipetune.records import StepKind, StepRecord
 
 
@@ -45,28 +47,34 @@ class Learner:
         self.profiled, self.calibrator, self.correction, self.guard = profiled, calibrator, correction, guard
 
     def measured(self, record: StepRecord, plan: IterationPlan, meta: BatchMeta) -> MeasuredStep:
-        return MeasuredStep.from_timelines(self.profiled, [record.timed_actions()], plan, meta, record.measured_s)
+        return MeasuredStep.from_timelines(self.profiled, [record.timed_actions()], plan, meta, record.measured_s, record.replica)
 
-    def observe(self, record: StepRecord, plan: IterationPlan, meta: BatchMeta) -> Learned:
-        """Learn from the step's run of ``plan`` on batch ``meta`` and note it in ``record``. The
-        job's first step (one-off warm-up costs) and replays teach nothing; a size's first step
-        (``record.cold``) refits the window but does not anchor later fits."""
-        if record.step == 1 or record.kind is StepKind.REPLAY:
+    def observe(self, records: Sequence[StepRecord], plans: ReplicaPlans, meta: BatchMeta) -> Learned:
+        """Learn from the step's runs of ``plans`` on batch ``meta`` (one record per data-parallel
+        replica, in replica order) and note it in the records. The job's first step (one-off
+        warm-up costs) and replays teach nothing; a size's first step (``cold``) refits the window
+        but does not anchor later fits. Every replica's timeline feeds the refit and the per-mbs
+        correction; the guard judges the step, which lasts as long as its slowest replica."""
+        first = records[0]
+        if first.step == 1 or first.kind is StepKind.REPLAY:
             return Learned()
         cost = factors = judged = None
         if self.calibrator is not None:
-            cost, _ = self.calibrator.update(self.measured(record, plan, meta),
-                                             calibration=record.kind is StepKind.CALIBRATION and not record.cold)
-            record.contention, record.call_overhead_s = cost.table.contention, call_overhead_s(cost.table)
+            runs = [self.measured(r, p, m) for r, p, m in zip(records, plans.plans, plans.metas(meta))]
+            cost, _ = self.calibrator.update(*runs, calibration=first.kind is StepKind.CALIBRATION and not any(r.cold for r in records))
+            for r in records:
+                r.contention, r.call_overhead_s = cost.table.contention, call_overhead_s(cost.table)
         if self.correction is not None:
-            self.correction.observe(record.mbs, record.measured_s, record.predicted_s)
+            for r in records:
+                self.correction.observe(r.mbs, r.measured_s, r.predicted_s)
             factors = self.correction.factors()
-        if self.guard is not None and record.kind in (StepKind.TUNED, StepKind.BASELINE):
-            kind = PlanKind(record.kind.value)
+        if self.guard is not None and first.kind in (StepKind.TUNED, StepKind.BASELINE):
+            kind = PlanKind(first.kind.value)
             before = self.guard.state
-            ran_s = record.tuned_predicted_s if kind is PlanKind.TUNED else record.baseline_predicted_s
-            d = self.guard.observe(kind, record.measured_s, ran_s, record.baseline_predicted_s)
-            record.guard, record.guard_advantage = d.state.value, d.advantage
+            ran_s = first.tuned_predicted_s if kind is PlanKind.TUNED else first.baseline_predicted_s
+            d = self.guard.observe(kind, max(r.measured_s for r in records), ran_s, first.baseline_predicted_s)
+            for r in records:
+                r.guard, r.guard_advantage = d.state.value, d.advantage
             judged = (before, d)
         return Learned(cost, factors, judged)
 

@@ -59,14 +59,21 @@ class MeasuredStep:
     plan: IterationPlan
     meta: BatchMeta
     measured_s: float
+    replica: int = 0
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """Which run this is: batch step and data-parallel replica."""
+        return self.plan.step, self.replica
 
     @classmethod
     def from_timelines(
-        cls, profiled: CostModel, timelines: list[list[TimedAction]], plan: IterationPlan, meta: BatchMeta, measured_s: float
+        cls, profiled: CostModel, timelines: list[list[TimedAction]], plan: IterationPlan, meta: BatchMeta, measured_s: float,
+        replica: int = 0,
     ) -> "MeasuredStep":
         """One or more runs of ``plan`` (``measured_s`` summarises their iteration times)."""
         obs = [o for t in timelines for o in timeline_observations(t, plan, meta)]
-        return cls(Design.of(profiled, obs), plan, meta, measured_s)
+        return cls(Design.of(profiled, obs), plan, meta, measured_s, replica)
 
     def slowed(self, factor: float) -> "MeasuredStep":
         """This step as a machine ``factor`` times slower would have run it."""
@@ -141,7 +148,9 @@ def held_out_times(base: CostModel, steps: Sequence[MeasuredStep]) -> list[float
 
 
 class OnlineCalibrator:
-    """Refits the profiled table to the last ``window`` steps after every step (``fit_steps``).
+    """Refits the profiled table to the last ``window`` runs after every step (``fit_steps``; a
+    step of ``D`` data-parallel replicas adds ``D`` runs, so the trainer sizes the window in steps
+    times ``D``).
 
     Machine speed drifts (other jobs, clocks, thermal limits) and the micro-batch sizes in use
     change, so a one-off calibration ages; refitting on a sliding window keeps the planner's
@@ -167,20 +176,22 @@ class OnlineCalibrator:
         self.steps: deque[MeasuredStep] = deque(maxlen=window)
         self.jitter_draws = jitter_draws
         self.fit_contention = fit_contention
-        self.by_step: dict[int, dict[str, MeasuredStep]] = {}  # calibration runs, by batch step and how they ran
+        self.by_step: dict[tuple[int, int], dict[str, MeasuredStep]] = {}  # calibration runs, by (step, replica) and how they ran
         self.contention: float | None = None
         self.overhead: float | None = None
 
-    def update(self, step: MeasuredStep, *, calibration: bool = False) -> tuple[CostModel, CalibrationReport]:
-        """Add one step and refit. ``calibration``: a calibration step, whose runs anchor every fit;
-        pass ``False`` for a size's first step (one-off costs)."""
-        self.steps.append(step)
+    def update(self, *runs: MeasuredStep, calibration: bool = False) -> tuple[CostModel, CalibrationReport]:
+        """Add one step's runs (one per data-parallel replica) and refit once. ``calibration``: a
+        calibration step, whose runs anchor every fit; pass ``False`` for a size's first step
+        (one-off costs)."""
+        self.steps.extend(runs)
         if calibration:
-            self.add_calibration_run(step, "pipelined")
+            for run in runs:
+                self.add_calibration_run(run, "pipelined")
         return self.fit()
 
     def add_calibration_run(self, step: MeasuredStep, how: str) -> None:
-        self.by_step.setdefault(step.plan.step, {})[how] = step
+        self.by_step.setdefault(step.key, {})[how] = step
 
     @property
     def calibration_runs(self) -> list[MeasuredStep]:

@@ -128,10 +128,11 @@ class PairCalibrator(OnlineCalibrator):
         self.tuned_twins: deque[tuple[MeasuredStep, MeasuredStep]] = deque(maxlen=TUNED_TWIN_WINDOW)  # (pipelined, serial)
         self._tuned_runs: dict[Run, MeasuredStep] = {}  # the latest planner's step's runs, until paired
 
-    def update(self, step: MeasuredStep, *, calibration: bool = False):
+    def update(self, *runs: MeasuredStep, calibration: bool = False):
         if not calibration:
-            self._add_tuned_run(step, Run.PIPELINED)
-        return super().update(step, calibration=calibration)
+            for run in runs:
+                self._add_tuned_run(run, Run.PIPELINED)
+        return super().update(*runs, calibration=calibration)
 
     def observe_serial(self, step: MeasuredStep, *, size_twin: bool = False, tuned: bool = False):
         """Add a calibration step's plan run serially, or with ``size_twin`` its batch at the
@@ -146,7 +147,7 @@ class PairCalibrator(OnlineCalibrator):
 
     def add_calibration_run(self, step: MeasuredStep, how: str) -> None:
         super().add_calibration_run(step, how)
-        same = self.by_step[step.plan.step]
+        same = self.by_step[step.key]
         if Run.SERIAL.value not in same:
             return
         new_twin = how != Run.SIZE_TWIN.value and Run.PIPELINED.value in same

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -22,6 +22,16 @@ class BatchMeta:
     rows: np.ndarray
     table: SampleTable
     overlong: OverlongReport
+
+    def share(self, ids) -> "BatchMeta":
+        """The part of this batch made of the samples ``ids`` (kept in the batch's row order): one
+        data-parallel replica's share. Ids not in the batch are an error, not a silent drop."""
+        want = np.asarray(list(ids), dtype=np.int64)
+        idx = np.flatnonzero(np.isin(self.table.ids, want))
+        if len(idx) != len(np.unique(want)):
+            missing = np.setdiff1d(want, self.table.ids)[:5].tolist()
+            raise ValueError(f"batch {self.step}: sample ids {missing} are not in this batch")
+        return replace(self, rows=self.rows[idx], table=self.table.take(idx))
 
 
 def batch_meta(

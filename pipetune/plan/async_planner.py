@@ -16,15 +16,18 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from pipetune.data.batch import BatchMeta
 from pipetune.plan.plan import IterationPlan, PlanError
 from pipetune.plan.planner import Planner
 
+if TYPE_CHECKING:
+    from pipetune.plan.replicas import ReplicaPlanner
+
 
 class AsyncPlanner:
-    def __init__(self, planner: Planner, meta_fn: Callable[[int], BatchMeta], *, budget_s: float | None = None, lookahead: int = 2):
+    def __init__(self, planner: Planner | ReplicaPlanner, meta_fn: Callable[[int], BatchMeta], *, budget_s: float | None = None, lookahead: int = 2):
         if lookahead < 0:
             raise ValueError(f"lookahead must be >= 0, got {lookahead}")
         self.planner = planner
@@ -49,8 +52,8 @@ class AsyncPlanner:
                 self._futures[step] = self._pool.submit(work)
             return self._futures[step]
 
-    def __call__(self, meta: BatchMeta) -> list[list[int]]:
-        """The packing of ``meta``'s step (blocks until its plan or fallback is ready)."""
+    def _ready(self, meta: BatchMeta):
+        """``meta``'s plan (blocks until it or its fallback is ready), queueing the next steps'."""
         future = self._submit(meta.step, meta)
         for ahead in range(1, self.lookahead + 1):
             self._submit(meta.step + ahead)
@@ -58,14 +61,19 @@ class AsyncPlanner:
         with self._lock:
             self._futures.pop(meta.step, None)
             self._plans[meta.step] = plan
-        return [list(mb) for mb in plan.micro_batches]
+        return plan
 
-    def plan(self, meta: BatchMeta) -> IterationPlan:
-        """``meta``'s plan, taken at once (for a caller that is both loader and training loop)."""
-        self(meta)
+    def __call__(self, meta: BatchMeta) -> list[list[int]]:
+        """The packing of ``meta``'s step (as a loader's packing source)."""
+        return [list(mb) for mb in self._ready(meta).micro_batches]
+
+    def plan(self, meta: BatchMeta):
+        """``meta``'s plan, taken at once (for a caller that is both loader and training loop); of
+        the wrapped planner's type (an ``IterationPlan``, or a ``ReplicaPlanner``'s plans)."""
+        self._ready(meta)
         return self.pop(meta.step)
 
-    def pop(self, step: int) -> IterationPlan:
+    def pop(self, step: int):
         """The plan the loader used for ``step`` (each plan is handed out once)."""
         with self._lock:
             if step not in self._plans:

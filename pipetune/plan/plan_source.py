@@ -19,6 +19,10 @@ earlier by an older model, and right after the calibration steps the model moves
 cent a step; comparing it with a baseline priced now made the guard fall back on that
 difference alone.
 Per step it keeps a ``StepPlan`` (which kind ran, both prices) for the trainer's record.
+
+Every planner here plans a step for all data-parallel replicas (``ReplicaPlanner``), so a step's
+plan is a ``ReplicaPlans`` (one plan with a single replica) and its price is its slowest
+replica's.
 """
 
 from __future__ import annotations
@@ -30,27 +34,29 @@ from pipetune.data.batch import BatchMeta
 from pipetune.plan.async_planner import AsyncPlanner
 from pipetune.plan.guard import Guard, PlanKind
 from pipetune.plan.plan import IterationPlan, PlanError
-from pipetune.plan.planner import Planner
+from pipetune.plan.replicas import ReplicaPlanner, ReplicaPlans
 from pipetune.calibrate.online import simulate_plan
+from pipetune.cost import CostModel
 from pipetune.records import StepKind, StepRecord
 
 
 @dataclass(frozen=True)
 class StepPlan:
-    """What rank 0 decided for one step: the plan, why it runs, and the predicted time of the
-    job's own plan and of the baseline plan for the same batch (with a guard: both by the
-    current model; ``nan`` where not planned)."""
+    """What rank 0 decided for one step: the replicas' plans, why they run, and the predicted
+    time of the job's own plans and of the baseline's for the same batch (with a guard: both by
+    the current model; ``nan`` where not planned)."""
 
-    plan: IterationPlan
+    plans: ReplicaPlans
     kind: StepKind
     tuned_predicted_s: float
     baseline_predicted_s: float
 
 
-def load_replay(path: str | Path) -> dict[int, str]:
-    """Plans by batch step from a job's ``steps.jsonl`` (the step's own runs: ``extra_run`` records
-    of an extension, such as the CPU testbed's twins, left out)."""
-    out: dict[int, str] = {}
+def load_replay(path: str | Path) -> dict[int, list[str]]:
+    """Plans by batch step, one per replica in replica order, from a job's ``steps.jsonl`` (the
+    step's own runs: ``extra_run`` records of an extension, such as the CPU testbed's twins, left
+    out)."""
+    out: dict[int, dict[int, str]] = {}
     try:
         records = StepRecord.read(path)
     except ValueError as e:
@@ -58,17 +64,25 @@ def load_replay(path: str | Path) -> dict[int, str]:
     for r in records:
         if r.extra_run:
             continue
-        if r.batch in out:
+        if r.replica in out.setdefault(r.batch, {}):
             raise ValueError(f"pipetune.replay: {path} records batch {r.batch} twice; give one job's steps.jsonl")
-        out[r.batch] = r.plan
+        out[r.batch][r.replica] = r.plan
     if not out:
         raise ValueError(f"pipetune.replay: {path} holds no step records; give the steps.jsonl of a job that ran")
-    return out
+    for batch, plans in out.items():
+        if sorted(plans) != list(range(len(plans))):
+            raise ValueError(f"pipetune.replay: {path} records replicas {sorted(plans)} of batch {batch}; every replica's plan is needed")
+    return {batch: [plans[r] for r in range(len(plans))] for batch, plans in out.items()}
+
+
+def simulated_s(cost: CostModel, plans: ReplicaPlans, meta: BatchMeta) -> float:
+    """The step's time by ``cost``: its slowest replica's simulated time."""
+    return max(simulate_plan(cost, p, m).makespan for p, m in zip(plans.plans, plans.metas(meta)))
 
 
 class PlanSource:
-    def __init__(self, tuned: AsyncPlanner | None, *, baseline: Planner | None = None, calibration: list[Planner] = (),
-                 calibrate_steps: int = 0, guard: Guard | None = None, replay: dict[int, str] | None = None):
+    def __init__(self, tuned: AsyncPlanner | None, *, baseline: ReplicaPlanner | None = None, calibration: list[ReplicaPlanner] = (),
+                 calibrate_steps: int = 0, guard: Guard | None = None, replay: dict[int, list[str]] | None = None):
         if guard is not None and baseline is None:
             raise ValueError("the guard needs a baseline planner")
         self.tuned, self.baseline, self.calibration = tuned, baseline, list(calibration)
@@ -76,18 +90,18 @@ class PlanSource:
         self.guard, self.replay = guard, replay
         self.decided: dict[int, StepPlan] = {}
 
-    def __call__(self, meta: BatchMeta) -> IterationPlan:
+    def __call__(self, meta: BatchMeta) -> ReplicaPlans:
         step = self._decide(meta)
         self.decided[meta.step] = step
-        return step.plan
+        return step.plans
 
     def _decide(self, meta: BatchMeta) -> StepPlan:
         nan = float("nan")
         if self.replay is not None:
             if meta.step not in self.replay:
                 raise PlanError(f"pipetune.replay has no plan for batch {meta.step}; record a job with at least as many steps")
-            plan = IterationPlan.from_json(self.replay[meta.step], batch_ids=meta.table.ids)
-            return StepPlan(plan, StepKind.REPLAY, plan.predicted_s, nan)
+            plans = ReplicaPlans(meta.step, tuple(IterationPlan.from_json(p) for p in self.replay[meta.step])).validate(meta.table.ids)
+            return StepPlan(plans, StepKind.REPLAY, plans.predicted_s, nan)
         if meta.step < self.calibrate_steps:
             plan = self.calibration[meta.step % len(self.calibration)].plan(meta)
             return StepPlan(plan, StepKind.CALIBRATION, nan, nan)
@@ -96,7 +110,7 @@ class PlanSource:
             return StepPlan(tuned, StepKind.TUNED, tuned.predicted_s, nan)
         base = self.baseline.plan(meta)
         cost = self.baseline.cost  # the current model (set_cost reaches every planner after each step)
-        tuned_s, base_s = (simulate_plan(cost, p, meta).makespan for p in (tuned, base))
+        tuned_s, base_s = (simulated_s(cost, p, meta) for p in (tuned, base))
         if self.guard.choose() is PlanKind.BASELINE:
             return StepPlan(base, StepKind.BASELINE, tuned_s, base_s)
         return StepPlan(tuned, StepKind.TUNED, tuned_s, base_s)

@@ -2,10 +2,6 @@
 pipetune's plans on TorchTitan's Muse Glimmer ``debugmodel_mm``: a checkpointed, resumed job equals
 the uninterrupted one, and step-1 gradients equal the unsplit TorchTitan model's on the same batch."""
 
-import os
-import socket
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -14,8 +10,7 @@ import torch
 
 from benchmarks.testbed.learning import TestbedRecord
 from benchmarks.testbed.runs import Twin
-from pipetune.data import make_mix, write_dataset
-from pipetune.data.mixes import parse_mix
+from titan_jobs import job_args as _args, torchrun as _torchrun
 from titan_reference import unsplit_step
 from configs import config_registry
 from torchtitan_patches.titan.model_spec import planning_model_config
@@ -23,41 +18,7 @@ from pipetune.plan.plan_source import load_replay
 from pipetune.records import StepKind, StepRecord
 
 pytestmark = pytest.mark.timeout(170)
-ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("titan_grad_worker.py")
-
-
-@pytest.fixture(scope="module")
-def job(tmp_path_factory):
-    """A small generated data set and a coarse latency table of the job's planning shapes."""
-    from profiling.profile_layers import ProfileConfig, run_profile
-
-    d = tmp_path_factory.mktemp("titan_job")
-    write_dataset(make_mix(parse_mix("datamix2"), 300, 0), d / "data", {"mix": "datamix2"})
-    config = config_registry.muse_glimmer_mm()
-    for frozen, name in ((True, "table.json"), (False, "table_trained.json")):  # a trained ViT's table also times its backward
-        model = planning_model_config(config.model_spec, image_grid=config.pipetune.image_grid, encoder_frozen=frozen)
-        run_profile(model, ProfileConfig(max_seq_len=512, max_tokens=2048, max_images=8, points=3, repeats=1, warmup=1, p2p=False),
-                    d / name, progress=False)
-    return d
-
-
-def _args(job: Path, dump: Path, *extra: str, module: str = "configs", config: str = "muse_glimmer_mm") -> list[str]:
-    return ["--module", module, "--config", config, "--dump_folder", str(dump),
-            "--dataloader.dataset_path", str(job / "data"), "--pipetune.latency_table", str(job / "table.json"),
-            "--dataloader.gbs", "8", "--training.seq_len", "512", "--pipetune.calibration.online_window", "0", "--pipetune.budget_s", "60",
-            "--pipetune.strict_order", "--debug.seed", "0", *extra]
-
-
-def _torchrun(target: list[str], timeout: float = 100) -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port), *target]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), str(WORKER.parent)])})
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
-    return res.stdout + res.stderr
 
 
 def _records(dump: Path) -> list[StepRecord]:
@@ -248,7 +209,7 @@ def test_testbed_job_runs_twins_beside_its_steps_and_replays_side_by_side(job, t
     assert {r.twin for r in recs} == {None, Twin.SERIAL, Twin.SIZE, Twin.TUNED}
     assert all(r.contention is not None for r in recs if r.twin is Twin.SERIAL and not r.cold)
     replayed = load_replay(dump / "pipetune" / "steps.jsonl")
-    assert all(replayed[b] == next(r.plan for r in rs if not r.extra_run) for b, rs in runs.items())
+    assert all(replayed[b] == [next(r.plan for r in rs if not r.extra_run)] for b, rs in runs.items())
     _replaying_the_records_learns_what_the_job_learnt(job, recs, window=4)
 
     other = tmp_path / "original"
@@ -279,6 +240,7 @@ def _replaying_the_records_learns_what_the_job_learnt(job: Path, recs: list[Test
     from pipetune.data import Overlong
     from pipetune.packing import PackingConfig
     from pipetune.plan.plan import IterationPlan
+    from pipetune.plan.replicas import ReplicaPlans
     from torchtitan_patches.data import DataLoaderConfig
 
     config = config_registry.muse_glimmer_mm()
@@ -289,6 +251,6 @@ def _replaying_the_records_learns_what_the_job_learnt(job: Path, recs: list[Test
     learner = PairLearner(profiled, calibrator=PairCalibrator(profiled.table, profiled.layout, window))
     for r in recs:
         again = replace(r, contention=None, call_overhead_s=None)
-        learner.observe(again, IterationPlan.from_json(r.plan), loader.meta(r.batch))
+        learner.observe([again], ReplicaPlans(r.batch, (IterationPlan.from_json(r.plan),)), loader.meta(r.batch))
         assert (again.contention, again.call_overhead_s) == (r.contention, r.call_overhead_s), (r.step, r.batch, r.twin)
     assert any(r.contention is not None for r in recs) and any(r.call_overhead_s is not None for r in recs if r.extra_run)

@@ -87,6 +87,6 @@ def test_files_replayed_side_by_side_must_record_the_same_batches(tmp_path):
         return str(path)
 
     first, same, short = write("a.jsonl", [0, 1]), write("b.jsonl", [0, 1]), write("c.jsonl", [0])
-    assert load_side_by_side(first, [same]) == [{0: "plan 0", 1: "plan 1"}] and load_side_by_side(first, []) == []
+    assert load_side_by_side(first, [same]) == [{0: ["plan 0"], 1: ["plan 1"]}] and load_side_by_side(first, []) == []
     with pytest.raises(ValueError, match=r"c.jsonl records batches 0..0 \(1\) but .*a.jsonl records 0..1 \(2\)"):
         load_side_by_side(first, [same, short])

@@ -54,10 +54,12 @@ class FixedPacking:
 
 @dataclass(frozen=True)
 class BatchSpec:
-    """What a worker needs to build one global batch: metadata and micro-batch row groups."""
+    """What a worker needs to build one global batch (or one data-parallel replica's share of it):
+    metadata, micro-batch row groups and the label tokens of the whole global batch."""
 
     meta: BatchMeta
     groups: list[np.ndarray]
+    global_label_tokens: int
 
 
 def groups_from_ids(meta: BatchMeta, id_groups: list[list[int]]) -> list[np.ndarray]:
@@ -82,12 +84,16 @@ def groups_from_ids(meta: BatchMeta, id_groups: list[list[int]]) -> list[np.ndar
 
 
 class _StepSampler:
-    """Batch sampler yielding one ``BatchSpec`` per step; stateful through the step counter."""
+    """Batch sampler yielding one ``BatchSpec`` per step; stateful through the step counter.
 
-    def __init__(self, meta_fn: Callable[[int], BatchMeta], source: PackingSource, max_steps: int | None):
+    With ``replicas > 1`` the packing source packs this replica's share of the global batch (the
+    samples it names; the source checks that the replicas' shares partition the batch)."""
+
+    def __init__(self, meta_fn: Callable[[int], BatchMeta], source: PackingSource, max_steps: int | None, replicas: int = 1):
         self._meta_fn = meta_fn
         self._source = source
         self._max_steps = max_steps
+        self._replicas = replicas
         self.next_step = 0
 
     def __iter__(self):
@@ -103,7 +109,9 @@ class _StepSampler:
                 f"most one text token, e.g. sample ids {meta.table.ids[:5].tolist()}), so its loss would be 0/0; "
                 "remove samples with fewer than 2 text tokens from the data set"
             )
-        spec = BatchSpec(meta, groups_from_ids(meta, self._source(meta)))
+        id_groups = self._source(meta)
+        share = meta.share(s for g in id_groups for s in g) if self._replicas > 1 else meta
+        spec = BatchSpec(share, groups_from_ids(share, id_groups), int(meta.table.label_tokens.sum()))
         self.next_step += 1
         return spec
 
@@ -132,12 +140,11 @@ class _PackedBatches(torch.utils.data.Dataset):
         rows = self._store.rows(spec.meta.rows)
         contents = [sample_content(table, k, rows[k], self._content) for k in range(len(table))]
         mbs = [build_micro_batch(table, g, [contents[k] for k in g.tolist()], self._content) for g in spec.groups]
-        return GlobalBatch(
-            step=spec.meta.step,
-            micro_batches=mbs,
-            num_label_tokens=sum(m.num_label_tokens for m in mbs),
-            overlong=spec.meta.overlong,
-        )
+        built, planned = sum(m.num_label_tokens for m in mbs), int(table.label_tokens.sum())
+        if built != planned:
+            raise ValueError(f"step {spec.meta.step}: the built micro-batches hold {built} label tokens, the metadata says {planned}; "
+                             f"the data set's text_tokens do not match its content (rows {spec.meta.rows[:5].tolist()} ...)")
+        return GlobalBatch(step=spec.meta.step, micro_batches=mbs, num_label_tokens=spec.global_label_tokens, overlong=spec.meta.overlong)
 
 
 def _unwrap(batch):
@@ -151,8 +158,9 @@ class DataLoaderConfig:
     ``data`` is any accepted data set path (see ``pipetune.data.storage``). ``packing`` is the
     fixed packing used when no planner supplies one. ``overlong`` is the policy for samples longer
     than ``max_seq_len`` (as in ``pipetune pack``); the loader counts them in ``truncation``.
-    Limits: one global batch per step; the global batch is split over data-parallel ranks by
-    sample, not re-balanced across them.
+    Limits: one global batch per step. With ``dp_size > 1`` every data-parallel rank reads the
+    same global batch and yields the share its packing source names (the planner's split, see
+    ``pipetune.plan.replicas``); the loss normaliser stays the global batch's label tokens.
     """
 
     data: str | Path
@@ -183,7 +191,8 @@ class DataLoaderConfig:
 
 
 class PipeTuneDataLoader(StatefulDataLoader):
-    """Yields ``GlobalBatch`` objects; ``upcoming(k)`` gives the next ``k`` batches' metadata.
+    """Yields ``GlobalBatch`` objects (with ``dp_size > 1``: this replica's share of each, see
+    ``DataLoaderConfig``); ``upcoming(k)`` gives the next ``k`` global batches' metadata.
 
     ``packing_source`` may be replaced before iterating (a planner built on ``meta`` needs the
     loader first). ``truncation`` sums the overlong reports of the batches yielded so far
@@ -210,8 +219,9 @@ class PipeTuneDataLoader(StatefulDataLoader):
         self.model = model
         self.store = store
         self.stream = BatchStream(
-            num_rows=len(store), gbs=config.gbs, seed=config.seed, shuffle=config.shuffle, dp_rank=dp_rank, dp_size=dp_size
+            num_rows=len(store), gbs=config.gbs, seed=config.seed, shuffle=config.shuffle
         )
+        self.dp_rank, self.dp_size = dp_rank, dp_size
         self.packing_source = packing_source or FixedPacking(config.packing, model)
         enc = model.encoder
         content = ContentSpec(
@@ -222,7 +232,7 @@ class PipeTuneDataLoader(StatefulDataLoader):
             data_dir=store.path,
             encode=store.encode,
         )
-        self._sampler = _StepSampler(self.meta, lambda meta: self.packing_source(meta), config.max_steps)
+        self._sampler = _StepSampler(self.meta, lambda meta: self.packing_source(meta), config.max_steps, replicas=dp_size)
         self._next_step = 0
         self.truncation = OverlongTotals(config.overlong)
         with warnings.catch_warnings():
@@ -279,8 +289,8 @@ class PipeTuneDataLoader(StatefulDataLoader):
             "mbs": packing.mbs,
             "packing_seed": packing.seed,
             "tokens_per_image": self.model.tokens_per_image,
-            "dp_rank": self.stream.dp_rank,
-            "dp_size": self.stream.dp_size,
+            "dp_rank": self.dp_rank,
+            "dp_size": self.dp_size,
         }
 
     def state_dict(self) -> dict:

@@ -53,9 +53,12 @@ class PackedMicroBatch:
 
 @dataclass
 class GlobalBatch:
-    """One training step's data: micro-batches in the packing's order, plus the loss normaliser.
+    """One training step's data: micro-batches in the packing's order, plus the loss normaliser
+    ``num_label_tokens``, the label tokens of the whole global batch. With data parallelism the
+    micro-batches are one replica's share and the normaliser still counts every replica's tokens,
+    so the replicas' summed gradients are the global batch's (PipeTune App. A.2).
 
-    ``overlong`` says which samples the overlong policy cut or left out of this batch.
+    ``overlong`` says which samples the overlong policy cut or left out of the global batch.
     """
 
     step: int

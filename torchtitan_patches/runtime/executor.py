@@ -102,15 +102,16 @@ class ImageShapes:
 
 @dataclass
 class StepResult:
-    """One rank's view of a step. ``loss`` is the batch loss (last-stage rank only);
-    ``timeline`` holds this rank's compute actions (absolute ``perf_counter`` seconds);
-    ``overhead_s`` is the per-step set-up of a new plan on this rank (digest + lowering; the
-    digest exchange itself is a synchronisation point, not counted)."""
+    """One rank's view of a step. ``loss`` is the loss of this rank's micro-batches (last-stage
+    rank only); ``timeline`` holds this rank's compute actions and ``elapsed_s`` the step's length,
+    both in seconds from the step's start on this rank (``ActionTimeline``: right for ranks on
+    other nodes, whose clocks are unrelated); ``overhead_s`` is the per-step set-up of a new plan
+    on this rank (digest + lowering; the digest exchange itself is a synchronisation point, not
+    counted)."""
 
     losses: dict[int, float] = field(default_factory=dict)
     timeline: list[TimedAction] = field(default_factory=list)
-    start: float = 0.0
-    end: float = 0.0
+    elapsed_s: float = 0.0
     overhead_s: float = 0.0
 
     @property
@@ -145,9 +146,12 @@ class PlanExecutor:
     ``encoder``: this rank's encoder chunks by chunk index, or one module standing for chunk 0,
     the whole encoder (the co-located layout: given on the rank of stage 0 when the model has one).
     ``image_shapes`` sizes the encoder's messages (``ImageShapes.of(model.encoder)``); needed for
-    separated plans. ``group`` is the pipeline process group (default: the world);
+    separated plans. ``group`` is the pipeline process group (default: the world), ``rank`` this
+    rank's place in it (its pipeline stage): messages go to group ranks, so one pipeline of a
+    data- or tensor-parallel job (TorchTitan's ``pp`` mesh) runs as if it were the world.
     ``control_group`` carries the per-step digest exchange (default: ``group``; on NCCL pass a
-    gloo group). ``device`` defaults to the stages'.
+    gloo group); it may span several replicas (``replica``: the data-parallel replica whose plan
+    this rank runs; only ranks of one replica must agree). ``device`` defaults to the stages'.
     """
 
     def __init__(
@@ -163,6 +167,7 @@ class PlanExecutor:
         device: torch.device | str | None = None,
         compute_dtype: torch.dtype = torch.float32,
         strict_order: bool = False,
+        replica: int = 0,
         loss_fn: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
     ):
         self.stages = stages
@@ -175,6 +180,7 @@ class PlanExecutor:
         self.device = torch.device(device) if device is not None else next(next(iter(stages.values())).parameters()).device
         self.compute_dtype = compute_dtype
         self.strict_order = strict_order
+        self.replica = replica
         self.loss_fn = loss_fn or (lambda logits, labels, normaliser: token_loss_sum(logits, labels) / normaliser)
         self.encoder_trained = any(p.requires_grad for chunk in self.encoder.values() for p in chunk.parameters())
         self.clock = Clock(self.device)
@@ -191,26 +197,31 @@ class PlanExecutor:
         return hashlib.sha256(blob.encode()).hexdigest(), [content_digest(mb) for mb in batch.micro_batches]
 
     def check_consistent(self, batch: GlobalBatch, plan: IterationPlan, digests: tuple[str, list[str]]) -> None:
-        """All ranks must run the same plan on the same batch, and the encoder chunks of all ranks
-        must tile the encoder (one small all-gather of digests and layer ranges)."""
+        """All ranks of a replica (its pipelines' ranks: with tensor parallelism, several pipelines)
+        must run the same plan on the same batch, and the encoder chunks of every pipeline must tile
+        the encoder (one small all-gather of digests and layer ranges over the control group)."""
         chunks = {c: tuple(m.layer_range) for c, m in self.encoder.items()} if plan.separated else {}
-        mine = (*digests, plan.num_micro_batches, [mb.num_tokens for mb in batch.micro_batches], str(self.compute_dtype), chunks)
+        pipeline = tuple(dist.get_process_group_ranks(self.group)) if self.group is not None else ()
+        mine = (*digests, plan.num_micro_batches, [mb.num_tokens for mb in batch.micro_batches], str(self.compute_dtype), chunks,
+                self.replica, pipeline, dist.get_rank())
         every = [None] * dist.get_world_size(self.control_group)
         dist.all_gather_object(every, mine, group=self.control_group)
-        if len({d[0] for d in every}) > 1:
-            detail = "; ".join(f"rank {r}: {d[2]} micro-batches of {d[3]} tokens, compute dtype {d[4]}" for r, d in enumerate(every))
-            raise PlanMismatchError(f"step {plan.step}: ranks disagree about the plan or batch ({detail})")
-        for r, d in enumerate(every):
-            bad = [k for k, (a, b) in enumerate(zip(every[0][1], d[1])) if a != b]
+        peers = [d for d in every if d[6] == self.replica]
+        if len({d[0] for d in peers}) > 1:
+            detail = "; ".join(f"rank {d[8]}: {d[2]} micro-batches of {d[3]} tokens, compute dtype {d[4]}" for d in peers)
+            raise PlanMismatchError(f"step {plan.step}: the ranks of replica {self.replica} disagree about the plan or batch ({detail})")
+        for d in peers:
+            bad = [k for k, (a, b) in enumerate(zip(peers[0][1], d[1])) if a != b]
             if bad:
                 k = bad[0]
                 raise PlanMismatchError(
                     f"step {plan.step}: ranks disagree about the batch content: micro-batch {k} (samples "
-                    f"{batch.micro_batches[k].sample_ids.tolist()[:8]}) holds other token ids or labels on rank {r} than on rank 0 "
-                    f"({len(bad)} of {len(d[1])} micro-batches differ); every rank must read the same data set with the same seed")
-        ranges = [r for _, r in sorted((c, r) for d in every for c, r in d[5].items())]
+                    f"{batch.micro_batches[k].sample_ids.tolist()[:8]}) holds other token ids or labels on rank {d[8]} than on rank "
+                    f"{peers[0][8]} ({len(bad)} of {len(d[1])} micro-batches differ); every rank must read the same data set with the same seed")
+        line = [d for d in peers if d[7] == pipeline]
+        ranges = [r for _, r in sorted((c, r) for d in line for c, r in d[5].items())]
         if any(a[1] != b[0] for a, b in zip(ranges, ranges[1:])):
-            where = "; ".join(f"rank {r}: {d[5]}" for r, d in enumerate(every))
+            where = "; ".join(f"rank {d[8]}: {d[5]}" for d in line)
             raise PlanMismatchError(f"step {plan.step}: the ranks' encoder chunks do not cut the encoder into consecutive layer "
                                     f"ranges ({where}); build every rank's chunks from one layout")
 
@@ -247,7 +258,8 @@ class PlanExecutor:
         overhead = time.perf_counter() - t0
         self.check_consistent(batch, plan, digests)
         timeline = self.clock.timeline()
-        st = _StepState(batch, plan, table, StepResult(start=timeline.start(), overhead_s=overhead), self._on_device(batch, plan), images)
+        timeline.start()
+        st = _StepState(batch, plan, table, StepResult(overhead_s=overhead), self._on_device(batch, plan), images)
         done: list[Action] = []
         for step in steps:
             match step:
@@ -266,7 +278,7 @@ class PlanExecutor:
                     done.append(a)
         for work, _ in st.sends:
             work.wait()
-        spans, st.res.end = timeline.finish()
+        spans, st.res.elapsed_s = timeline.finish()
         if st.losses:
             st.res.losses = dict(zip(st.losses, torch.stack(list(st.losses.values())).tolist()))
         precomputed = _precomputed(plan, self.rank)
@@ -310,10 +322,10 @@ class PlanExecutor:
             m = t.message
             tag = 0 if self.strict_order else _tag(m)
             if t.direction is Direction.SEND:
-                ops.append(dist.P2POp(dist.isend, st.outbox.pop(m), t.peer, group=self.group, tag=tag))
+                ops.append(dist.P2POp(dist.isend, st.outbox.pop(m), group=self.group, tag=tag, group_peer=t.peer))
             else:
                 tensor = torch.empty(self._shape(st, m), dtype=self.compute_dtype, device=self.device)
-                ops.append(dist.P2POp(dist.irecv, tensor, t.peer, group=self.group, tag=tag))
+                ops.append(dist.P2POp(dist.irecv, tensor, group=self.group, tag=tag, group_peer=t.peer))
                 recv_bufs.append((m, tensor))
         works = dist.batch_isend_irecv(ops)
         if len(works) != len(ops):  # a coalescing backend (NCCL) returns one work for the whole batch

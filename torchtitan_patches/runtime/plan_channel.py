@@ -1,11 +1,13 @@
-"""One planner, every rank: rank 0 plans and broadcasts each step's plan to the pipeline ranks.
+"""One planner, every rank: rank 0 plans and broadcasts each step's plans to every rank.
 
 Planning on every rank could diverge (a time budget may fall back on one rank and not another),
-so rank 0 owns the planner (a function from batch metadata to ``IterationPlan``, usually
+so rank 0 owns the planner (a function from batch metadata to ``ReplicaPlans``, usually
 ``AsyncPlanner.plan``) and the others receive its plans. Each rank's
 dataloader uses a ``PlanChannel`` as its packing source; loaders ask for steps in the same order
 on every rank, so the broadcasts pair up. A dedicated gloo group keeps them apart from the
-pipeline's point-to-point traffic.
+pipeline's point-to-point traffic. A step's plans are a ``ReplicaPlans`` (one plan per
+data-parallel replica); every rank checks that they partition the global batch it read and keeps
+its replica's plan, whose samples its loader then packs.
 
 Ranks that disagree (started with other ``--modes``/``--steps``, or a rank without a planner)
 must fail rather than hang: the group carries the job's timeout (torch's ``new_group`` would
@@ -24,6 +26,7 @@ import torch.distributed as dist
 
 from pipetune.data.batch import BatchMeta
 from pipetune.plan.plan import IterationPlan, PlanError
+from pipetune.plan.replicas import ReplicaPlans
 from torchtitan_patches.runtime.executor import PlanMismatchError
 
 
@@ -41,14 +44,17 @@ def group_timeout(group=None) -> timedelta:
 class PlanChannel:
     def __init__(
         self,
-        planner: Callable[[BatchMeta], IterationPlan] | None,
+        planner: Callable[[BatchMeta], ReplicaPlans] | None,
         *,
+        replica: int = 0,
+        replicas: int = 1,
         src: int = 0,
         group=None,
         timeout: timedelta | None = None,
     ):
         self.rank = dist.get_rank()
         self.planner = planner
+        self.replica, self.replicas = replica, replicas
         self.src = src
         self.timeout = timeout if timeout is not None else group_timeout(group)
         self.group = group if group is not None else self._collective(
@@ -74,9 +80,13 @@ class PlanChannel:
             box[0] = self.planner(meta).to_json()
         self._collective(lambda: dist.broadcast_object_list(box, src=self.src, group=self.group),
                          f"receiving the plan of step {meta.step}")
-        plan = IterationPlan.from_json(box[0], batch_ids=meta.table.ids)
-        if plan.step != meta.step:
-            raise PlanError(f"rank {self.rank} asked for step {meta.step} but received the plan of step {plan.step}")
+        plans = ReplicaPlans.from_json(box[0], batch_ids=meta.table.ids)
+        if plans.step != meta.step:
+            raise PlanError(f"rank {self.rank} asked for step {meta.step} but received the plans of step {plans.step}")
+        if plans.replicas != self.replicas:
+            raise PlanError(f"step {meta.step}: rank {self.src} planned {plans.replicas} data-parallel replicas, this job runs "
+                            f"{self.replicas}; a replayed job must have the same data-parallel degree")
+        plan = plans.plans[self.replica]
         self._plans[meta.step] = plan
         return [list(mb) for mb in plan.micro_batches]
 

@@ -46,24 +46,25 @@ class ActionTimeline:
     wait for a message makes that stream wait, the start event marks exactly that moment, and
     gaps between events are idle time. Events are read once, in ``finish``, after the step (no
     host synchronisation inside it). On CPU, the host clock, with time spent in ``waiting``
-    pushing the next start back. Times are absolute host seconds (``perf_counter``), so timelines
-    of several ranks of one machine line up.
+    pushing the next start back. ``finish`` gives times relative to the step's start on this
+    rank's own clock: ranks on other nodes share no clock, but they start a step together (the
+    executor starts it right after the ranks' digest exchange, a synchronisation point), so
+    relative times line up across nodes whatever their clocks' offsets.
     """
 
     def __init__(self, cuda: bool):
         self.cuda = cuda
         self._spans: list[tuple] = []
 
-    def start(self) -> float:
+    def start(self) -> None:
         """Begin the step (on a GPU after the device has drained, so that host and event clocks
-        share an origin); returns its start time."""
+        share an origin)."""
         if self.cuda:
             torch.cuda.synchronize()
             self._origin = torch.cuda.Event(enable_timing=True)
             self._origin.record()
         self.t0 = time.perf_counter()
         self._ready = self.t0
-        return self.t0
 
     @contextmanager
     def waiting(self):
@@ -91,17 +92,18 @@ class ActionTimeline:
             self._spans.append((self._open, self._ready))
 
     def finish(self) -> tuple[list[tuple[float, float]], float]:
-        """(start, end) of every action in order, and the step's end: read after the step."""
+        """(start, end) of every action in order and the step's length, in seconds from the
+        step's start: read after the step."""
         if self.cuda:
             last = torch.cuda.Event(enable_timing=True)
             last.record()
             last.synchronize()
 
             def at(e):
-                return self.t0 + self._origin.elapsed_time(e) / 1e3
+                return self._origin.elapsed_time(e) / 1e3
 
             return [(at(a), at(b)) for a, b in self._spans], at(last)
-        return list(self._spans), time.perf_counter()
+        return [(a - self.t0, b - self.t0) for a, b in self._spans], time.perf_counter() - self.t0
 
 
 def fwd_bwd_sample(clock: Clock, make_inputs: Callable[[], tuple], forward: Callable[..., torch.Tensor], *, backward: bool) -> tuple[float, float]:

@@ -16,7 +16,9 @@ totals; TorchTitan's ``CheckpointManager`` stores it per data-parallel rank.
 Token ids come from the data set: pre-tokenized ``input_ids``, raw ``text`` through the job's
 tokenizer (``titan.tokenizer.text_encoder``: metadata look-ahead and content use the same one), or
 synthetic ids for generated data. The tokenizer's vocabulary must fit the model's (checked at
-``bind``). Limits: one pipeline replica (``dp_world_size`` 1).
+``bind``). With data parallelism every rank reads the whole global batch (``gbs`` samples) and
+yields its replica's share, as the plan channel says (``PipeTuneTrainer``); TorchTitan stores the
+state per data-parallel rank, and a state saved for another rank or degree is refused.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ class PipeTuneTitanDataLoader(BaseDataLoader):
     @dataclass(kw_only=True, slots=True)
     class Config(BaseDataLoader.Config):
         gbs: int = 16
-        """Samples (documents) per global batch, before packing (PipeTune's GBS)."""
+        """Samples (documents) per global batch over all data-parallel replicas, before packing
+        (PipeTune's GBS)."""
 
         seed: int = 0
         """Shuffling seed of the sample stream."""
@@ -52,14 +55,14 @@ class PipeTuneTitanDataLoader(BaseDataLoader):
                  local_batch_size: int = 1, **kwargs):
         if not config.dataset_path:
             raise ValueError("dataloader.dataset_path is empty: give the data set directory (e.g. from `pipetune data make`)")
-        if dp_world_size != 1:
-            raise ValueError(
-                f"PipeTuneTitanDataLoader runs one pipeline replica; got data-parallel degree {dp_world_size}. "
-                "Set parallelism.data_parallel_shard_degree and data_parallel_replicate_degree to 1")
         if config.gbs < 1:
             raise ValueError(f"dataloader.gbs must be a positive number of samples, got {config.gbs}")
+        if config.gbs < dp_world_size:
+            raise ValueError(f"dataloader.gbs {config.gbs} is smaller than the data-parallel degree {dp_world_size}: every replica "
+                             "needs a sample each step; raise dataloader.gbs")
         self.config = config
         self.tokenizer = tokenizer
+        self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
         self.loader_config = DataLoaderConfig(
             data=config.dataset_path, gbs=config.gbs, max_seq_len=seq_len, seed=config.seed, overlong=Overlong(config.overlong),
             num_workers=config.num_workers, packing=PackingConfig(max_seq_len=seq_len))
@@ -71,7 +74,8 @@ class PipeTuneTitanDataLoader(BaseDataLoader):
             raise ValueError(
                 f"the job's tokenizer has {self.tokenizer.get_vocab_size()} ids but the model's vocabulary is "
                 f"{model.backbone.vocab_size}; use a tokenizer that fits the model")
-        self.inner = self.loader_config.build(model, packing_source=packing_source, encode=text_encoder(self.tokenizer))
+        self.inner = self.loader_config.build(model, packing_source=packing_source, encode=text_encoder(self.tokenizer),
+                                              dp_rank=self.dp_rank, dp_size=self.dp_world_size)
         return self.inner
 
     def _bound(self) -> PipeTuneDataLoader:
@@ -82,12 +86,17 @@ class PipeTuneTitanDataLoader(BaseDataLoader):
     def __iter__(self):
         return iter(self._bound())
 
+    def _key(self) -> str:
+        return f"pipetune_loader_dp_rank_{self.dp_rank}"
+
     def state_dict(self) -> dict:
-        # one pickled leaf, as TorchTitan's own loaders store theirs: DCP keeps it intact
-        return {"pipetune_loader": pickle.dumps(self._bound().state_dict())}
+        # one pickled leaf per data-parallel rank, as TorchTitan's own loaders store theirs: DCP
+        # keeps it intact, and every rank of a replica holds the same one
+        return {self._key(): pickle.dumps(self._bound().state_dict())}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        if "pipetune_loader" not in state_dict:
-            raise ValueError("the checkpoint's dataloader state was not written by PipeTuneTitanDataLoader; "
-                             "load a pipetune checkpoint, or start without loading the dataloader state")
-        self._bound().load_state_dict(pickle.loads(state_dict["pipetune_loader"]))
+        if self._key() not in state_dict:
+            raise ValueError(f"the checkpoint's dataloader state has no entry for data-parallel rank {self.dp_rank} ({self._key()}): "
+                             "it was not written by PipeTuneTitanDataLoader with this data-parallel degree; load a pipetune "
+                             "checkpoint of this degree, or start without loading the dataloader state")
+        self._bound().load_state_dict(pickle.loads(state_dict[self._key()]))

@@ -11,6 +11,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import os
+
+from torchtitan.config import TORCH_DTYPE_MAP
 
 from pipetune.config.model import ModelConfig
 from pipetune.cost import CostModel, LatencyTable, StageLayout
@@ -18,6 +21,7 @@ from pipetune.data.batch import BatchMeta
 from pipetune.data.storage import open_dataset
 from pipetune.plan.layout_search import LayoutSearch, sample_batches
 from pipetune.schedule.table import Placement
+from torchtitan_patches.runtime.data_parallel import shard_part
 from torchtitan_patches.titan.stages import keep_encoder_chunks
 from torchtitan_patches.titan.tokenizer import text_encoder
 
@@ -57,29 +61,40 @@ def layout_search(config, model: ModelConfig, table: LatencyTable, sample: list[
                         memory_bytes=pt.memory_gib * 2**30, max_mbs=pt.max_mbs, seed=config.dataloader.seed)
 
 
-def pipeline_only(parallelize_fn, encoder_chunks=()):
-    """The model's ``parallelize_fn`` without data parallelism: with one replica FSDP shards
-    nothing, and its lazy initialisation refuses a submodule (the encoder, run by its own actions)
-    running before the root module. With ``encoder_chunks`` (DIP's separated layout: the
+def for_pipetune(parallelize_fn, encoder_chunks=()):
+    """The model's ``parallelize_fn`` for the parts pipetune runs, without its FSDP: with one
+    replica FSDP would shard nothing (and its lazy initialisation refuses a submodule, the
+    encoder run by its own actions, running before the root module); with data parallelism
+    ``runtime.data_parallel.shard_part`` applies FSDP/HSDP instead (see there why) and
+    ``FsdpStep`` drives it per step. With ``encoder_chunks`` (DIP's separated layout: the
     encoder's block ranges), each rank's part is first cut to its encoder chunks (still on the
     meta device: TorchTitan materialises the parts after parallelising them)."""
     if "skip_dp" not in inspect.signature(parallelize_fn).parameters:
         raise ValueError(f"{parallelize_fn.__qualname__} cannot skip FSDP (no skip_dp argument); PipeTuneTrainer needs that")
-    if not encoder_chunks:
-        return functools.partial(parallelize_fn, skip_dp=True)
 
     def parallelize(model, *, parallel_dims, **kwargs):
-        rank = parallel_dims.get_mesh("pp").get_local_rank()
-        keep_encoder_chunks(model.vision_encoder, encoder_chunks, local_encoder_chunks(rank, parallel_dims.pp, encoder_chunks))
-        if getattr(model, "vision_adapter", None) is not None:
-            return parallelize_fn(model, parallel_dims=parallel_dims, skip_dp=True, **kwargs)
-        # a part with encoder chunks but no adapter (not stage 0): Muse Glimmer's parallelize_fn
-        # asserts that a vision encoder comes with its adapter, so it parallelises the part
-        # without its encoder chunks (with no TP, compile or activation checkpointing on them)
-        chunks, model.vision_encoder = model.vision_encoder, None
+        if encoder_chunks:
+            if parallel_dims.dp_enabled:
+                raise ValueError("DIP's separated layout with data parallelism is not supported yet: use a co-located "
+                                 "pipetune.layout (auto picks among those when the job is data-parallel)")
+            rank = parallel_dims.get_mesh("pp").get_local_rank()
+            keep_encoder_chunks(model.vision_encoder, encoder_chunks, local_encoder_chunks(rank, parallel_dims.pp, encoder_chunks))
+        if encoder_chunks and getattr(model, "vision_adapter", None) is None:
+            # a part with encoder chunks but no adapter (not stage 0): Muse Glimmer's parallelize_fn
+            # asserts that a vision encoder comes with its adapter, so it parallelises the part
+            # without its encoder chunks (with no TP, compile or activation checkpointing on them)
+            chunks, model.vision_encoder = model.vision_encoder, None
+            model = parallelize_fn(model, parallel_dims=parallel_dims, skip_dp=True, **kwargs)
+            model.vision_encoder = chunks
+            return model
         model = parallelize_fn(model, parallel_dims=parallel_dims, skip_dp=True, **kwargs)
-        model.vision_encoder = chunks
-        return model
+        if not parallel_dims.dp_enabled:
+            return model
+        training = kwargs["training"]
+        shard = "dp_shard" if parallel_dims.get_optional_mesh("dp_shard") is not None else "fsdp"
+        axes = [a for a, n in (("dp_replicate", parallel_dims.dp_replicate), (shard, parallel_dims.dp_shard)) if n > 1]
+        return shard_part(model, parallel_dims.get_mesh(axes if len(axes) > 1 else axes[0]),
+                          param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param], reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce])
 
     return parallelize
 
@@ -88,21 +103,32 @@ def choose_layout(config, model: ModelConfig, table: LatencyTable, sample) -> St
     """``even`` or explicit counts; ``separated``: the partitioner's layout; ``auto``: the faster
     of the best co-located split and the separated layout on the sampled batches (``sample()``,
     called only for those two). The separated planner scores deterministic times only, so
-    jitter-aware jobs stay co-located."""
+    jitter-aware jobs stay co-located, and so do data-parallel jobs (``for_pipetune``)."""
     layout, pp = config.pipetune.layout, config.parallelism.pipeline_parallel_degree
     if layout not in ("auto", "separated"):
         return StageLayout.parse(layout, model.backbone.n_layers, pp)
     search = layout_search(config, model, table, sample())
     if layout == "separated":
         return search.partition().layout
-    return search.search(separated=model.encoder is not None and not config.pipetune.jitter_draws).best.layout
+    return search.search(separated=model.encoder is not None and not config.pipetune.jitter_draws and replicas_of(config) == 1).best.layout
+
+
+def replicas_of(config) -> int:
+    """The job's data-parallel degree, from its config and torchrun's ``WORLD_SIZE`` (what
+    TorchTitan's ``ParallelDims`` will derive), before any process group exists."""
+    par = config.parallelism
+    shard, replicate = par.data_parallel_shard_degree, par.data_parallel_replicate_degree
+    if shard == -1:
+        rest = par.pipeline_parallel_degree * par.tensor_parallel_degree * par.context_parallel_degree * replicate
+        shard = max(int(os.environ.get("WORLD_SIZE", rest)) // rest, 1)
+    return shard * replicate
 
 
 def split_for_layout(config, layout: StageLayout) -> None:
     """Point TorchTitan's splitter at ``layout`` and its ``parallelize_fn`` at the parts pipetune
-    runs (``pipeline_only``)."""
+    runs (``for_pipetune``)."""
     spec = config.model_spec
     chunks = layout.encoder_chunks if layout.is_separated else ()
     vision = [m for m in VISION_MODULES if getattr(spec.model, m, None) is not None]
     config.parallelism.module_fqns_per_model_part = layout_fqns(layout, vision, separated=bool(chunks))
-    config.model_spec = dataclasses.replace(spec, parallelize_fn=pipeline_only(spec.parallelize_fn, chunks))
+    config.model_spec = dataclasses.replace(spec, parallelize_fn=for_pipetune(spec.parallelize_fn, chunks))

@@ -1,0 +1,21 @@
+import pytest
+
+from configs import config_registry
+from pipetune.data import make_mix, write_dataset
+from pipetune.data.mixes import parse_mix
+from torchtitan_patches.titan.model_spec import planning_model_config
+
+
+@pytest.fixture(scope="session")
+def job(tmp_path_factory):
+    """A small generated data set and a coarse latency table of the TorchTitan job's planning shapes."""
+    from profiling.profile_layers import ProfileConfig, run_profile
+
+    d = tmp_path_factory.mktemp("titan_job")
+    write_dataset(make_mix(parse_mix("datamix2"), 300, 0), d / "data", {"mix": "datamix2"})
+    config = config_registry.muse_glimmer_mm()
+    for frozen, name in ((True, "table.json"), (False, "table_trained.json")):  # a trained ViT's table also times its backward
+        model = planning_model_config(config.model_spec, image_grid=config.pipetune.image_grid, encoder_frozen=frozen)
+        run_profile(model, ProfileConfig(max_seq_len=512, max_tokens=2048, max_images=8, points=3, repeats=1, warmup=1, p2p=False),
+                    d / name, progress=False)
+    return d

@@ -1,0 +1,156 @@
+"""Settings PipeTuneTrainer cannot honour are refused at config time, in one line naming the
+setting; latency tables of another device or dtype are refused naming the file and the fix."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from configs import config_registry
+from pipetune.cost import LatencyTable
+from pipetune.cost.latency_table import Curve
+from torchtitan_patches.titan.job_checks import check_table, refuse_unsupported
+
+
+@pytest.fixture(autouse=True)
+def two_ranks(monkeypatch):
+    """torchrun's world of the stock job: 2 pipeline ranks, so one data-parallel replica."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+
+
+def _refused(config, setting: str) -> str:
+    with pytest.raises(ValueError) as e:
+        refuse_unsupported(config)
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(setting), message
+    return message
+
+
+@pytest.mark.parametrize("name", ["muse_glimmer_mm", "muse_glimmer_heavy_vit", "muse_glimmer_mm_gpu", "muse_glimmer_mm_testbed",
+                                  "muse_glimmer_heavy_vit_testbed"])
+def test_stock_configs_pass(name):
+    refuse_unsupported(getattr(config_registry, name)())
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "gpipe"])
+def test_one_stage_schedules_pass(schedule):
+    config = config_registry.muse_glimmer_mm()
+    config.parallelism.pipeline_parallel_schedule = schedule
+    refuse_unsupported(config)
+
+
+@pytest.mark.parametrize("schedule", ["Interleaved1F1B", "ZBVZeroBubble", "DualPipeV", "PipelineScheduleSingle"])
+def test_other_schedules_refused(schedule):
+    config = config_registry.muse_glimmer_mm()
+    config.parallelism.pipeline_parallel_schedule = schedule
+    assert "set --parallelism.pipeline_parallel_schedule 1F1B" in _refused(config, "parallelism.pipeline_parallel_schedule")
+
+
+def test_schedule_csv_refused():
+    config = config_registry.muse_glimmer_mm()
+    config.parallelism.pipeline_parallel_schedule_csv = "schedule.csv"
+    _refused(config, "parallelism.pipeline_parallel_schedule_csv")
+
+
+def test_gradient_accumulation_refused():
+    config = config_registry.muse_glimmer_mm()
+    config.training.global_batch_size = 4 * config.training.local_batch_size
+    assert "--training.global_batch_size -1" in _refused(config, "training.global_batch_size")
+
+
+def test_global_batch_of_one_accumulation_step_passes(monkeypatch):
+    """local_batch_size x replicas is one accumulation step; with shard degree -1 the replicas come
+    from WORLD_SIZE (8 ranks / PP 2 = 4 replicas)."""
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    config = config_registry.muse_glimmer_mm()
+    config.training.global_batch_size = 4 * config.training.local_batch_size
+    refuse_unsupported(config)
+    config.parallelism.data_parallel_shard_degree = 2
+    _refused(config, "training.global_batch_size")
+
+
+def test_context_parallelism_refused():
+    config = config_registry.muse_glimmer_mm()
+    config.parallelism.context_parallel_degree = 2
+    _refused(config, "parallelism.context_parallel_degree")
+
+
+def test_unmapped_model_refused():
+    config = config_registry.muse_glimmer_mm()
+    config.model_spec = dataclasses.replace(config.model_spec, name="qwen3_5", flavor="debugmodel")
+    message = _refused(config, "model_spec")
+    assert "qwen3_5/debugmodel" in message and "muse_glimmer" in message and "model_spec.py" in message
+
+
+def test_validation_refused():
+    config = config_registry.muse_glimmer_mm()
+    config.validator.enable = True
+    assert "--validator.no-enable" in _refused(config, "validator.enable")
+
+
+def test_microbatch_size_refused():
+    config = config_registry.muse_glimmer_mm()
+    config.parallelism.pipeline_parallel_microbatch_size = 2
+    assert "pipetune.max_mbs" in _refused(config, "parallelism.pipeline_parallel_microbatch_size")
+
+
+@pytest.mark.parametrize("name, value", [("module_fqns_per_model_part", [["layers.0"], ["layers.1"]]),
+                                         ("pipeline_parallel_layers_per_stage", 4),
+                                         ("pipeline_parallel_first_stage_less_layers", 2),
+                                         ("pipeline_parallel_last_stage_less_layers", 0)])
+def test_titan_stage_split_refused(name, value):
+    config = config_registry.muse_glimmer_mm()
+    setattr(config.parallelism, name, value)
+    assert "--pipetune.layout" in _refused(config, f"parallelism.{name}")
+
+
+def _table(device: str, dtype: str, *, estimate: bool = False) -> LatencyTable:
+    grid = np.array([1.0, 2.0])
+    return LatencyTable(model=None, curves={"rest": Curve("packed_len", grid, grid, grid)}, memory={}, p2p={}, device=device,
+                        dtype=dtype, estimate=estimate)
+
+
+@pytest.mark.parametrize("device, dtype, job_device, job_dtype", [
+    ("cpu: x86_64", "float32", "cpu", "float32"),
+    ("NVIDIA H100 80GB HBM3", "bfloat16", "cuda", "bfloat16"),
+    ("cpu: x86_64", "torch.float32", "cpu", "float32"),
+    ("H100-SXM (analytical estimate)", "bfloat16", "cuda", "torch.bfloat16"),
+])
+def test_matching_table_passes(device, dtype, job_device, job_dtype):
+    check_table(_table(device, dtype, estimate="estimate" in device), device_type=job_device, dtype=job_dtype, where="t.json")
+
+
+@pytest.mark.parametrize("device, dtype, job_device, job_dtype", [
+    ("cpu: x86_64", "float32", "cuda", "float32"),
+    ("NVIDIA H100 80GB HBM3", "bfloat16", "cpu", "bfloat16"),
+    ("cpu: x86_64", "float32", "cpu", "bfloat16"),
+    ("NVIDIA H100 80GB HBM3", "bfloat16", "cuda", "float32"),
+])
+def test_other_device_or_dtype_refused(device, dtype, job_device, job_dtype):
+    with pytest.raises(ValueError) as e:
+        check_table(_table(device, dtype), device_type=job_device, dtype=job_dtype, where="tables/h100/table.json")
+    message = str(e.value)
+    assert "\n" not in message and message.startswith("tables/h100/table.json: latency table profiled on")
+    assert "python -m profiling.prepare_job" in message and f"--device {job_device} --dtype {job_dtype}" in message
+
+
+def test_estimate_refused_on_cpu():
+    with pytest.raises(ValueError, match="estimated for H100-SXM"):
+        check_table(_table("H100-SXM (analytical estimate)", "bfloat16", estimate=True), device_type="cpu", dtype="float32",
+                    where="est.json")
+
+
+@pytest.mark.parametrize("section, name, value", [("parallelism", "tensor_parallel_degree", 2),
+                                                  ("parallelism", "fsdp_reshard_after_forward", "always"),
+                                                  ("training", "enable_cpu_offload", True)])
+def test_scale_out_settings_the_runtime_does_not_honour_are_refused(section, name, value):
+    config = config_registry.muse_glimmer_mm()
+    setattr(getattr(config, section), name, value)
+    _refused(config, f"{section}.{name}")
+
+
+def test_data_parallel_job_passes(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    config = config_registry.muse_glimmer_mm()
+    config.parallelism.data_parallel_shard_degree = 2
+    refuse_unsupported(config)

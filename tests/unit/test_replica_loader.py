@@ -1,0 +1,51 @@
+"""Data parallelism in the loader: every data-parallel rank reads the global batch and yields the
+share its replica's plan names; over many steps and epochs no sample is lost or repeated."""
+
+import numpy as np
+
+from pipetune.config import load_hardware
+from pipetune.cost import CostModel, StageLayout, analytical_table
+from pipetune.data import make_mix, write_dataset
+from pipetune.packing import PackingConfig
+from pipetune.plan.mode import Mode
+from pipetune.plan.planner_config import PlannerConfig
+from pipetune.plan.replicas import ReplicaPlanner, ReplicaPlans
+from torchtitan_patches.data import DataLoaderConfig
+
+SEQ, GBS, STEPS, ROWS, DP = 2048, 8, 200, 60, 2
+
+
+class ReplicaShare:
+    """What ``PlanChannel`` does on one rank: rank 0's plans of the step (planned once, shared as
+    a broadcast would), checked to partition the batch, this replica's groups."""
+
+    def __init__(self, planner: ReplicaPlanner, replica: int, sent: dict):
+        self.planner, self.replica, self.sent = planner, replica, sent
+
+    def __call__(self, meta):
+        if meta.step not in self.sent:
+            self.sent[meta.step] = self.planner.plan(meta).to_json()
+        plans = ReplicaPlans.from_json(self.sent[meta.step], batch_ids=meta.table.ids)
+        return [list(mb) for mb in plans.plans[self.replica].micro_batches]
+
+
+def test_replicas_partition_every_global_batch_over_200_steps_and_many_epochs(tmp_path, tiny):
+    write_dataset(make_mix("datamix2", ROWS, 3), tmp_path / "data", {"mix": "datamix2"})
+    cost = CostModel(analytical_table(tiny, load_hardware("a100"), tp=1), StageLayout.even(tiny.backbone.n_layers, 2))
+    planner = ReplicaPlanner(PlannerConfig(mode=Mode.BALANCED, mbs=1, max_seq_len=SEQ, memory_bytes=80 * 2**30).build(tiny, cost), DP, balanced=True)
+    config = DataLoaderConfig(data=tmp_path / "data", gbs=GBS, max_seq_len=SEQ, seed=1, max_steps=STEPS, packing=PackingConfig(max_seq_len=SEQ))
+    sent: dict = {}
+    loaders = [config.build(tiny, packing_source=ReplicaShare(planner, r, sent), dp_rank=r, dp_size=DP) for r in range(DP)]
+    stream_rows = []
+    for step, batches in enumerate(zip(*loaders)):
+        meta = loaders[0].meta(step)
+        shares = [sorted(s for mb in b.micro_batches for s in mb.sample_ids.tolist()) for b in batches]
+        assert not set(shares[0]) & set(shares[1]), f"step {step}: a sample in both replicas"
+        assert sorted(shares[0] + shares[1]) == sorted(meta.table.ids.tolist()), f"step {step}: a sample lost"
+        assert all(b.num_label_tokens == int(meta.table.label_tokens.sum()) for b in batches)  # the global normaliser
+        stream_rows += meta.rows.tolist()
+    assert step == STEPS - 1
+    epochs = len(stream_rows) // ROWS
+    assert epochs >= 25
+    for e in range(epochs):  # the global batches, replica shares together, hold every row once per epoch
+        assert np.array_equal(np.sort(stream_rows[e * ROWS:(e + 1) * ROWS]), np.arange(ROWS))

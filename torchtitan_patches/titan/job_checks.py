@@ -1,0 +1,151 @@
+"""TorchTitan settings ``PipeTuneTrainer`` cannot honour, refused before anything is built.
+
+``PipeTuneTrainer`` keeps TorchTitan's config and builds through TorchTitan's ``Trainer``, which
+would accept these settings and then either ignore them (pipetune's executor runs its own plans,
+not TorchTitan's schedule or micro-batching) or fail deep in set-up. ``refuse_unsupported`` turns
+each into a one-line ``ValueError`` that names the setting (as its command-line path) and says what
+to set instead; ``check_table`` does the same for a latency table made for another device or dtype.
+
+Refused: pipeline schedules other than 1F1B and GPipe, and schedule CSV files (pipetune's plans
+use one stage per rank); a ``training.global_batch_size`` that asks for gradient accumulation;
+context and tensor parallelism, FSDP resharding after forward, CPU offload; TorchTitan's validator; a micro-batch size or stage split set through
+TorchTitan's pipeline settings (pipetune chooses both); model families whose planning shapes are
+not mapped (``PLANNED_MODELS``).
+
+Limits, plainly: the data-parallel degree is known before ``init_distributed`` only from the config
+and torchrun's ``WORLD_SIZE`` (``model_parts.replicas_of``; without it, a shard degree of -1 counts
+as one replica). Not checked, because the trainer does
+apply them (its cost is then not what the latency table says until the online calibration has
+refitted it): ``compile``, ``activation_checkpoint``, quantisation converters, ``training.dtype``.
+``training.local_batch_size`` only sizes TorchTitan's unused torch schedule (and its accumulation
+arithmetic); the batch is ``dataloader.gbs``. Scale-out: tensor parallelism, FSDP resharding
+policies other than the default and CPU offload are refused (``_scale_out`` says why).
+"""
+
+from __future__ import annotations
+
+from torchtitan_patches.titan.model_parts import replicas_of
+
+__all__ = ["PLANNED_MODELS", "check_table", "refuse_unsupported"]
+
+PLANNED_MODELS = ("muse_glimmer",)
+"""``ModelSpec.name`` of the families whose planning shapes ``model_spec.planning_model_config``
+maps (its schema checks then refuse flavours it cannot express)."""
+
+SCHEDULES = ("1F1B", "GPipe")
+"""The one-stage-per-rank schedules (torch's names, matched case-insensitively as torch does); the
+torch schedule TorchTitan builds from them is not run, pipetune's plans are."""
+
+LAYOUT_SETTINGS = {
+    "module_fqns_per_model_part": None,
+    "pipeline_parallel_layers_per_stage": None,
+    "pipeline_parallel_first_stage_less_layers": 1,
+    "pipeline_parallel_last_stage_less_layers": 1,
+}
+"""TorchTitan's stage-split settings and their defaults: pipetune overwrites the split from
+``pipetune.layout``, so any other value would be ignored."""
+
+
+def refuse_unsupported(config) -> None:
+    """Raise ``ValueError`` for the first setting of ``config`` (a ``PipeTuneTrainer.Config``) that
+    the trainer would ignore or fail on later (see module doc). Builds nothing. Call it on the
+    job's config as given: ``split_for_layout`` later writes ``module_fqns_per_model_part``, so a
+    config a trainer has already consumed is refused."""
+    _model(config.model_spec)
+    par = config.parallelism
+    _schedule(par)
+    if par.context_parallel_degree > 1:
+        raise ValueError(f"parallelism.context_parallel_degree {par.context_parallel_degree}: PipeTuneTrainer has no context "
+                         "parallelism (each rank runs whole sequences): set --parallelism.context_parallel_degree 1")
+    if par.pipeline_parallel_microbatch_size != 1:
+        raise ValueError(f"parallelism.pipeline_parallel_microbatch_size {par.pipeline_parallel_microbatch_size}: pipetune chooses "
+                         "every step's micro-batch size itself: leave it 1 and bound the size with --pipetune.max_mbs "
+                         "(or fix it with --pipetune.mbs in the original and balanced modes)")
+    for name, default in LAYOUT_SETTINGS.items():
+        if getattr(par, name) != default:
+            raise ValueError(f"parallelism.{name} {getattr(par, name)}: pipetune splits the model by pipetune.layout and would "
+                             f"ignore this: leave it at TorchTitan's default ({default}) and choose the split with --pipetune.layout "
+                             "(even, counts such as 3,5, auto or separated)")
+    _accumulation(config)
+    _scale_out(config)
+    if config.validator.enable:
+        raise ValueError("validator.enable: TorchTitan's validation runs the torch pipeline schedule, which PipeTuneTrainer "
+                         "builds but never runs: turn it off (--validator.no-enable)")
+
+
+def _scale_out(config) -> None:
+    """What the data-parallel runtime does not do (yet): tensor parallelism (the executor would
+    run on TorchTitan's ``pp`` mesh, but no TP x PP job has been checked against the unsplit
+    model), FSDP resharding between micro-batches (``FsdpStep`` gathers once per step, so that
+    replicas with different micro-batch counts issue the same collectives), CPU offload."""
+    par, training = config.parallelism, config.training
+    if par.tensor_parallel_degree > 1:
+        raise ValueError(f"parallelism.tensor_parallel_degree {par.tensor_parallel_degree}: tensor parallelism beside pipetune's "
+                         "plans is not supported yet: set --parallelism.tensor_parallel_degree 1 (use data parallelism)")
+    if par.fsdp_reshard_after_forward != "default":
+        raise ValueError(f"parallelism.fsdp_reshard_after_forward {par.fsdp_reshard_after_forward}: pipetune gathers each FSDP "
+                         "unit once per step (replicas run different micro-batch counts): leave it default")
+    if training.enable_cpu_offload:
+        raise ValueError("training.enable_cpu_offload: pipetune's executor keeps the parameters on the device it computes on: "
+                         "turn it off (--training.no-enable_cpu_offload)")
+
+
+def _model(spec) -> None:
+    if spec is None:
+        raise ValueError("model_spec is not set: the job's config function must give one (e.g. muse_glimmer_spec('debugmodel_mm'))")
+    if spec.name not in PLANNED_MODELS:
+        raise ValueError(f"model_spec {spec.name}/{spec.flavor}: pipetune maps the planning shapes of {', '.join(PLANNED_MODELS)} "
+                         "only: map this family in torchtitan_patches/titan/model_spec.py (planning_model_config) or train "
+                         "muse_glimmer")
+
+
+def _schedule(par) -> None:
+    name = par.pipeline_parallel_schedule
+    if name.lower() not in {s.lower() for s in SCHEDULES}:
+        raise ValueError(f"parallelism.pipeline_parallel_schedule {name}: pipetune's plans use one stage per rank; interleaved "
+                         "and zero-bubble schedules are not supported yet: set --parallelism.pipeline_parallel_schedule 1F1B")
+    if par.pipeline_parallel_schedule_csv:
+        raise ValueError(f"parallelism.pipeline_parallel_schedule_csv {par.pipeline_parallel_schedule_csv}: pipetune plans "
+                         "every step's schedule itself and would not run this file: unset it")
+
+
+def _accumulation(config) -> None:
+    """TorchTitan derives gradient accumulation steps from ``training.global_batch_size``; pipetune
+    trains one global batch of ``dataloader.gbs`` samples per optimizer step and never accumulates."""
+    training = config.training
+    want = training.global_batch_size
+    replicas = replicas_of(config)
+    if want >= 0 and want != training.local_batch_size * replicas:
+        raise ValueError(f"training.global_batch_size {want}: not training.local_batch_size {training.local_batch_size} x "
+                         f"{replicas} data-parallel replica(s), so TorchTitan would accumulate gradients, which PipeTuneTrainer "
+                         "does not do: set --training.global_batch_size -1 and size the batch with --dataloader.gbs")
+
+
+def _device_type(device: str) -> str:
+    """The device type a table was made for: profiled CPU tables name ``cpu: <processor>``
+    (``profiling.profile_layers``); profiled GPU tables name the GPU and analytical estimates the GPU
+    they model, both CUDA."""
+    return "cpu" if device.split(":")[0].strip().lower() == "cpu" else "cuda"
+
+
+def _dtype(name: str) -> str:
+    return name.removeprefix("torch.")
+
+
+def check_table(table, *, device_type: str, dtype: str, where: str) -> None:
+    """Refuse ``table`` (a ``LatencyTable`` read from ``where``) unless it was made for
+    ``device_type`` ("cpu" or "cuda") in ``dtype`` (the job's ``training.mixed_precision_param``;
+    "bfloat16" and "torch.bfloat16" are the same): its latencies would price the wrong machine.
+
+    Analytical tables (``estimate``) are checked like measured ones, by what they state: the GPU
+    their hardware preset models, in bf16 (``pipetune.cost.analytical``). A bf16 CUDA job may start
+    from one and let the online calibration fit it; a CPU or fp32 job is refused, since a roofline
+    of another machine and precision says nothing about it. Which GPU model a CUDA table was
+    profiled on is not compared (driver names vary; the calibration absorbs the difference)."""
+    made, want = (_device_type(table.device), _dtype(table.dtype)), (device_type, _dtype(dtype))
+    if made != want:
+        how = "estimated for" if table.estimate else "profiled on"
+        raise ValueError(f"{where}: latency table {how} {table.device} in {table.dtype}, but this job runs on {device_type} in "
+                         f"{want[1]} (training.mixed_precision_param): re-profile with python -m profiling.prepare_job --module "
+                         f"<module> --config <job> --device {device_type} --dtype {want[1]} --no-data --out <new folder>, then "
+                         "pass --pipetune.latency_table <new folder>/table.json")
