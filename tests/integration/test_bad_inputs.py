@@ -191,6 +191,7 @@ def _channel_worker(scenario: str, rank: int, port: int) -> None:
 
     from pipetune.data import BatchStream, batch_meta, make_mix
     from pipetune.plan.plan import PlanError, build_plan
+    from pipetune.plan.replicas import ReplicaPlans
     from torchtitan_patches.runtime.plan_channel import PlanChannel
 
     dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}",
@@ -202,8 +203,8 @@ def _channel_worker(scenario: str, rank: int, port: int) -> None:
         return batch_meta(data, stream, step, tokens_per_image=16, max_seq_len=1 << 20)
 
     def planner(m):
-        return build_plan(step=m.step, micro_batches=[m.table.ids.tolist()], order=[0], num_stages=2, encoder=False,
-                          mbs=1, max_seq_len=1 << 20)
+        return ReplicaPlans(m.step, (build_plan(step=m.step, micro_batches=[m.table.ids.tolist()], order=[0], num_stages=2,
+                                                encoder=False, mbs=1, max_seq_len=1 << 20),))
 
     try:
         if scenario == "agree":

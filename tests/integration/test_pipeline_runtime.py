@@ -128,7 +128,7 @@ def test_consecutive_steps_with_different_counts_and_lengths(datamix2_dir, tmp_p
 def test_inconsistent_plans_fail_fast_with_a_clear_error(datamix2_dir, tmp_path):
     r0, r1 = run_ranks("mismatch", datamix2_dir, tmp_path, timeout=50)
     for r in (r0, r1):
-        assert "ranks disagree about the plan or batch" in r["error"]
+        assert "the ranks of replica 0 disagree about the plan or batch" in r["error"]
         assert "rank 0: " in r["error"] and "rank 1: " in r["error"]
 
 

@@ -125,7 +125,7 @@ def test_bad_job_settings_are_named(tmp_path):
     with pytest.raises(ValueError, match="dataset_path is empty"):
         PipeTuneTitanDataLoader.Config().build(seq_len=512)
     with pytest.raises(ValueError, match="data-parallel degree 2"):
-        PipeTuneTitanDataLoader.Config(dataset_path="x").build(seq_len=512, dp_world_size=2)
+        PipeTuneTitanDataLoader.Config(dataset_path="x", gbs=1).build(seq_len=512, dp_world_size=2)
 
 
 StepRecordLine = StepRecord(step=1, batch=0, mode="pipetune", mbs=1, micro_batches=1, order=[0], samples=[[0]], precomputed_encoders=0,

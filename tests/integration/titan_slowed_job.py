@@ -19,10 +19,10 @@ class SlowedTrainer(PipeTuneTrainer):
         slow_to: int = 0
         slow_s: float = 0.0
 
-    def _build_pipetune(self, config, pp):
-        super()._build_pipetune(config, pp)
+    def _build_pipetune(self, config):
+        super()._build_pipetune(config)
         self.slowed = False
-        stage, run = self.executor.stages[self.rank], self.executor.run
+        stage, run = self.executor.stages[self.stage], self.executor.run
 
         def forward(*args, _forward=stage.forward, **kwargs):
             if self.slowed:

@@ -261,7 +261,7 @@ class PipeTuneDataLoader(StatefulDataLoader):
         """The batch of ``meta`` (from ``meta(step)``) packed as ``id_groups`` (checked to cover it
         exactly once), built in this process: the same batch under another plan, outside the
         stream (it moves no state)."""
-        return self.dataset.__getitems__(BatchSpec(meta, groups_from_ids(meta, id_groups)))
+        return self.dataset.__getitems__(BatchSpec(meta, groups_from_ids(meta, id_groups), int(meta.table.label_tokens.sum())))
 
     def upcoming(self, k: int) -> list[BatchMeta]:
         """Metadata of the next ``k`` batches this loader will yield, before their tensors exist."""
