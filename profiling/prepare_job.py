@@ -39,6 +39,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu", help="cpu or cuda: the device the job trains on")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), help="compute dtype the job trains in (default: its "
                    "training.mixed_precision_param)")
+    p.add_argument("--tp", type=positive_int, help="tensor-parallel degree the job trains with: the table times one rank's "
+                   "shards (default: its parallelism.tensor_parallel_degree)")
     p.add_argument("--mix", default="datamix2")
     p.add_argument("--samples", type=positive_int, default=4000)
     p.add_argument("--seed", type=int, default=0)
@@ -72,7 +74,8 @@ def main(argv=None) -> int:
     if not table.exists():
         seq = config.training.seq_len
         cfg = ProfileConfig(max_seq_len=seq, max_tokens=seq * pt.max_mbs, max_images=32, points=6, repeats=5, threads=args.threads,
-                            device=args.device, dtype=args.dtype or config.training.mixed_precision_param)
+                            device=args.device, dtype=args.dtype or config.training.mixed_precision_param,
+                            tp=args.tp or config.parallelism.tensor_parallel_degree)
         try:
             run_profile(model, cfg, table, progress=False)
         except P2PMeasurementError as e:

@@ -29,9 +29,15 @@ plans each, every replica runs its own plan on its pipeline (TorchTitan's ``pp``
 gathers and reduces once per step, and the loss is normalised by the global batch's label tokens.
 Times are taken per rank from its own step start, so ranks on other nodes need no common clock.
 
-Limits: one stage per rank (1F1B/GPipe-style splits); no tensor or context parallelism;
-DIP's separated layout only without data parallelism (``titan.job_checks`` refuses the rest at
-config time). Compute in ``training.mixed_precision_param`` (with FSDP its mixed-precision policy
+Tensor parallelism is the model's own TP plan on each stage: every TP rank of a replica runs the
+same plan on its own pipeline (TorchTitan's ``pp`` mesh at its TP coordinate); with sequence
+parallelism micro-batches are padded to a multiple of the TP degree and each pipeline carries its
+share of the sequence. Gradients of parameters every TP rank holds whole are summed over TP
+(``runtime.tensor_parallel``) and the clipping norm is the whole model's (``runtime.grad_norm``).
+
+Limits: one stage per rank (1F1B/GPipe-style splits); no context parallelism; DIP's separated
+layout only without data or tensor parallelism (``titan.job_checks`` refuses the rest at config
+time). Compute in ``training.mixed_precision_param`` (with FSDP its mixed-precision policy
 casts the weights, without it autocast); the CUDA path has not yet run on a GPU.
 """
 
@@ -49,7 +55,6 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 from torchtitan.config import TORCH_DTYPE_MAP
-from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
@@ -67,6 +72,8 @@ from pipetune.simulate import TimedAction
 from torchtitan_patches.data.micro_batch import GlobalBatch
 from torchtitan_patches.runtime.data_parallel import FsdpStep
 from torchtitan_patches.runtime.executor import ImageShapes, PlanExecutor, StepResult
+from torchtitan_patches.runtime.grad_norm import clip_grad_norm_
+from torchtitan_patches.runtime.tensor_parallel import TensorParallelGrads
 from torchtitan_patches.runtime.plan_channel import PlanChannel
 from torchtitan_patches.settings import PipeTuneSettings
 from torchtitan_patches.compat.cpu_device import use_cpu
@@ -125,7 +132,7 @@ class PipeTuneTrainer(Trainer):
         if pp < 2:
             raise ValueError("PipeTuneTrainer plans pipelines: set parallelism.pipeline_parallel_degree >= 2")
         self.planning_model = planning_model_config(config.model_spec, image_grid=pt.image_grid, encoder_frozen=pt.freeze_vision_encoder)
-        self.table = load_latency_table(pt.latency_table, model=self.planning_model, tp=1)
+        self.table = load_latency_table(pt.latency_table, model=self.planning_model, tp=config.parallelism.tensor_parallel_degree)
         check_table(self.table, device_type="cuda" if torch.cuda.is_available() else "cpu", dtype=config.training.mixed_precision_param,
                     where=pt.latency_table)
         self.layout = choose_layout(config, self.planning_model, self.table, lambda: self._sample(config))
@@ -150,13 +157,16 @@ class PipeTuneTrainer(Trainer):
         self.stage = dims.get_mesh("pp").get_local_rank()
         self.replicas, self.replica = (dims.get_mesh("batch").size(), dims.get_mesh("batch").get_local_rank()) if dims.dp_enabled else (1, 0)
         self.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=config.comm.init_timeout_seconds))
+        self.sequence_shards = dims.tp if dims.tp_enabled and config.parallelism.enable_sequence_parallel else 1
         self.executor = self._build_executor(config.pipetune, dims.pp)
         self.fsdp = FsdpStep(self.model_parts[0]) if dims.dp_enabled else None
+        tp = dims.get_optional_mesh("tp")
+        self.tp_grads = TensorParallelGrads(self.model_parts, dims.tp, group=tp.get_group() if tp is not None else None)
         self.profiled = CostModel(self.table, self.layout)
         self.sizes_run: set[int] = set()  # micro-batch sizes this process has run (a size's first run is cold)
         if not isinstance(self.dataloader, PipeTuneTitanDataLoader):
             raise ValueError(f"PipeTuneTrainer needs dataloader = PipeTuneTitanDataLoader.Config, got {type(self.dataloader).__name__}")
-        loader = self.dataloader.bind(self.planning_model, packing_source=None)
+        loader = self.dataloader.bind(self.planning_model, packing_source=None, seq_multiple=self.sequence_shards)
         self.source = self.learner = None
         error = [None]
         if self.rank == 0:  # only rank 0 plans; a planner it cannot build stops every rank, not just rank 0
@@ -191,7 +201,7 @@ class PipeTuneTrainer(Trainer):
             chunks = encoder_chunks(part, [(0, enc.n_layers)], [0], image_grid=pt.image_grid) if enc is not None and backbone.is_first else {}
         return PlanExecutor(
             {stage: backbone}, chunks, dim=self.planning_model.backbone.dim, rank=stage, group=self.parallel_dims.get_mesh("pp").get_group(),
-            control_group=self.control, replica=self.replica, image_shapes=ImageShapes.of(enc) if enc is not None else None,
+            control_group=self.control, replica=self.replica, sequence_shards=self.sequence_shards, image_shapes=ImageShapes.of(enc) if enc is not None else None,
             device=self.device, strict_order=pt.strict_order, compute_dtype=TORCH_DTYPE_MAP[self.config.training.mixed_precision_param],
             loss_fn=lambda logits, labels, n: self.loss_fn(logits, labels, torch.tensor(n, device=logits.device))[0])
 
@@ -254,9 +264,7 @@ class PipeTuneTrainer(Trainer):
         own = next(o for o, run in zip(outcomes, runs) if not run.extra)
         if not math.isfinite(own.loss):  # TorchTitan's check, before the optimizer takes the step
             raise RuntimeError(f"Loss is not finite (loss={own.loss}) at step {self.step}. Stopping training.")
-        grad_norm = dist_utils.clip_grad_norm_(
-            [p for m in self.model_parts for p in m.parameters()], self.config.training.max_norm, foreach=True,
-            pp_mesh=self.parallel_dims.get_optional_mesh("pp"), ep_enabled=self.parallel_dims.ep_enabled)
+        grad_norm = self.clip_gradients()
         self.checkpointer.maybe_wait_for_staging()
         self.optimizers.step()
         self.lr_schedulers.step()
@@ -268,12 +276,18 @@ class PipeTuneTrainer(Trainer):
                 extra["pipetune/baseline_ran"] = float(slowest.kind is StepKind.BASELINE)
             self.metrics_processor.log(self.step, own.loss, own.loss, float(grad_norm.item()), extra_metrics={**extra, **lr_metrics})
 
+    def clip_gradients(self) -> torch.Tensor:
+        """Clip by the whole model's gradient norm (``runtime.grad_norm``: right under TP, where
+        TorchTitan 0.3.0's ``clip_grad_norm_`` leaves each TP rank its own norm); returns it."""
+        return clip_grad_norm_(self.tp_grads.copies, self.config.training.max_norm, device=self.device)
+
     def _execute(self, run: Run, *, cold: bool) -> "RunOutcome":
         """Run ``run`` from the step's weights (under data parallelism with one FSDP reduction);
         on rank 0 learn from it and write its records, one per replica."""
         self.optimizers.zero_grad()
         with self.train_context(), self.fsdp.step() if self.fsdp is not None else nullcontext():
             res = self.executor.run(run.batch, run.plan)
+        self.tp_grads.reduce()
         outcome = self._gather(run, res, cold=cold)
         if self.rank == 0:
             self._learn(run, outcome.records)

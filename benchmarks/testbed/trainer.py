@@ -101,9 +101,10 @@ class TestbedTrainer(PipeTuneTrainer):
         if not torch.cuda.is_available() and not retain_freed_memory(reserve) and reserve:
             logger.warning(f"testbed: could not keep and touch {tb.heap_reserve_gib:.1f} GiB of heap (no glibc mallopt, or the "
                            "memory is not there); steps pay page faults while the heap grows, and the calibration sees them")
-        if replicas_of(config) != 1:
-            raise ValueError("the CPU testbed runs one pipeline replica: set parallelism.data_parallel_shard_degree and "
-                             "data_parallel_replicate_degree to 1 (or use PipeTuneTrainer's configs for data parallelism)")
+        if replicas_of(config) != 1 or config.parallelism.tensor_parallel_degree != 1:
+            raise ValueError("the CPU testbed runs one pipeline of one rank per stage: set parallelism.data_parallel_shard_degree, "
+                             "data_parallel_replicate_degree and tensor_parallel_degree to 1 (or use PipeTuneTrainer's configs "
+                             "for data and tensor parallelism)")
         self.beside = load_side_by_side(config.pipetune.replay.path, tb.side_by_side)
         super().__init__(config)
 

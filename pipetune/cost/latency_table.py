@@ -154,7 +154,8 @@ def load_latency_table(path: str | Path, *, model: ModelConfig | None = None, tp
             "profile this model or pass the matching table"
         )
     if tp is not None and table.tp != tp:
-        raise LatencyTableError(f"latency table {path} was profiled with TP={table.tp}, but the job uses TP={tp}")
+        raise LatencyTableError(f"latency table {path} was profiled with TP={table.tp}, but the job uses TP={tp}: profile one "
+                                f"for TP={tp} (python -m profiling.prepare_job ... --tp {tp})")
     return table
 
 

@@ -14,8 +14,9 @@ def job(tmp_path_factory):
     d = tmp_path_factory.mktemp("titan_job")
     write_dataset(make_mix(parse_mix("datamix2"), 300, 0), d / "data", {"mix": "datamix2"})
     config = config_registry.muse_glimmer_mm()
-    for frozen, name in ((True, "table.json"), (False, "table_trained.json")):  # a trained ViT's table also times its backward
+    # a trained ViT's table also times its backward; a TP 2 table times one rank's shards
+    for frozen, tp, name in ((True, 1, "table.json"), (False, 1, "table_trained.json"), (True, 2, "table_tp2.json")):
         model = planning_model_config(config.model_spec, image_grid=config.pipetune.image_grid, encoder_frozen=frozen)
-        run_profile(model, ProfileConfig(max_seq_len=512, max_tokens=2048, max_images=8, points=3, repeats=1, warmup=1, p2p=False),
+        run_profile(model, ProfileConfig(max_seq_len=512, max_tokens=2048, max_images=8, points=3, repeats=1, warmup=1, p2p=False, tp=tp),
                     d / name, progress=False)
     return d

@@ -1,71 +1,138 @@
-"""pipetune's trainer beside TorchTitan's data parallelism (FSDP) on 4 gloo ranks: every replica
-runs its own plan of its share of the global batch, and each step's loss and gradients equal the
-unsplit model's on the whole global batch."""
+"""pipetune's trainer beside TorchTitan's data parallelism (FSDP) and tensor parallelism on 4 gloo
+ranks: every replica runs its own plan of its share of the global batch, and each step's loss,
+gradients and gradient norm equal the unsplit model's on the whole global batch."""
 
+import dataclasses
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from configs import config_registry
 from pipetune.records import StepRecord
+from torchtitan_patches.data.micro_batch import PAD_TOKEN_ID
 from titan_jobs import job_args, torchrun
 from titan_reference import unsplit_step
 
 pytestmark = pytest.mark.timeout(170)
-WORKER = Path(__file__).with_name("titan_dp_worker.py")
+WORKER = Path(__file__).with_name("titan_scale_out_worker.py")
 STEPS = 3
 
 
-def _unsplit(weights: dict, micro_batches: list, normaliser: int) -> tuple[float, dict]:
-    """Loss and gradients of the unsplit TorchTitan model on ``micro_batches`` (single process)."""
-    from types import SimpleNamespace
-
+def _unsplit_model():
     spec = config_registry.muse_glimmer_mm().model_spec
     with torch.device("meta"):
         model = spec.model.build()
     model.to_empty(device="cpu")
     with torch.no_grad():
         model.init_weights(buffer_device=None)
-    model.load_state_dict(weights, strict=True)
     model.vision_encoder.requires_grad_(False)
-    loss = unsplit_step(model, SimpleNamespace(micro_batches=micro_batches, num_label_tokens=normaliser))
+    return model
+
+
+def _join(pieces: list[torch.Tensor], shape: torch.Size, what: str) -> torch.Tensor:
+    """A whole tensor of ``shape`` from its tensor-parallel ranks' ``pieces`` (in TP rank order):
+    shards joined along the one dim they split, or, held whole on every rank, the same on each."""
+    if pieces[0].shape == shape:
+        for k, p in enumerate(pieces[1:], 1):
+            err = float((p - pieces[0]).norm() / max(float(pieces[0].norm()), 1e-30))
+            assert err < 1e-5, f"{what}: tensor-parallel rank {k} holds another copy (relative difference {err:.2e})"
+        return pieces[0]
+    dims = [d for d, (a, b) in enumerate(zip(pieces[0].shape, shape)) if a != b]
+    assert len(dims) == 1, f"{what}: shard {tuple(pieces[0].shape)} of {tuple(shape)}"
+    return torch.cat(pieces, dim=dims[0])
+
+
+def _reference(weights: dict, batches, dtype) -> tuple[float, dict]:
+    """Loss and gradients of the unsplit model with ``weights`` on the replicas' batches in
+    ``dtype``."""
+    model = _unsplit_model()
+    model.load_state_dict(weights, strict=True)
+    with torch.no_grad():  # not Module.to(dtype), which would cast the complex RoPE cache to a real one
+        for t in [*model.parameters(), *model.buffers()]:
+            if t.is_floating_point() or t.is_complex():
+                t.data = t.data.to(dtype.to_complex() if t.is_complex() else dtype)
+    mbs = [dataclasses.replace(mb, pixel_values=mb.pixel_values.to(dtype)) for b in batches for mb in b.micro_batches]
+    loss = unsplit_step(model, SimpleNamespace(micro_batches=mbs, num_label_tokens=batches[0].num_label_tokens))
     return loss, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
-def test_data_parallel_steps_equal_the_unsplit_model_on_the_global_batch(job, tmp_path, monkeypatch):
-    """DP 2 x PP 2 with FSDP, 3 steps: the replicas' plans partition each global batch, and every
-    step's loss (summed over replicas) and every parameter's gradient (after FSDP's reduction)
-    equal the unsplit model's on the whole batch from the same weights."""
+def _check_steps(ranks: list[list[dict]], records: list[StepRecord], replicas: int) -> None:
+    """Every step of a 4-rank job: the replicas' batches partition the global batch; loss,
+    gradients (joined over TP, after FSDP's reduction) and the clipped norm equal the unsplit
+    model's on the whole batch from the same weights. Gradients are compared with a float64
+    reference and must be within 4x the float32 reference's own rounding error (at least 2e-5
+    relative): a missing or doubled reduction is off by 30-100 %."""
+    shapes = {k: v.shape for k, v in _unsplit_model().state_dict().items()}
+    assert sorted((r.step, r.replica) for r in records) == [(s, d) for s in range(1, STEPS + 1) for d in range(replicas)]
+    for step in range(STEPS):
+        at = [r[step] for r in ranks]
+        batches = [next(a["batch"] for a in at if a["replica"] == d) for d in range(replicas)]
+        assert len({b.step for b in batches}) == 1 and len({b.num_label_tokens for b in batches}) == 1
+        ids = [set(s for mb in b.micro_batches for s in mb.sample_ids.tolist()) for b in batches]
+        assert sum(map(len, ids)) == len(set().union(*ids)) == 8  # a partition of the 8-sample global batch
+        assert sum(mb.num_label_tokens for b in batches for mb in b.micro_batches) == batches[0].num_label_tokens
+
+        def joined(kind: str, replica: int) -> dict:
+            mine = sorted((a for a in at if a["replica"] == replica), key=lambda a: a["tp_rank"])
+            names = {n for a in mine for n in a[kind]}
+            return {n: _join([a[kind][n] for a in mine if n in a[kind]], shapes[n], f"step {step + 1}: {kind} {n}") for n in names}
+
+        weights = joined("weights", 0)
+        loss, rounded = _reference(weights, batches, torch.float32)
+        _, exact = _reference(weights, batches, torch.float64)
+        assert not [k for k, g in exact.items() if not g.abs().max() > 0], "a gradient is zero: the comparison would prove nothing"
+        assert sum(r.loss for r in records if r.step == step + 1) == pytest.approx(loss, rel=1e-5)
+        for replica in range(replicas):
+            grads = joined("grads", replica)
+            assert set(grads) == set(exact)
+            for name, g in grads.items():
+                scale = exact[name].norm()
+                err, bound = float((g.double() - exact[name]).norm() / scale), max(4 * float((rounded[name].double() - exact[name]).norm() / scale), 2e-5)
+                assert err < bound, f"step {step + 1}, replica {replica}: {name}: relative gradient error {err:.2e} (bound {bound:.2e})"
+        norm = float(torch.stack([g.norm() for g in exact.values()]).norm())
+        for a in at:
+            assert a["grad_norm"] == pytest.approx(norm, rel=1e-4), f"step {step + 1}: a rank clipped by another norm"
+
+
+def _scale_out_job(job, tmp_path, *extra: str) -> None:
+    dump = tmp_path / "dump"
+    torchrun([str(WORKER), str(tmp_path), str(STEPS)] + job_args(job, dump, "--training.steps", str(STEPS), "--training.max_norm", "1e9",
+                                                                   *extra), timeout=160, ranks=4)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    return ranks, StepRecord.read(dump / "pipetune" / "steps.jsonl")
+
+
+@pytest.fixture
+def unsplit_backend(monkeypatch):
+    """The single-process reference runs without TorchTitan's SPMD type annotations (no mesh)."""
     from torchtitan.distributed import utils as dist_utils
 
     monkeypatch.setattr(dist_utils, "_spmd_backend", "partial_dtensor")
-    dump = tmp_path / "dump"
-    torchrun([str(WORKER), str(tmp_path), str(STEPS)] + job_args(
-        job, dump, "--training.steps", str(STEPS), "--parallelism.data_parallel_shard_degree", "2", "--training.max_norm", "1e9"),
-        timeout=160, ranks=4)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
-    records = StepRecord.read(dump / "pipetune" / "steps.jsonl")
-    assert sorted((r.step, r.replica) for r in records) == [(s, d) for s in range(1, STEPS + 1) for d in range(2)]
-    # ranks: pp-major mesh (pp, dp): rank 2 * stage + replica
-    for step in range(STEPS):
-        batches = [ranks[replica][step]["batch"] for replica in range(2)]
-        assert batches[0].step == batches[1].step and batches[0].num_label_tokens == batches[1].num_label_tokens
-        ids = [set(s for mb in b.micro_batches for s in mb.sample_ids.tolist()) for b in batches]
-        assert not ids[0] & ids[1] and len(ids[0] | ids[1]) == 8  # a partition of the 8-sample global batch
-        assert sum(mb.num_label_tokens for b in batches for mb in b.micro_batches) == batches[0].num_label_tokens
-        weights = {k: v for r in ranks for k, v in r[step]["weights"].items()}
-        loss, reference = _unsplit(weights, [mb for b in batches for mb in b.micro_batches], batches[0].num_label_tokens)
-        mine = [r for r in records if r.step == step + 1]
-        assert sum(r.loss for r in mine) == pytest.approx(loss, rel=1e-5)
-        assert not [k for k, g in reference.items() if not g.abs().max() > 0], "a gradient is zero: the comparison would prove nothing"
-        for stage in range(2):
-            for replica in range(2):
-                grads = ranks[2 * stage + replica][step]["grads"]
-                for name, g in grads.items():
-                    err = float((g - reference[name]).norm() / reference[name].norm())
-                    assert err < 1e-4, f"step {step + 1}, rank {2 * stage + replica}: {name}: relative gradient error {err:.2e}"
-        assert {k for r in (0, 2) for k in ranks[r][step]["grads"]} == set(reference)
+
+
+def test_data_parallel_steps_equal_the_unsplit_model_on_the_global_batch(job, tmp_path, unsplit_backend):
+    """DP 2 x PP 2 with FSDP, 3 steps: the replicas' plans partition each global batch, and every
+    step's loss (summed over replicas), every parameter's gradient (after FSDP's reduction) and the
+    gradient norm equal the unsplit model's on the whole batch from the same weights."""
+    ranks, records = _scale_out_job(job, tmp_path, "--parallelism.data_parallel_shard_degree", "2")
+    _check_steps(ranks, records, replicas=2)
+
+
+@pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sp", "no_sp"])
+def test_tensor_parallel_steps_equal_the_unsplit_model(job, tmp_path, sequence_parallel, unsplit_backend):
+    """TP 2 x PP 2 (TorchTitan's Muse Glimmer TP plan), 3 steps of pipetune plans: with sequence
+    parallelism (micro-batches padded to even lengths, messages of half the tokens) and without,
+    the loss, every gradient joined over the TP ranks and the gradient norm every rank clips by
+    equal the unsplit model's."""
+    ranks, records = _scale_out_job(job, tmp_path, "--parallelism.tensor_parallel_degree", "2", "--pipetune.latency_table",
+                                    str(job / "table_tp2.json"), *([] if sequence_parallel else ["--parallelism.no-enable_sequence_parallel"]))
+    mbs = [mb for a in ranks[0] for mb in a["batch"].micro_batches]
+    padded = [bool((mb.tokens == PAD_TOKEN_ID).any()) for mb in mbs]  # generated text never uses the reserved id
+    assert any(padded) if sequence_parallel else not any(padded)
+    assert not sequence_parallel or all(mb.num_tokens % 2 == 0 for mb in mbs)
+    _check_steps(ranks, records, replicas=1)
 
 
 def test_data_parallel_job_resumes_as_if_uninterrupted(job, tmp_path):

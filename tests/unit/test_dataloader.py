@@ -8,7 +8,7 @@ import torch
 from pipetune.data import make_mix, write_dataset
 from pipetune.packing import PackingConfig
 from torchtitan_patches.data import DataLoaderConfig
-from torchtitan_patches.data.micro_batch import IGNORE_INDEX, IMAGE_TOKEN_ID, synthetic_tokens
+from torchtitan_patches.data.micro_batch import IGNORE_INDEX, IMAGE_TOKEN_ID, PAD_TOKEN_ID, synthetic_tokens
 
 
 def loader_config(data, **kw):
@@ -87,6 +87,26 @@ def test_label_count_does_not_depend_on_packing(datamix2_dir, tiny):
         cfg = loader_config(datamix2_dir, packing=PackingConfig(packer=packer, mbs=mbs, max_seq_len=512), max_steps=4)
         counts[(packer, mbs)] = [b.num_label_tokens for b in cfg.build(tiny)]
     assert len({tuple(v) for v in counts.values()}) == 1
+
+
+@pytest.mark.parametrize("multiple", [2, 4])
+def test_sequence_parallel_padding_adds_one_document_without_labels(datamix2_dir, tiny, multiple):
+    """Padded to a multiple (tensor parallelism with sequence parallelism): each micro-batch is the
+    unpadded one followed by one short document of reserved ids, with no labels."""
+    plain = list(loader_config(datamix2_dir, max_steps=3).build(tiny))
+    padded = list(loader_config(datamix2_dir, max_steps=3, seq_multiple=multiple).build(tiny))
+    pads = []
+    for a, b in zip(plain, padded):
+        assert b.num_label_tokens == a.num_label_tokens
+        for x, y in zip(a.micro_batches, b.micro_batches):
+            n, pad = x.num_tokens, -x.num_tokens % multiple
+            assert y.num_tokens == n + pad and y.num_tokens % multiple == 0
+            assert torch.equal(y.tokens[:n], x.tokens) and torch.equal(y.labels[:n], x.labels) and torch.equal(y.positions[:n], x.positions)
+            assert (y.tokens[n:] == PAD_TOKEN_ID).all() and (y.labels[n:] == IGNORE_INDEX).all()
+            assert y.cu_seqlens.tolist() == x.cu_seqlens.tolist() + ([n + pad] if pad else [])
+            assert torch.equal(y.pixel_values, x.pixel_values) and torch.equal(y.image_token_index, x.image_token_index)
+            pads.append(pad)
+    assert any(pads)
 
 
 def test_an_outside_packing_is_used_as_given(datamix2_dir, tiny):

@@ -140,8 +140,7 @@ def test_estimate_refused_on_cpu():
                     where="est.json")
 
 
-@pytest.mark.parametrize("section, name, value", [("parallelism", "tensor_parallel_degree", 2),
-                                                  ("parallelism", "fsdp_reshard_after_forward", "always"),
+@pytest.mark.parametrize("section, name, value", [("parallelism", "fsdp_reshard_after_forward", "always"),
                                                   ("training", "enable_cpu_offload", True)])
 def test_scale_out_settings_the_runtime_does_not_honour_are_refused(section, name, value):
     config = config_registry.muse_glimmer_mm()
@@ -149,8 +148,11 @@ def test_scale_out_settings_the_runtime_does_not_honour_are_refused(section, nam
     _refused(config, f"{section}.{name}")
 
 
-def test_data_parallel_job_passes(monkeypatch):
+@pytest.mark.parametrize("degree", ["data_parallel_shard_degree", "tensor_parallel_degree"])
+def test_data_and_tensor_parallel_jobs_pass_but_not_with_the_separated_layout(monkeypatch, degree):
     monkeypatch.setenv("WORLD_SIZE", "4")
     config = config_registry.muse_glimmer_mm()
-    config.parallelism.data_parallel_shard_degree = 2
+    setattr(config.parallelism, degree, 2)
     refuse_unsupported(config)
+    config.pipetune.layout = "separated"
+    assert "co-located layout" in _refused(config, "pipetune.layout separated")

@@ -173,9 +173,13 @@ class DataLoaderConfig:
     num_workers: int = 0
     prefetch_factor: int | None = None
     max_steps: int | None = None
+    seq_multiple: int = 1
+    """Micro-batch lengths are padded to a multiple of this (``ContentSpec.seq_multiple``)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "overlong", Overlong(self.overlong))
+        if self.seq_multiple < 1:
+            raise ValueError(f"seq_multiple must be >= 1, got {self.seq_multiple}")
 
     def build(
         self,
@@ -231,6 +235,7 @@ class PipeTuneDataLoader(StatefulDataLoader):
             content_seed=store.content_seed,
             data_dir=store.path,
             encode=store.encode,
+            seq_multiple=config.seq_multiple,
         )
         self._sampler = _StepSampler(self.meta, lambda meta: self.packing_source(meta), config.max_steps, replicas=dp_size)
         self._next_step = 0

@@ -13,6 +13,8 @@ from pipetune.data.text import BYTE_OFFSET, TextEncoder, split_on_images
 
 IGNORE_INDEX = -100
 IMAGE_TOKEN_ID = 0
+PAD_TOKEN_ID = 1
+"""A reserved id (``pipetune.data.text``: ids below ``BYTE_OFFSET``) filling the padding document."""
 
 
 @dataclass
@@ -82,6 +84,9 @@ class ContentSpec:
     content_seed: int
     data_dir: Path | None = None
     encode: TextEncoder | None = None
+    seq_multiple: int = 1
+    """Every micro-batch's length is a multiple of this (tensor parallelism with sequence
+    parallelism splits the sequence over its ranks): a padding document makes up the rest."""
 
 
 def synthetic_tokens(seed: int, sample_id: int, n: int, vocab_size: int) -> np.ndarray:
@@ -156,6 +161,12 @@ def build_micro_batch(table: SampleTable, group: np.ndarray, contents: list[tupl
         pixels.append(pix)
         doc_lens.append(len(doc))
         start += len(doc)
+    pad = -start % spec.seq_multiple
+    if pad:  # its own document (attends to nothing else) without labels: no loss, no gradient
+        tokens.append(np.full(pad, PAD_TOKEN_ID, np.int64))
+        labels.append(np.full(pad, IGNORE_INDEX, np.int64))
+        positions.append(np.arange(pad))
+        doc_lens.append(pad)
     cu = np.zeros(len(doc_lens) + 1, np.int32)
     np.cumsum(doc_lens, out=cu[1:])
     c, s = spec.channels, spec.image_size

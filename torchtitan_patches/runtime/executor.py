@@ -14,7 +14,7 @@ length, the order is arbitrary, and a rank may hold chunks of two modules whose 
   every sub-microbatch of its micro-batch) besides its tokens, and its backward sends several;
 * every rank holds the whole ``GlobalBatch`` (each PP rank runs the same dataloader, as in
   TorchTitan), so the shape of every message is known and no shape inference runs, ever: backbone
-  activations ``(1, tokens of the micro-batch, dim)``; encoder activations ``(B, *hidden)``
+  activations ``(1, tokens of the micro-batch / sequence_shards, dim)``; encoder activations ``(B, *hidden)``
   (``ImageShapes``: per image, e.g. patches x encoder width); image features ``(images of the
   sub-microbatch, *features)``; gradients as their activations;
 * fixed-shape encoder units: the last sub-microbatch of a micro-batch (fewer than ``B`` images)
@@ -149,6 +149,9 @@ class PlanExecutor:
     separated plans. ``group`` is the pipeline process group (default: the world), ``rank`` this
     rank's place in it (its pipeline stage): messages go to group ranks, so one pipeline of a
     data- or tensor-parallel job (TorchTitan's ``pp`` mesh) runs as if it were the world.
+    ``sequence_shards``: tensor-parallel ranks that split a backbone activation's sequence
+    (sequence parallelism: every micro-batch's length is a multiple of it, and each rank's
+    pipeline carries its ``1 / sequence_shards`` of the tokens); 1 otherwise.
     ``control_group`` carries the per-step digest exchange (default: ``group``; on NCCL pass a
     gloo group); it may span several replicas (``replica``: the data-parallel replica whose plan
     this rank runs; only ranks of one replica must agree). ``device`` defaults to the stages'.
@@ -168,6 +171,7 @@ class PlanExecutor:
         compute_dtype: torch.dtype = torch.float32,
         strict_order: bool = False,
         replica: int = 0,
+        sequence_shards: int = 1,
         loss_fn: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
     ):
         self.stages = stages
@@ -181,6 +185,7 @@ class PlanExecutor:
         self.compute_dtype = compute_dtype
         self.strict_order = strict_order
         self.replica = replica
+        self.sequence_shards = sequence_shards
         self.loss_fn = loss_fn or (lambda logits, labels, normaliser: token_loss_sum(logits, labels) / normaliser)
         self.encoder_trained = any(p.requires_grad for chunk in self.encoder.values() for p in chunk.parameters())
         self.clock = Clock(self.device)
@@ -193,7 +198,7 @@ class PlanExecutor:
     def _digests(self, batch: GlobalBatch, plan: IterationPlan) -> tuple[str, list[str]]:
         shapes = [(mb.num_tokens, mb.num_images) for mb in batch.micro_batches]
         blob = repr((plan.step, plan.ranks, plan.micro_batches, plan.placement, plan.sub_mb_parent, plan.image_sub_batch, batch.step,
-                     shapes, batch.num_label_tokens, str(self.compute_dtype), self.strict_order, self.image_shapes if plan.separated else None))
+                     shapes, batch.num_label_tokens, str(self.compute_dtype), self.strict_order, self.sequence_shards, self.image_shapes if plan.separated else None))
         return hashlib.sha256(blob.encode()).hexdigest(), [content_digest(mb) for mb in batch.micro_batches]
 
     def check_consistent(self, batch: GlobalBatch, plan: IterationPlan, digests: tuple[str, list[str]]) -> None:
@@ -251,6 +256,11 @@ class PlanExecutor:
         if batch.sample_ids != [list(mb) for mb in plan.micro_batches]:
             raise PlanMismatchError(f"rank {self.rank}: batch {batch.step} was not packed as plan {plan.step} says")
         self._check_runnable(plan)
+        uneven = [j for j, mb in enumerate(batch.micro_batches) if mb.num_tokens % self.sequence_shards]
+        if uneven:
+            raise PlanError(f"step {plan.step}: micro-batch {uneven[0]} has {batch.micro_batches[uneven[0]].num_tokens} tokens, not a "
+                            f"multiple of the {self.sequence_shards} sequence-parallel ranks; pad micro-batches to a multiple "
+                            "(DataLoaderConfig.seq_multiple)")
         images = plan.image_ranges([mb.num_images for mb in batch.micro_batches])
         digests = self._digests(batch, plan)
         table = plan.table()
@@ -306,7 +316,7 @@ class PlanExecutor:
         """A message's shape, from the batch and the plan alone (see the module doc)."""
         match m.kind:
             case MessageKind.ACTIVATION:
-                return (1, st.batch.micro_batches[m.unit].num_tokens, self.dim)
+                return (1, st.batch.micro_batches[m.unit].num_tokens // self.sequence_shards, self.dim)
             case MessageKind.ENCODER_ACTIVATION:
                 return (st.plan.image_sub_batch, *self.image_shapes.hidden)
             case MessageKind.FEATURES:

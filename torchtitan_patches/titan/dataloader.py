@@ -23,6 +23,7 @@ state per data-parallel rank, and a state saved for another rank or degree is re
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 from dataclasses import dataclass
 
@@ -68,13 +69,14 @@ class PipeTuneTitanDataLoader(BaseDataLoader):
             num_workers=config.num_workers, packing=PackingConfig(max_seq_len=seq_len))
         self.inner: PipeTuneDataLoader | None = None
 
-    def bind(self, model: ModelConfig, packing_source: PackingSource) -> PipeTuneDataLoader:
-        """Build the wrapped loader for ``model``'s shapes, packed by ``packing_source``."""
+    def bind(self, model: ModelConfig, packing_source: PackingSource, *, seq_multiple: int = 1) -> PipeTuneDataLoader:
+        """Build the wrapped loader for ``model``'s shapes, packed by ``packing_source``, its
+        micro-batches padded to a multiple of ``seq_multiple`` tokens (sequence parallelism)."""
         if self.tokenizer is not None and self.tokenizer.get_vocab_size() > model.backbone.vocab_size:
             raise ValueError(
                 f"the job's tokenizer has {self.tokenizer.get_vocab_size()} ids but the model's vocabulary is "
                 f"{model.backbone.vocab_size}; use a tokenizer that fits the model")
-        self.inner = self.loader_config.build(model, packing_source=packing_source, encode=text_encoder(self.tokenizer),
+        self.inner = dataclasses.replace(self.loader_config, seq_multiple=seq_multiple).build(model, packing_source=packing_source, encode=text_encoder(self.tokenizer),
                                               dp_rank=self.dp_rank, dp_size=self.dp_world_size)
         return self.inner
 

@@ -8,7 +8,8 @@ to set instead; ``check_table`` does the same for a latency table made for anoth
 
 Refused: pipeline schedules other than 1F1B and GPipe, and schedule CSV files (pipetune's plans
 use one stage per rank); a ``training.global_batch_size`` that asks for gradient accumulation;
-context and tensor parallelism, FSDP resharding after forward, CPU offload; TorchTitan's validator; a micro-batch size or stage split set through
+context parallelism, FSDP resharding after forward, CPU offload, DIP's separated layout beside data
+or tensor parallelism; TorchTitan's validator; a micro-batch size or stage split set through
 TorchTitan's pipeline settings (pipetune chooses both); model families whose planning shapes are
 not mapped (``PLANNED_MODELS``).
 
@@ -18,8 +19,7 @@ as one replica). Not checked, because the trainer does
 apply them (its cost is then not what the latency table says until the online calibration has
 refitted it): ``compile``, ``activation_checkpoint``, quantisation converters, ``training.dtype``.
 ``training.local_batch_size`` only sizes TorchTitan's unused torch schedule (and its accumulation
-arithmetic); the batch is ``dataloader.gbs``. Scale-out: tensor parallelism, FSDP resharding
-policies other than the default and CPU offload are refused (``_scale_out`` says why).
+arithmetic); the batch is ``dataloader.gbs``. Scale-out limits are in ``_scale_out``.
 """
 
 from __future__ import annotations
@@ -74,20 +74,20 @@ def refuse_unsupported(config) -> None:
 
 
 def _scale_out(config) -> None:
-    """What the data-parallel runtime does not do (yet): tensor parallelism (the executor would
-    run on TorchTitan's ``pp`` mesh, but no TP x PP job has been checked against the unsplit
-    model), FSDP resharding between micro-batches (``FsdpStep`` gathers once per step, so that
-    replicas with different micro-batch counts issue the same collectives), CPU offload."""
+    """What the data- and tensor-parallel runtime does not do (yet): FSDP resharding between
+    micro-batches (``FsdpStep`` gathers once per step, so that replicas with different micro-batch
+    counts issue the same collectives), CPU offload, DIP's separated layout beside DP or TP (its
+    encoder chunks on ranks past stage 0 are neither FSDP- nor TP-sharded)."""
     par, training = config.parallelism, config.training
-    if par.tensor_parallel_degree > 1:
-        raise ValueError(f"parallelism.tensor_parallel_degree {par.tensor_parallel_degree}: tensor parallelism beside pipetune's "
-                         "plans is not supported yet: set --parallelism.tensor_parallel_degree 1 (use data parallelism)")
     if par.fsdp_reshard_after_forward != "default":
         raise ValueError(f"parallelism.fsdp_reshard_after_forward {par.fsdp_reshard_after_forward}: pipetune gathers each FSDP "
                          "unit once per step (replicas run different micro-batch counts): leave it default")
     if training.enable_cpu_offload:
         raise ValueError("training.enable_cpu_offload: pipetune's executor keeps the parameters on the device it computes on: "
                          "turn it off (--training.no-enable_cpu_offload)")
+    if config.pipetune.layout == "separated" and (replicas_of(config) > 1 or par.tensor_parallel_degree > 1):
+        raise ValueError("pipetune.layout separated: DIP's separated layout runs without data or tensor parallelism for now: "
+                         "use a co-located layout (even, counts, or auto, which stays co-located for such jobs)")
 
 
 def _model(spec) -> None:

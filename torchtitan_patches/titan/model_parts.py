@@ -21,6 +21,7 @@ from pipetune.data.batch import BatchMeta
 from pipetune.data.storage import open_dataset
 from pipetune.plan.layout_search import LayoutSearch, sample_batches
 from pipetune.schedule.table import Placement
+from torchtitan_patches.compat.muse_glimmer_tp import convert_first_block_input
 from torchtitan_patches.runtime.data_parallel import shard_part
 from torchtitan_patches.titan.stages import keep_encoder_chunks
 from torchtitan_patches.titan.tokenizer import text_encoder
@@ -66,17 +67,19 @@ def for_pipetune(parallelize_fn, encoder_chunks=()):
     replica FSDP would shard nothing (and its lazy initialisation refuses a submodule, the
     encoder run by its own actions, running before the root module); with data parallelism
     ``runtime.data_parallel.shard_part`` applies FSDP/HSDP instead (see there why) and
-    ``FsdpStep`` drives it per step. With ``encoder_chunks`` (DIP's separated layout: the
+    ``FsdpStep`` drives it per step. Tensor parallelism is the model's own plan (its
+    ``parallelize_fn``), with the first block's input conversion Muse Glimmer lacks without
+    sequence parallelism (``compat.muse_glimmer_tp``); ``runtime.tensor_parallel`` sums the
+    gradients TorchTitan leaves to its FSDP. With ``encoder_chunks`` (DIP's separated layout: the
     encoder's block ranges), each rank's part is first cut to its encoder chunks (still on the
     meta device: TorchTitan materialises the parts after parallelising them)."""
     if "skip_dp" not in inspect.signature(parallelize_fn).parameters:
         raise ValueError(f"{parallelize_fn.__qualname__} cannot skip FSDP (no skip_dp argument); PipeTuneTrainer needs that")
 
     def parallelize(model, *, parallel_dims, **kwargs):
+        if parallel_dims.tp_enabled:
+            convert_first_block_input(model, enable_sp=kwargs["parallelism"].enable_sequence_parallel)
         if encoder_chunks:
-            if parallel_dims.dp_enabled:
-                raise ValueError("DIP's separated layout with data parallelism is not supported yet: use a co-located "
-                                 "pipetune.layout (auto picks among those when the job is data-parallel)")
             rank = parallel_dims.get_mesh("pp").get_local_rank()
             keep_encoder_chunks(model.vision_encoder, encoder_chunks, local_encoder_chunks(rank, parallel_dims.pp, encoder_chunks))
         if encoder_chunks and getattr(model, "vision_adapter", None) is None:
@@ -103,14 +106,15 @@ def choose_layout(config, model: ModelConfig, table: LatencyTable, sample) -> St
     """``even`` or explicit counts; ``separated``: the partitioner's layout; ``auto``: the faster
     of the best co-located split and the separated layout on the sampled batches (``sample()``,
     called only for those two). The separated planner scores deterministic times only, so
-    jitter-aware jobs stay co-located, and so do data-parallel jobs (``for_pipetune``)."""
+    jitter-aware jobs stay co-located, and so do data- and tensor-parallel jobs (``titan.job_checks``)."""
     layout, pp = config.pipetune.layout, config.parallelism.pipeline_parallel_degree
     if layout not in ("auto", "separated"):
         return StageLayout.parse(layout, model.backbone.n_layers, pp)
     search = layout_search(config, model, table, sample())
     if layout == "separated":
         return search.partition().layout
-    return search.search(separated=model.encoder is not None and not config.pipetune.jitter_draws and replicas_of(config) == 1).best.layout
+    single = replicas_of(config) == 1 and config.parallelism.tensor_parallel_degree == 1
+    return search.search(separated=model.encoder is not None and not config.pipetune.jitter_draws and single).best.layout
 
 
 def replicas_of(config) -> int:

@@ -1,8 +1,10 @@
 """Several PipeTuneTrainer steps of a data- or tensor-parallel job (torchrun worker for
-tests/integration/test_titan_scale_out.py): per step, this rank's whole weights before the step,
-its whole gradients after it and its replica's batch, for comparison with an unsplit TorchTitan
-model on the global batch. The weights are perturbed from TorchTitan's init first, so that every
-parameter gets a gradient."""
+tests/integration/test_titan_scale_out.py): per step, this rank's weights before the step, its
+gradients after it, the gradient norm the trainer clipped by and its replica's batch, with the
+rank's place (pipeline stage, tensor-parallel rank, replica), for comparison with an unsplit
+TorchTitan model on the global batch. FSDP-sharded tensors are saved whole, tensor-parallel
+shards as they are (the test joins them). The weights are perturbed from TorchTitan's init
+first, so that every parameter gets a gradient."""
 
 import os
 import sys
@@ -26,20 +28,29 @@ def main() -> None:
         for name, p in part.named_parameters():
             noise = 0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode())))
             p.add_(distribute_tensor(noise, p.device_mesh, p.placements) if isinstance(p, DTensor) else noise)
-    seen = []
+    seen, norms = [], []
 
     def batches():
         for batch in trainer.batch_generator(trainer.dataloader):
             seen.append(batch)
             yield batch
 
+    clip = trainer.clip_gradients
+
+    def clip_gradients():
+        norms.append(float(clip()))
+        return torch.tensor(norms[-1])
+
+    trainer.clip_gradients = clip_gradients
+    tp = trainer.parallel_dims.get_optional_mesh("tp")
+    place = {"stage": trainer.stage, "tp_rank": tp.get_local_rank() if tp is not None else 0, "replica": trainer.replica}
     it, saved = batches(), []
     for step in range(1, steps + 1):
         weights = {k: whole(v) for k, v in part.state_dict().items()}
         trainer.step = step
         trainer.train_step(it)
         grads = {n: whole(p.grad) for n, p in part.named_parameters() if p.grad is not None}
-        saved.append({"weights": weights, "grads": grads, "batch": seen[-1]})
+        saved.append({"weights": weights, "grads": grads, "batch": seen[-1], "grad_norm": norms[-1], **place})
     torch.save(saved, os.path.join(out, f"rank{dist.get_rank()}.pt"))
     trainer.close()
     dist.destroy_process_group()
