@@ -11,13 +11,22 @@ original, and how far apart the two loss curves are (plans never change what is 
 same samples reach the same weights, only the summation order differs). The first
 ``--warmup`` steps of each job are left out of the timings.
 
+``--dp 2`` runs each job data-parallel, DP 2 x PP 2 on 4 gloo ranks (FSDP; ``original`` splits
+each global batch round-robin as TorchTitan's loader does, the other modes with pipetune's
+balanced split, ``pipetune.plan.dp_balance``), with ``muse_glimmer_mm`` rather than the
+2-rank CPU testbed: a step's time is its slowest replica's. Four ranks share two cores there, so
+its times include that contention.
+
     .venv/bin/python benchmarks/titan_compare.py --out out/titan
+    .venv/bin/python benchmarks/titan_compare.py --out out/titan --dp 2
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -25,13 +34,39 @@ import numpy as np
 from titan_jobs import ROOT, prepare, run_job
 
 
-def run_mode(job: str, out: Path, args) -> list[dict]:
+def run_mode(job: str, out: Path, args) -> list[StepTime]:
     """``job`` is a planner mode, optionally with a fixed micro-batch size: ``balanced@1``."""
     mode, _, mbs = job.partition("@")
-    dump = out / f"{mode}{mbs}_{len(list(out.glob(f'{mode}{mbs}_*')))}"
-    return run_job(dump, {"dataloader.dataset_path": out / "data", "pipetune.latency_table": out / "table.json",
-                          "pipetune.mode": mode, "training.steps": args.steps, "debug.seed": 0, "dataloader.gbs": args.gbs,
-                          "training.seq_len": args.seq_len, "pipetune.mbs": mbs or 0})
+    prefix = f"{mode}{mbs}" + (f"_dp{args.dp}" if args.dp > 1 else "")
+    dump = out / f"{prefix}_{len(list(out.glob(f'{prefix}_*')))}"
+    overrides = {"dataloader.dataset_path": out / "data", "pipetune.latency_table": out / "table.json", "pipetune.mode": mode,
+                 "training.steps": args.steps, "debug.seed": 0, "dataloader.gbs": args.gbs, "training.seq_len": args.seq_len,
+                 "pipetune.mbs": mbs or 0}
+    if args.dp == 1:
+        return StepTime.of(run_job(dump, overrides))
+    overrides["parallelism.data_parallel_shard_degree"] = args.dp
+    return StepTime.of(run_job(dump, overrides, config="muse_glimmer_mm", nproc=2 * args.dp))
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One step of a job over its replicas: the slowest replica's measured and predicted time,
+    the summed loss, mean micro-batch count and size."""
+
+    measured_s: float
+    predicted_s: float
+    loss: float
+    micro_batches: float
+    mbs: float
+
+    @classmethod
+    def of(cls, records) -> list["StepTime"]:
+        steps = defaultdict(list)
+        for r in records:
+            steps[r.step].append(r)
+        return [cls(max(r.measured_s for r in rs), max(r.predicted_s for r in rs), sum(r.loss for r in rs),
+                    float(np.mean([r.micro_batches for r in rs])), float(np.mean([r.mbs for r in rs])))
+                for _, rs in sorted(steps.items())]
 
 
 def main(argv=None) -> int:
@@ -44,16 +79,18 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--jobs", default="original,balanced@1,pipetune",
                    help="modes to compare, mode@mbs fixes the micro-batch size (balanced@1: a careful fixed choice)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (2 pipeline ranks each)")
     args = p.parse_args(argv)
     prepare(args.out)
-    runs: dict[str, list[list[dict]]] = {job: [] for job in args.jobs.split(",")}
+    runs: dict[str, list[list[StepTime]]] = {job: [] for job in args.jobs.split(",")}
     if not {"original", "pipetune"} <= set(runs):
         p.error("--jobs must include original and pipetune")
     for _ in range(args.rounds):
         for mode in runs:
             runs[mode].append(run_mode(mode, args.out, args))
     mean = {}
-    print(f"TorchTitan muse_glimmer debugmodel_mm, 2 gloo ranks, GBS {args.gbs}, seq_len {args.seq_len}, "
+    ranks = "2 gloo ranks" if args.dp == 1 else f"DP {args.dp} x PP 2 on {2 * args.dp} gloo ranks"
+    print(f"TorchTitan muse_glimmer debugmodel_mm, {ranks}, GBS {args.gbs}, seq_len {args.seq_len}, "
           f"{args.steps} steps x {args.rounds} round(s), first {args.warmup} steps of each job left out")
     print(f"{'job':11} {'measured (ms)':>14} {'predicted (ms)':>15} {'error':>7} {'micro-batches':>14} {'mbs':>5}")
     for mode, jobs in runs.items():

@@ -133,6 +133,15 @@ StepRecordLine = StepRecord(step=1, batch=0, mode="pipetune", mbs=1, micro_batch
                             separated=False, plan="{}").to_json()
 
 
+def test_a_non_finite_loss_stops_the_job_before_the_optimizer_step(job, tmp_path):
+    """TorchTitan's own check: a learning rate of 1e30 makes step 2's loss non-finite, and every
+    rank stops there with TorchTitan's message instead of training on."""
+    out = _torchrun(["-m", "torchtitan.train", *_args(job, tmp_path / "dump", "--training.steps", "4", "--optimizer.param-groups.0.optimizer-kwargs.lr", "1e30",
+                                                      "--lr_scheduler.warmup_steps", "0")], timeout=100, check=False)
+    assert "Loss is not finite" in out and "at step 2" in out
+    assert len(StepRecord.read(tmp_path / "dump" / "pipetune" / "steps.jsonl")) == 2
+
+
 def test_the_guard_falls_back_while_tuned_plans_are_slowed_and_returns(job, tmp_path):
     """Tuned plans sleep 150 ms per stage forward during batches 8-17 (about doubling their time);
     the baseline (best fixed configuration) runs at full speed. The guard must fall back within a
