@@ -34,8 +34,9 @@ def _free_port() -> int:
 
 
 def run_job(dump: Path, overrides: dict[str, object], *, config: str = "muse_glimmer_mm_testbed", nproc: int = 2,
-            timeout: float | None = None) -> list[TestbedRecord]:
-    """Train one job into ``dump`` and return its records (``<dump>/pipetune/steps.jsonl``).
+            timeout: float | None = None, records: bool = True) -> list[TestbedRecord]:
+    """Train one job into ``dump`` and return its pipetune records (``<dump>/pipetune/steps.jsonl``;
+    none with ``records=False``, for a job of another trainer).
 
     ``overrides`` maps TorchTitan option names to values (``{"pipetune.mode": "original"}`` ->
     ``--pipetune.mode original``); ``True`` is a bare flag. A failed job exits with its log tail.
@@ -49,7 +50,7 @@ def run_job(dump: Path, overrides: dict[str, object], *, config: str = "muse_gli
                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
     if res.returncode:
         sys.exit(f"job {dump.name} failed (exit {res.returncode}):\n{res.stderr[-4000:]}")
-    return read_records(dump)
+    return read_records(dump) if records else []
 
 
 def read_records(dump: Path) -> list[TestbedRecord]:

@@ -12,7 +12,9 @@ field can be overridden on the command line as with TorchTitan's own configs
 * ``muse_glimmer_heavy_vit``: a trained ViT that costs more than its backbone (layouts matter);
 * ``muse_glimmer_mm_gpu``: a template for GPU jobs (NCCL, bf16, PP 4);
 * ``muse_glimmer_mm_testbed``, ``muse_glimmer_heavy_vit_testbed``: the same jobs on the 2-core CPU
-  testbed (``benchmarks/testbed``), which the main job and the benchmarks run.
+  testbed (``benchmarks/testbed``), which the main job and the benchmarks run;
+* ``muse_glimmer_mm_stock``: the debug job on TorchTitan's stock pipeline (``StockTrainer``), the
+  baseline pipetune is measured against.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from torchtitan.config import ParallelismConfig, TrainingConfig
 
 from benchmarks.testbed.trainer import TestbedTrainer
 from torchtitan_patches.settings import PipeTuneSettings
+from torchtitan_patches.stock_trainer import StockTrainer
+from torchtitan_patches.titan.fixed_shape_loader import FixedShapeDataLoader
 from torchtitan_patches.titan.dataloader import PipeTuneTitanDataLoader
 from torchtitan_patches.titan.model_spec import muse_glimmer_spec
 from torchtitan_patches.titan.tokenizer import ByteTokenizer
@@ -93,6 +97,19 @@ def muse_glimmer_mm_gpu() -> PipeTuneTrainer.Config:
     config.checkpoint.interval = 500
     config.pipetune = PipeTuneSettings.Config(latency_table="tables/h100/table.json", layout="auto", memory_gib=60.0)
     return config
+
+
+def muse_glimmer_mm_stock() -> StockTrainer.Config:
+    """``muse_glimmer_mm`` as TorchTitan's stock pipeline trains it (``StockTrainer``): its own
+    split and 1F1B schedule over micro-batches of one row of ``training.seq_len`` tokens, the
+    same data, batches, model, optimizer and seed, ``rows_per_step`` rows per step (set it and
+    ``training.local_batch_size`` to what the longest batch packs into; ``benchmarks/vs_torchtitan.py``
+    does). The baseline of the comparison with pipetune."""
+    base = muse_glimmer_mm()
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.name != "pipetune"}
+    fields["dataloader"] = FixedShapeDataLoader.Config(dataset_path=base.dataloader.dataset_path, gbs=base.dataloader.gbs, rows_per_step=8)
+    fields["training"] = dataclasses.replace(base.training, local_batch_size=8)
+    return StockTrainer.Config(**fields, freeze_vision_encoder=base.pipetune.freeze_vision_encoder, image_grid=base.pipetune.image_grid)
 
 
 def _testbed(config: PipeTuneTrainer.Config) -> TestbedTrainer.Config:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The README's main job: set up .venv if needed, then train TorchTitan's multimodal debug model on
 # 2 gloo ranks through TorchTitan's own trainer, with the original plan and with pipetune's plans,
-# and compare measured and predicted iteration times and the loss curves.
+# and compare measured and predicted iteration times and the loss curves; then the same job on
+# TorchTitan's stock pipeline against pipetune.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -17,4 +18,6 @@ for packer in original balanced; do
 done
 echo "== TorchTitan job on 2 gloo ranks (torchrun -m torchtitan.train, Muse Glimmer debugmodel_mm): original, balanced@1, pipetune =="
 .venv/bin/python benchmarks/titan_compare.py --out out/titan --rounds 3 "$@" 2>&1 | grep -v -e "^W.*torch.distributed" -e "^\*\*\*\*" -e "OMP_NUM_THREADS" -e "^\s*$" -e "initial_load"
-echo "per-step records: out/titan/<job>_0/pipetune/steps.jsonl; TorchTitan logs and checkpoints beside them"
+echo "== the same job on TorchTitan's stock pipeline (its own split, 1F1B over fixed-shape micro-batches) vs pipetune =="
+.venv/bin/python benchmarks/vs_torchtitan.py --out out/titan --rounds 3 2>&1 | grep -v -e "^W.*torch.distributed" -e "^\*\*\*\*" -e "OMP_NUM_THREADS" -e "^\s*$" -e "initial_load"
+echo "per-step records: out/titan/<job>_0/pipetune/steps.jsonl (TorchTitan's stock job: out/titan/vs_torchtitan_0/stock/steps.jsonl); TorchTitan logs and checkpoints beside them"

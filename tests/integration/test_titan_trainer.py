@@ -133,6 +133,25 @@ StepRecordLine = StepRecord(step=1, batch=0, mode="pipetune", mbs=1, micro_batch
                             separated=False, plan="{}").to_json()
 
 
+def test_torchtitans_stock_pipeline_trains_the_same_batches_to_the_same_losses(job, tmp_path):
+    """The baseline of benchmarks/vs_torchtitan.py: TorchTitan's own trainer and 1F1B schedule
+    (with the torch 2.13 shim) on fixed-shape rows of the same global batches (``pad_steps``, 8
+    rows of one sample at most) computes pipetune's losses from the same initial weights."""
+    import json
+
+    stock = tmp_path / "stock"
+    _torchrun(["-m", "torchtitan.train", "--module", "configs", "--config", "muse_glimmer_mm_stock", "--dump_folder", str(stock),
+               "--dataloader.dataset_path", str(job / "data"), "--dataloader.gbs", "8", "--training.seq_len", "512", "--debug.seed", "0",
+               "--training.steps", "2", "--dataloader.pad_steps", "--dataloader.rows_per_step", "8", "--training.local_batch_size", "8"],
+              timeout=100)
+    _torchrun(["-m", "torchtitan.train", *_args(job, tmp_path / "pipetune", "--training.steps", "2")], timeout=100)
+    theirs = [json.loads(line)["loss"] for line in (stock / "stock" / "steps.jsonl").read_text().splitlines()]
+    ours = [r.loss for r in sorted(StepRecord.read(tmp_path / "pipetune" / "pipetune" / "steps.jsonl"), key=lambda r: r.step)]
+    assert len(theirs) == len(ours) == 2
+    assert theirs[0] == pytest.approx(ours[0], rel=1e-5)
+    assert theirs[1] == pytest.approx(ours[1], rel=1e-4)
+
+
 def test_a_non_finite_loss_stops_the_job_before_the_optimizer_step(job, tmp_path):
     """TorchTitan's own check: a learning rate of 1e30 makes step 2's loss non-finite, and every
     rank stops there with TorchTitan's message instead of training on."""

@@ -1,0 +1,176 @@
+"""pipetune's data sets for TorchTitan's stock pipeline: fixed-shape micro-batches of packed rows.
+
+TorchTitan's trainer pulls ``training.local_batch_size / pipeline_parallel_microbatch_size``
+micro-batches per step, each ``(input_dict, labels)`` of ``microbatch_size`` rows of exactly
+``training.seq_len`` tokens (its ``PipelineStage`` infers shapes once). ``FixedShapeDataLoader``
+reads the global batches pipetune's loader gives ``PipeTuneTrainer`` (same data set, GBS, seed and
+stream), packs each as TorchTitan's multimodal packer packs a flushed buffer (``MMSamplePacker``:
+scan the samples in arrival order and take each that still fits, row after row) and pads every row
+to ``seq_len`` with one padding document without labels. A step is ``rows_per_step`` rows (which
+must equal ``training.local_batch_size``):
+
+* streamed (default), as TorchTitan's loaders stream: the next ``rows_per_step`` rows of the
+  batches in order, so steps do not keep to global batches, but every sample is trained once in
+  order and only row tails are padding;
+* ``pad_steps``: exactly one global batch per step, padded with all-padding rows (a batch that
+  packs into more rows raises, naming the step; ``rows_needed`` says it for a run ahead). Step
+  ``s`` then holds the samples of ``PipeTuneTrainer``'s step ``s`` and the same loss normaliser,
+  so the two trainers' losses agree from the same weights.
+
+Each micro-batch is TorchTitan's multimodal format: ``input``, per-document ``positions`` (from
+which the trainer builds the document mask), ``pixel_values`` as padded patches ``(images,
+patches, patch_dim)`` with ``grid_thw`` (None without images) and ``special_tokens``; labels
+``-100`` wherever nothing is predicted. ``real_tokens`` counts each step's tokens that are not
+padding. Tensors come from ``torchtitan_patches.data`` (pipetune's content path); ``StockTrainer``
+binds the loader to the model's planning shapes before the first step. Checkpoints hold the
+position in the stream of global batches, so only ``pad_steps`` jobs resume (a streamed step may
+end inside a batch).
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torchtitan.components.dataloader import BaseDataLoader
+
+from pipetune.config.model import ModelConfig
+from pipetune.data import Overlong
+from pipetune.data.batch import BatchMeta
+from pipetune.packing import PackingConfig
+from torchtitan_patches.data.loader import DataLoaderConfig, PipeTuneDataLoader
+from torchtitan_patches.data.micro_batch import IGNORE_INDEX, IMAGE_TOKEN_ID, PAD_TOKEN_ID, PackedMicroBatch
+from torchtitan_patches.titan.stages import patchify
+from torchtitan_patches.titan.tokenizer import text_encoder
+
+
+def scan_and_pick(lengths: np.ndarray, seq_len: int) -> list[list[int]]:
+    """Rows of sample positions as TorchTitan's ``MMSamplePacker`` packs a flushed buffer."""
+    left, rows = list(range(len(lengths))), []
+    while left:
+        row, used, rest = [], 0, []
+        for k in left:
+            if used + int(lengths[k]) <= seq_len:
+                row.append(k)
+                used += int(lengths[k])
+            else:
+                rest.append(k)
+        if not row:
+            raise ValueError(f"samples {left[:5]} are longer than seq_len {seq_len}")
+        rows.append(row)
+        left = rest
+    return rows
+
+
+@dataclass(frozen=True)
+class ScanAndPick:
+    """Packing source of the stock rows (sample ids per row)."""
+
+    seq_len: int
+
+    def __call__(self, meta: BatchMeta) -> list[list[int]]:
+        return [meta.table.ids[row].tolist() for row in scan_and_pick(meta.table.lengths, self.seq_len)]
+
+
+def rows_needed(loader: PipeTuneDataLoader, steps: int, seq_len: int) -> list[int]:
+    """The rows each of the first ``steps`` global batches packs into (metadata only)."""
+    return [len(scan_and_pick(loader.meta(s).table.lengths, seq_len)) for s in range(steps)]
+
+
+class FixedShapeDataLoader(BaseDataLoader):
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseDataLoader.Config):
+        gbs: int = 16
+        """Samples per global batch (as ``PipeTuneTitanDataLoader``'s)."""
+
+        seed: int = 0
+        """Shuffling seed of the sample stream (as ``PipeTuneTitanDataLoader``'s)."""
+
+        overlong: str = "truncate"
+        """Samples longer than ``training.seq_len``: truncate, drop or error."""
+
+        rows_per_step: int = 8
+        """Rows of ``seq_len`` tokens per step; must equal ``training.local_batch_size``."""
+
+        pad_steps: bool = False
+        """One global batch per step, padded with all-padding rows (else rows are streamed)."""
+
+    def __init__(self, config: Config, *, dp_world_size: int = 1, dp_rank: int = 0, tokenizer=None, seq_len: int,
+                 local_batch_size: int = 1, **kwargs):
+        if not config.dataset_path:
+            raise ValueError("dataloader.dataset_path is empty: give the data set directory (e.g. from `pipetune data make`)")
+        if dp_world_size != 1:
+            raise ValueError(f"FixedShapeDataLoader feeds one pipeline replica; this job has {dp_world_size} data-parallel ranks")
+        if config.rows_per_step % local_batch_size:
+            raise ValueError(f"dataloader.rows_per_step {config.rows_per_step} is not a multiple of the micro-batch size "
+                             f"{local_batch_size} (parallelism.pipeline_parallel_microbatch_size)")
+        self.config, self.tokenizer, self.seq_len, self.rows_per_micro_batch = config, tokenizer, seq_len, local_batch_size
+        self.loader_config = DataLoaderConfig(
+            data=config.dataset_path, gbs=config.gbs, max_seq_len=seq_len, seed=config.seed, overlong=Overlong(config.overlong),
+            packing=PackingConfig(max_seq_len=seq_len))
+        self.inner: PipeTuneDataLoader | None = None
+        self.model: ModelConfig | None = None
+        self.patch = (0, 0)
+        self.real_tokens: list[int] = []
+
+    def bind(self, model: ModelConfig, *, patch_size: int, patch_temporal: int) -> PipeTuneDataLoader:
+        """Build the wrapped loader for ``model``'s planning shapes; images are cut into the vision
+        encoder's patches (``patch_size``, ``patch_temporal``)."""
+        self.model, self.patch = model, (patch_size, patch_temporal)
+        self.inner = self.loader_config.build(model, packing_source=ScanAndPick(self.seq_len), encode=text_encoder(self.tokenizer))
+        return self.inner
+
+    def _bound(self) -> PipeTuneDataLoader:
+        if self.inner is None:
+            raise RuntimeError("FixedShapeDataLoader is used before StockTrainer bound it to the model")
+        return self.inner
+
+    def __iter__(self):
+        per_step, queue = self.config.rows_per_step, []
+        for batch in self._bound():
+            rows = [self._row(mb) for mb in batch.micro_batches]
+            if self.config.pad_steps:
+                if len(rows) > per_step:
+                    raise ValueError(f"step {batch.step}: its {sum(mb.num_tokens for mb in batch.micro_batches)} tokens pack into "
+                                     f"{len(rows)} rows of {self.seq_len}, more than dataloader.rows_per_step {per_step}: raise "
+                                     "it and training.local_batch_size together")
+                rows += [self._row(None)] * (per_step - len(rows))
+            queue += rows
+            while len(queue) >= per_step:
+                step, queue = queue[:per_step], queue[per_step:]
+                self.real_tokens.append(sum(r["real"] for r in step))
+                for k in range(0, per_step, self.rows_per_micro_batch):
+                    yield self._micro_batch(step[k:k + self.rows_per_micro_batch])
+
+    def _row(self, mb: PackedMicroBatch | None) -> dict:
+        """One row of ``seq_len`` tokens: ``mb``'s documents, then a padding document (all padding
+        for ``None``)."""
+        n = mb.num_tokens if mb is not None else 0
+        pad = self.seq_len - n
+        tokens, labels, positions = (torch.full((self.seq_len,), PAD_TOKEN_ID), torch.full((self.seq_len,), IGNORE_INDEX),
+                                     torch.cat([torch.zeros(n, dtype=torch.long), torch.arange(pad)]))
+        images = None
+        if mb is not None:
+            tokens[:n], labels[:n], positions[:n] = mb.tokens, mb.labels, mb.positions
+            images = mb.pixel_values if mb.num_images else None
+        return {"input": tokens, "labels": labels, "positions": positions, "images": images, "real": n}
+
+    def _micro_batch(self, rows: list[dict]) -> tuple[dict, torch.Tensor]:
+        images = [r["images"] for r in rows if r["images"] is not None]
+        patches = grid = None
+        if images:
+            patches, grid = patchify(torch.cat(images), *self.patch)
+        stack = lambda key: torch.stack([r[key] for r in rows])  # noqa: E731
+        return ({"input": stack("input"), "positions": stack("positions"), "pixel_values": patches, "grid_thw": grid,
+                 "special_tokens": {"image_id": IMAGE_TOKEN_ID}}, stack("labels"))
+
+    def state_dict(self) -> dict:
+        if not self.config.pad_steps:
+            raise ValueError("dataloader.pad_steps is off: a streamed step may end inside a global batch, which the loader state "
+                             "cannot resume; checkpoint with --dataloader.pad_steps")
+        return {"pipetune_fixed_shape_loader": pickle.dumps(self._bound().state_dict())}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._bound().load_state_dict(pickle.loads(state_dict["pipetune_fixed_shape_loader"]))
