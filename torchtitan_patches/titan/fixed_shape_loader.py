@@ -42,6 +42,7 @@ from pipetune.data.batch import BatchMeta
 from pipetune.packing import PackingConfig
 from torchtitan_patches.data.loader import DataLoaderConfig, PipeTuneDataLoader
 from torchtitan_patches.data.micro_batch import IGNORE_INDEX, IMAGE_TOKEN_ID, PAD_TOKEN_ID, PackedMicroBatch
+from torchtitan_patches.titan.dataloader import PipeTuneTitanDataLoader
 from torchtitan_patches.titan.stages import patchify
 from torchtitan_patches.titan.tokenizer import text_encoder
 
@@ -81,15 +82,8 @@ def rows_needed(loader: PipeTuneDataLoader, steps: int, seq_len: int) -> list[in
 
 class FixedShapeDataLoader(BaseDataLoader):
     @dataclass(kw_only=True, slots=True)
-    class Config(BaseDataLoader.Config):
-        gbs: int = 16
-        """Samples per global batch (as ``PipeTuneTitanDataLoader``'s)."""
-
-        seed: int = 0
-        """Shuffling seed of the sample stream (as ``PipeTuneTitanDataLoader``'s)."""
-
-        overlong: str = "truncate"
-        """Samples longer than ``training.seq_len``: truncate, drop or error."""
+    class Config(PipeTuneTitanDataLoader.Config):
+        """``PipeTuneTitanDataLoader``'s settings (the same stream of global batches), and:"""
 
         rows_per_step: int = 8
         """Rows of ``seq_len`` tokens per step; must equal ``training.local_batch_size``."""
@@ -109,7 +103,7 @@ class FixedShapeDataLoader(BaseDataLoader):
         self.config, self.tokenizer, self.seq_len, self.rows_per_micro_batch = config, tokenizer, seq_len, local_batch_size
         self.loader_config = DataLoaderConfig(
             data=config.dataset_path, gbs=config.gbs, max_seq_len=seq_len, seed=config.seed, overlong=Overlong(config.overlong),
-            packing=PackingConfig(max_seq_len=seq_len))
+            num_workers=config.num_workers, packing=PackingConfig(max_seq_len=seq_len))
         self.inner: PipeTuneDataLoader | None = None
         self.model: ModelConfig | None = None
         self.patch = (0, 0)
