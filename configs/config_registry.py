@@ -20,6 +20,7 @@ field can be overridden on the command line as with TorchTitan's own configs
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.loss import CrossEntropyLoss
@@ -87,7 +88,10 @@ def muse_glimmer_mm_gpu() -> PipeTuneTrainer.Config:
             --dataloader.dataset_path /data/my_mix --pipetune.latency_table tables/h100/table.json
 
     Swap in your model's spec, batch size and optimizer as in any TorchTitan config. Not yet run on
-    a GPU (no GPU has been available to the project)."""
+    a GPU (no GPU has been available to the project). Micro-batch shapes change every step, so
+    the CUDA allocator grows expandable segments rather than caching one block per shape (unless
+    ``PYTORCH_CUDA_ALLOC_CONF`` says otherwise)."""
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     config = muse_glimmer_mm()
     config.parallelism.pipeline_parallel_degree = 4
     config.training.mixed_precision_param = "bfloat16"

@@ -40,7 +40,10 @@ class StepRecord:
     ``extra_run``: a run beside the step's own plan (a measurement run of an extension such as the
     CPU testbed's twins); replays and per-step statistics skip it. ``replica``: the data-parallel
     replica whose run this is (a step of ``D`` replicas writes ``D`` records; ``measured_s`` is the
-    replica's time, the step's is their maximum)."""
+    replica's time, the step's is their maximum). ``peak_bytes``: per pipeline stage of the
+    replica, the device memory its rank's allocator peaked at during the run (GPU only; None on
+    CPU), beside the plan's simulated peak ``predicted_peak_bytes`` (model states plus in-flight
+    activations, as the planner checks it against ``pipetune.memory_gib``)."""
 
     step: int
     batch: int
@@ -69,6 +72,8 @@ class StepRecord:
     guard_advantage: float | None = None
     contention: float | None = None
     call_overhead_s: float | None = None
+    peak_bytes: list[float | None] = field(default_factory=list)
+    predicted_peak_bytes: list[float] = field(default_factory=list)
 
     ENUMS: ClassVar[dict[str, type[Enum]]] = {"kind": StepKind}
 

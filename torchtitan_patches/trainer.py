@@ -100,10 +100,12 @@ class Share:
     """What one rank reports of a run (its times are from its own step start)."""
 
     replica: int
+    stage: int
     tp_rank: int
     elapsed_s: float
     loss: float | None
     overhead_s: float
+    peak_bytes: float | None
     timeline: list[TimedAction]
 
 
@@ -314,8 +316,8 @@ class PipeTuneTrainer(Trainer):
         ranks, which run the same actions). Times are from each rank's own step start
         (``StepResult``), so clocks of other nodes need not agree."""
         tp = self.parallel_dims.get_optional_mesh("tp")
-        mine = Share(self.replica, tp.get_local_rank() if tp is not None else 0, res.elapsed_s, res.loss, res.overhead_s,
-                     res.timeline)
+        mine = Share(self.replica, self.stage, tp.get_local_rank() if tp is not None else 0, res.elapsed_s, res.loss, res.overhead_s,
+                     res.peak_bytes, res.timeline)
         every: list[Share] = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine, group=self.control)
         line = [g for g in every if g.tp_rank == 0]
@@ -325,7 +327,7 @@ class PipeTuneTrainer(Trainer):
             return RunOutcome(loss, measured, [])
         records = []
         for r, plan in enumerate(self._run_plans(run)):
-            ranks = [g for g in line if g.replica == r]
+            ranks = sorted((g for g in line if g.replica == r), key=lambda g: g.stage)
             timeline = sorted((t for g in ranks for t in g.timeline), key=lambda t: (t.start, t.rank))
             records.append(self.record_class(
                 step=self.step, batch=run.batch.step, mode=plan.mode, mbs=plan.mbs, micro_batches=plan.num_micro_batches,
@@ -334,6 +336,7 @@ class PipeTuneTrainer(Trainer):
                 measured_s=max(g.elapsed_s for g in every if g.replica == r), plan_setup_s=max(g.overhead_s for g in every),
                 loss=sum(g.loss for g in ranks if g.loss is not None), fallback=plan.fallback, layout=self.layout.layers_per_stage(),
                 separated=self.layout.is_separated, plan=plan.to_json(), cold=cold, replica=r,
+                peak_bytes=[g.peak_bytes for g in ranks], predicted_peak_bytes=list(plan.peak_bytes),
                 timeline=[[t.rank, str(t.action), t.start, t.end, t.precomputed] for t in timeline], **self.run_fields(run)))
         return RunOutcome(loss, measured, records)
 

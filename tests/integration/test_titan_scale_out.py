@@ -66,6 +66,8 @@ def _check_steps(ranks: list[list[dict]], records: list[StepRecord], replicas: i
     relative): a missing or doubled reduction is off by 30-100 %."""
     shapes = {k: v.shape for k, v in _unsplit_model().state_dict().items()}
     assert sorted((r.step, r.replica) for r in records) == [(s, d) for s in range(1, STEPS + 1) for d in range(replicas)]
+    for r in records:  # per stage: no device memory statistics on CPU, the plan's predicted peak
+        assert r.peak_bytes == [None, None] and len(r.predicted_peak_bytes) == 2 and min(r.predicted_peak_bytes) > 0
     for step in range(STEPS):
         at = [r[step] for r in ranks]
         batches = [next(a["batch"] for a in at if a["replica"] == d) for d in range(replicas)]

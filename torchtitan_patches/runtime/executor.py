@@ -107,12 +107,15 @@ class StepResult:
     both in seconds from the step's start on this rank (``ActionTimeline``: right for ranks on
     other nodes, whose clocks are unrelated); ``overhead_s`` is the per-step set-up of a new plan
     on this rank (digest + lowering; the digest exchange itself is a synchronisation point, not
-    counted)."""
+    counted); ``peak_bytes`` the most memory the device's allocator held during the step (CUDA's
+    ``max_memory_allocated``: weights, gradients and optimizer state included; None on CPU), to
+    set beside the plan's ``peak_bytes``."""
 
     losses: dict[int, float] = field(default_factory=dict)
     timeline: list[TimedAction] = field(default_factory=list)
     elapsed_s: float = 0.0
     overhead_s: float = 0.0
+    peak_bytes: float | None = None
 
     @property
     def loss(self) -> float | None:
@@ -267,6 +270,9 @@ class PlanExecutor:
         steps = lower(table, self.rank)
         overhead = time.perf_counter() - t0
         self.check_consistent(batch, plan, digests)
+        cuda = self.device.type == "cuda"
+        if cuda:  # allocator statistics, kept on the host: no device synchronisation
+            torch.cuda.reset_peak_memory_stats(self.device)
         timeline = self.clock.timeline()
         timeline.start()
         st = _StepState(batch, plan, table, StepResult(overhead_s=overhead), self._on_device(batch, plan), images)
@@ -289,6 +295,7 @@ class PlanExecutor:
         for work, _ in st.sends:
             work.wait()
         spans, st.res.elapsed_s = timeline.finish()
+        st.res.peak_bytes = float(torch.cuda.max_memory_allocated(self.device)) if cuda else None
         if st.losses:
             st.res.losses = dict(zip(st.losses, torch.stack(list(st.losses.values())).tolist()))
         precomputed = _precomputed(plan, self.rank)
