@@ -106,9 +106,10 @@ def muse_glimmer_mm_gpu() -> PipeTuneTrainer.Config:
 def muse_glimmer_mm_stock() -> StockTrainer.Config:
     """``muse_glimmer_mm`` as TorchTitan's stock pipeline trains it (``StockTrainer``): its own
     split and 1F1B schedule over micro-batches of one row of ``training.seq_len`` tokens, the
-    same data, batches, model, optimizer and seed, ``rows_per_step`` rows per step (set it and
-    ``training.local_batch_size`` to what the longest batch packs into; ``benchmarks/vs_torchtitan.py``
-    does). The baseline of the comparison with pipetune."""
+    same data stream, model, optimizer and seed, ``rows_per_step`` rows per step (set it and
+    ``training.local_batch_size`` together: ``benchmarks/vs_torchtitan.py`` streams as many rows as
+    the global batches pack into on average, and with ``--dataloader.pad_steps`` one batch per step
+    in as many rows as the longest batch packs into). The baseline of the comparison with pipetune."""
     base = muse_glimmer_mm()
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.name != "pipetune"}
     fields["dataloader"] = FixedShapeDataLoader.Config(dataset_path=base.dataloader.dataset_path, gbs=base.dataloader.gbs, rows_per_step=8)

@@ -53,7 +53,7 @@ class StockTrainer(Trainer):
                              f"{type(config.dataloader).__name__}")
         if config.dataloader.rows_per_step != config.training.local_batch_size:
             raise ValueError(f"dataloader.rows_per_step {config.dataloader.rows_per_step} != training.local_batch_size "
-                             f"{config.training.local_batch_size}: a step must take exactly one global batch's rows")
+                             f"{config.training.local_batch_size}: TorchTitan's step pulls local_batch_size rows, the loader cuts steps of rows_per_step")
         super().__init__(config)
         encoder = getattr(self.model_parts[0], "vision_encoder", None)
         if config.freeze_vision_encoder and encoder is not None:

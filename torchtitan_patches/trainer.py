@@ -163,6 +163,7 @@ class PipeTuneTrainer(Trainer):
         self.executor = self._build_executor(config.pipetune, dims.pp)
         self.fsdp = FsdpStep(self.model_parts[0]) if dims.dp_enabled else None
         tp = dims.get_optional_mesh("tp")
+        self.tp_rank = tp.get_local_rank() if tp is not None else 0
         self.tp_grads = TensorParallelGrads(self.model_parts, dims.tp, group=tp.get_group() if tp is not None else None)
         self.profiled = CostModel(self.table, self.layout)
         self.sizes_run: set[int] = set()  # micro-batch sizes this process has run (a size's first run is cold)
@@ -315,9 +316,7 @@ class PipeTuneTrainer(Trainer):
         replica, whose timeline is that of the replica's first pipeline (of its tensor-parallel
         ranks, which run the same actions). Times are from each rank's own step start
         (``StepResult``), so clocks of other nodes need not agree."""
-        tp = self.parallel_dims.get_optional_mesh("tp")
-        mine = Share(self.replica, self.stage, tp.get_local_rank() if tp is not None else 0, res.elapsed_s, res.loss, res.overhead_s,
-                     res.peak_bytes, res.timeline)
+        mine = Share(self.replica, self.stage, self.tp_rank, res.elapsed_s, res.loss, res.overhead_s, res.peak_bytes, res.timeline)
         every: list[Share] = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine, group=self.control)
         line = [g for g in every if g.tp_rank == 0]

@@ -76,8 +76,9 @@ class PipeTuneTitanDataLoader(BaseDataLoader):
             raise ValueError(
                 f"the job's tokenizer has {self.tokenizer.get_vocab_size()} ids but the model's vocabulary is "
                 f"{model.backbone.vocab_size}; use a tokenizer that fits the model")
-        self.inner = dataclasses.replace(self.loader_config, seq_multiple=seq_multiple).build(model, packing_source=packing_source, encode=text_encoder(self.tokenizer),
-                                              dp_rank=self.dp_rank, dp_size=self.dp_world_size)
+        config = dataclasses.replace(self.loader_config, seq_multiple=seq_multiple)
+        self.inner = config.build(model, packing_source=packing_source, encode=text_encoder(self.tokenizer),
+                                  dp_rank=self.dp_rank, dp_size=self.dp_world_size)
         return self.inner
 
     def _bound(self) -> PipeTuneDataLoader:
