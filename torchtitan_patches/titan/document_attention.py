@@ -4,10 +4,9 @@ TorchTitan's language-model backends are ``flex`` (no CPU backward), ``flex_flas
 (no CPU kernel), so a TorchTitan model cannot train on CPU. ``DocumentAttention`` takes the same
 ``VarlenMetadata`` as ``varlen`` (its config subclasses ``VarlenAttention.Config``, so
 ``Decoder.get_attention_masks``, Muse Glimmer's per-layer window set-up and the trainer's mask
-building all treat it as varlen) and computes it with pipetune's ``PackedAttention`` (SDPA once
-per document; flash-attn's varlen kernel on CUDA). ``PackedAttention`` has no sliding window, so
-a windowed layer whose documents are longer than the window runs a banded mask per long document
-here instead.
+building all treat it as varlen) and is pipetune's ``PackedAttention`` with varlen's sliding
+windows: on a GPU TorchTitan's own ``VarlenAttention`` (native windows), on CPU SDPA once per
+document, with a banded mask for a document longer than its layer's window.
 
 ``VisionMaskAttention`` is the vision encoder's counterpart: TorchTitan's ViT blocks use
 FlexAttention with compiled BlockMasks (the mask compilation fails on CPU, and there is no CPU
@@ -27,72 +26,22 @@ from torchtitan.protocols.module import Module
 from torchtitan_patches.model.packed_attention import PackedAttention
 
 
-def _window(window_size: tuple[int, int]) -> tuple[bool, int | None]:
-    """(causal, keys per query or None) from varlen's ``(left, right)`` window."""
-    left, right = window_size
-    if right == 0 and (left == -1 or left >= 0):
-        return True, None if left == -1 else left + 1
-    if (left, right) == (-1, -1):
-        return False, None
-    raise ValueError(
-        f"DocumentAttention supports causal windows (left, 0) with left >= -1 and full attention (-1, -1); "
-        f"got window_size={window_size}"
-    )
-
-
-class DocumentAttention(Module):
-    """``(B, L, N, H)`` q/k/v -> ``(B, L, N, H)``, attention within documents only.
-
-    Rows of a batch are laid end to end (``VarlenMetadata`` offsets count across rows, as
-    ``create_varlen_metadata_for_document`` builds them).
-    """
+class DocumentAttention(PackedAttention):
+    """``(B, L, N, H)`` q/k/v -> ``(B, L, N, H)``, attention within documents only (see ``PackedAttention``)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(VarlenAttention.Config):
         backend: str = "auto"
-        """``PackedAttention``'s backend: ``auto`` (flash-attn on CUDA in fp16/bf16, else SDPA), ``flash`` or ``sdpa``."""
+        """``auto`` (TorchTitan's varlen on an Ampere+ GPU in bf16/fp16 or under autocast, else
+        per-document SDPA), ``flash`` (always varlen) or ``sdpa``: see ``PackedAttention``."""
 
     def __init__(self, config: Config):
-        super().__init__()
-        self.causal, self.window = _window(config.window_size)
-        self.packed = PackedAttention(PackedAttention.Config(causal=self.causal, backend=config.backend))
+        self._setup(config.window_size, config.backend)
 
-    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks, scale=None, enable_gqa=False, out_transform=None, **kwargs):
-        # argument names are varlen's: TorchTitan's sharding configs address inputs by name
-        q, k, v = q_BLNH, k_BLNH, v_BLNH
-        if not isinstance(attention_masks, VarlenMetadata):
+    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks, **kwargs):
+        if not isinstance(attention_masks, VarlenMetadata):  # PackedAttention's dense path is the ViT's
             raise TypeError(f"DocumentAttention needs VarlenMetadata (document boundaries), got {type(attention_masks).__name__}")
-        if out_transform is not None:
-            raise NotImplementedError("DocumentAttention does not return the log-sum-exp that out_transform needs")
-        B, L = q.shape[:2]
-        bounds = attention_masks.cu_seq_q_host or tuple(int(x) for x in attention_masks.cu_seq_q.tolist())
-        if bounds[0] != 0 or bounds[-1] != B * L:
-            raise ValueError(f"document boundaries {bounds[0]}..{bounds[-1]} do not cover the {B} x {L} tokens of the batch")
-        q, k, v = (t.reshape(1, B * L, *t.shape[2:]) for t in (q, k, v))
-        longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
-        if self.window is None or longest <= self.window:
-            out = self.packed(q, k, v, attention_masks=attention_masks._replace(cu_seq_q_host=bounds), scale=scale, enable_gqa=enable_gqa)
-        else:
-            out = self._windowed(q, k, v, bounds, scale, enable_gqa)
-        return out.reshape(B, L, *out.shape[2:])
-
-    def _windowed(self, q, k, v, bounds, scale, enable_gqa):
-        """Per document: causal SDPA when it fits the window, a causal band mask when it does not."""
-        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        outs = []
-        for a, b in zip(bounds[:-1], bounds[1:]):
-            if b - a <= self.window:
-                mask, causal = None, True
-            else:
-                i = torch.arange(b - a, device=q.device)
-                back = i[:, None] - i[None, :]
-                mask, causal = (back >= 0) & (back < self.window), False
-            outs.append(
-                F.scaled_dot_product_attention(
-                    qt[:, :, a:b], kt[:, :, a:b], vt[:, :, a:b], attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=enable_gqa
-                )
-            )
-        return torch.cat(outs, dim=2).transpose(1, 2)
+        return super().forward(q_BLNH, k_BLNH, v_BLNH, attention_masks=attention_masks, **kwargs)
 
 
 class VisionMaskAttention(Module):
