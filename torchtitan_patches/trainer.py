@@ -217,7 +217,9 @@ class PipeTuneTrainer(Trainer):
         planner predicts the same kind of time (expected under jitter, or deterministic), so the
         per-mbs correction and the guard compare like with like. With data parallelism each plans
         every replica: the job's planner on the balanced split (``pipetune.plan.dp_balance``; mode
-        ``original`` keeps TorchTitan's round-robin), the others round-robin."""
+        ``original`` keeps TorchTitan's round-robin), the others round-robin. The job's planner
+        plans ahead in its own process (``AsyncPlanner``), so ``self.planners`` holds the
+        ``AsyncPlanner``, through which model updates reach that process."""
         pt, seq, seed = config.pipetune, config.training.seq_len, config.debug.seed or 0
         memory = pt.memory_gib * 2**30
 
@@ -235,8 +237,8 @@ class PipeTuneTrainer(Trainer):
         if baseline is not None:
             logger.info(f"pipetune guard: baseline = {baseline.config.mode.value} packing at mbs {baseline.fixed_mbs}"
                         + (", round-robin over replicas" if self.replicas > 1 else "") + " (best fixed configuration on 8 sampled batches)")
-        self.planners = [tuned, *calibration, *([baseline] if baseline else [])]
         self.async_planner = AsyncPlanner(tuned, loader.meta, budget_s=pt.budget_s, lookahead=pt.plan_ahead)
+        self.planners = [self.async_planner, *calibration, *([baseline] if baseline else [])]
         return PlanSource(self.async_planner, baseline=baseline, calibration=calibration, calibrate_steps=pt.calibration.steps,
                           guard=self.learner.guard, replay=load_replay(pt.replay.path) if pt.replay.path else None)
 

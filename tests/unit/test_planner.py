@@ -1,5 +1,8 @@
 import json
+import os
+import signal
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -9,6 +12,7 @@ from pipetune.data import BatchStream, batch_meta, make_mix
 from pipetune.packing import PackingConfig
 from pipetune.plan import IterationPlan, Mode, PlanError, PlannerConfig
 from pipetune.plan.async_planner import AsyncPlanner
+from pipetune.plan.replicas import ReplicaPlanner
 from pipetune.schedule import Schedule, one_f_one_b
 from pipetune.simulate import Latencies, simulate
 
@@ -170,6 +174,85 @@ def test_async_planner_plans_ahead_and_honours_its_budget(setup13b):
     hurried(ms[3])
     assert hurried.pop(3).fallback and asked == []  # no look-ahead: only the asked step is planned
     hurried.close()
+
+
+def stripped(plan) -> list[dict]:
+    """A plan (or a step's replica plans) as JSON, less its search time: equal searches differ only there."""
+    return [json.loads(p.to_json()) | {"search_s": 0} for p in getattr(plan, "plans", (plan,))]
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_the_planner_process_plans_what_the_planner_plans(setup13b, replicas):
+    ms = metas("datamix2", n=6)
+    local = ReplicaPlanner(planner(setup13b, seed=3), replicas, balanced=True)
+    ap = AsyncPlanner(ReplicaPlanner(planner(setup13b, seed=3), replicas, balanced=True), ms.__getitem__, lookahead=2)
+    assert [stripped(ap.plan(m)) for m in ms[:3]] == [stripped(local.plan(m)) for m in ms[:3]]
+    ap.close()
+    assert ap._proc.poll() is not None and not ap._reader.is_alive()  # no child process left
+    with pytest.raises(PlanError, match=r"planner process \(pid \d+\) was closed; no plan for step 3"):
+        ap.plan(ms[3])
+
+
+def test_the_planner_process_takes_cost_and_correction_from_the_next_search_on(setup13b):
+    model, cost = setup13b
+    ms = metas("datamix2", n=3)
+    per_call = CostModel(replace(cost.table, overhead={"fwd_s": 0.05, "bwd_s": 0.05}), cost.layout)  # favours fewer micro-batches
+    local, ap = planner(setup13b), AsyncPlanner(planner(setup13b), ms.__getitem__, lookahead=0)
+    assert stripped(ap.plan(ms[0])) == stripped(local.plan(ms[0]))
+    for p in (ap, local):
+        p.set_cost(per_call)
+    costed = ap.plan(ms[1])
+    assert stripped(costed) == stripped(local.plan(ms[1])) and costed.mbs != planner(setup13b).plan(ms[1]).mbs
+    for p in (ap, local):
+        p.set_correction({costed.mbs: 1.5})
+    corrected = ap.plan(ms[2])
+    assert stripped(corrected) == stripped(local.plan(ms[2])) and corrected.mbs != costed.mbs
+    ap.close()
+
+
+def test_the_planner_process_reraises_a_search_error_and_carries_on(setup13b):
+    ms = metas("datamix2", n=2)
+    ap = AsyncPlanner(planner(setup13b), ms.__getitem__, lookahead=0)
+    ap.set_correction({1: "slow"})  # not a number: the search fails when it compares sizes
+    with pytest.raises(TypeError, match="can't multiply sequence") as e:
+        ap.plan(ms[0])
+    assert "raised in the pipetune planner process" in "".join(e.value.__notes__)
+    ap.set_correction({})
+    assert not ap.plan(ms[1]).fallback
+    ap.close()
+
+
+def test_a_loaded_state_sets_the_fallback_size_in_the_process(setup13b):
+    ms = metas("datamix2", n=3)
+    ap = AsyncPlanner(planner(setup13b), ms.__getitem__, budget_s=0.0, lookahead=1)
+    assert ap.plan(ms[0]).mbs == ap.planner.max_mbs  # queues step 1 too, which loading drops
+    ap.load_state_dict({"last_mbs": 2})
+    plan = ap.plan(ms[1])
+    assert plan.fallback and plan.mbs == 2 and ap.state_dict() == {"last_mbs": 2}
+    ap.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_killed_planner_process_is_a_plan_error(setup13b):
+    ms = metas("datamix2", n=2)
+    ap = AsyncPlanner(planner(setup13b), ms.__getitem__, lookahead=0)
+    ap.plan(ms[0])
+    os.kill(ap._proc.pid, signal.SIGKILL)
+    with pytest.raises(PlanError, match=r"planner process \(pid \d+\) exited with code -9 .*; no plan for step 1$"):
+        ap.plan(ms[1])
+    ap.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_stuck_planner_process_times_out_and_close_ends_it(setup13b):
+    ms = metas("datamix2", n=1)
+    ap = AsyncPlanner(planner(setup13b), ms.__getitem__, budget_s=0.0, lookahead=0)
+    ap.grace_s = 0.5  # once started
+    os.kill(ap._proc.pid, signal.SIGSTOP)
+    with pytest.raises(PlanError, match=r"did not finish planning step 0 within its budget \(0.0 s\) \+ 0.5 s"):
+        ap.plan(ms[0])
+    ap.close()
+    assert ap._proc.poll() == -signal.SIGKILL and not ap._reader.is_alive()
 
 
 def test_precompute_fills_stage0_gaps_and_helps(setup13b):

@@ -1,0 +1,68 @@
+"""``AsyncPlanner``'s planner process: ``python -m pipetune.plan.plan_worker`` (see
+``pipetune.plan.async_planner`` for why a process).
+
+It imports the planning core only, never torch. Pickles on stdin: first the planner, then one
+request at a time, ``(updates, meta, remaining_s)``: it applies ``updates`` (``(method, args)``
+calls, such as ``set_cost``, made since the previous request), plans ``meta`` with a deadline
+``remaining_s`` from now (``None``: none) and writes ``(True, plan)``, or ``(False, (exception,
+traceback))`` if planning raised, to stdout. Answer ``(True, None)`` says the planner arrived. It
+exits when stdin closes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+from typing import BinaryIO
+
+from pipetune.plan.plan import PlanError
+
+
+def _portable(e: Exception) -> Exception:
+    """``e`` if it survives pickling both ways (the parent re-raises it), else a ``PlanError``
+    with its message."""
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:
+        return PlanError(f"{type(e).__name__}: {e}")
+
+
+def _answer(out: BinaryIO, ok: bool, value) -> None:
+    pickle.dump((ok, value), out, pickle.HIGHEST_PROTOCOL)
+    out.flush()
+
+
+def serve(requests: BinaryIO, answers: BinaryIO) -> None:
+    planner = pickle.load(requests)
+    _answer(answers, True, None)
+    while True:
+        try:
+            updates, meta, remaining = pickle.load(requests)
+        except EOFError:
+            return
+        try:
+            for method, args in updates:
+                getattr(planner, method)(*args)
+            deadline = None if remaining is None else time.perf_counter() + remaining
+            answer = True, planner.plan(meta, deadline=deadline)
+        except Exception as e:
+            answer = False, (_portable(e), traceback.format_exc())
+        _answer(answers, *answer)
+
+
+def main() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it ends this process
+    logging.basicConfig(format="pipetune planner process: %(levelname)s %(name)s: %(message)s")
+    answers = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # stray prints go to stderr, not into the answers
+    serve(sys.stdin.buffer, answers)
+
+
+if __name__ == "__main__":
+    main()
