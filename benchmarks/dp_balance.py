@@ -5,10 +5,10 @@ swaps, ``pipetune.plan.dp_balance``), every replica planned by the pipetune plan
 Per setting (``--settings``: DPxGBS, default DP 8 / 32 / 64 at GBS 1024 / 1024 / 4096) and mix:
 the step's time (slowest replica, mean over ``--iters`` batches), slowest / mean replica, the
 balanced split's cut vs round-robin, and the planning time on the step's critical path: the wall
-clock of one ``split_and_plan`` (the split plus every replica's plan, what rank 0's planning thread
+clock of one ``split_and_plan`` (the split plus every replica's plan, what rank 0's planner process
 makes per step), p50 / p90 over the iterations, with the plans made per step. It fits the async
 budget when its p90 is within both ``--budget-s`` (the per-batch planning deadline) and the step
-time (one planning thread must keep up with the steps). Goal: p50 <= 0.5 s at DP 32, GBS 1024.
+time (one planner process must keep up with the steps). Goal: p50 <= 0.5 s at DP 32, GBS 1024.
 
 Planning runs on one thread: the script pins OMP / MKL / OpenBLAS to one thread before numpy
 loads (and threadpoolctl's limit when installed). Latencies are analytical estimates

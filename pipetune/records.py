@@ -43,7 +43,9 @@ class StepRecord:
     replica's time, the step's is their maximum). ``peak_bytes``: per pipeline stage of the
     replica, the device memory its rank's allocator peaked at during the run (GPU only; None on
     CPU), beside the plan's simulated peak ``predicted_peak_bytes`` (model states plus in-flight
-    activations, as the planner checks it against ``pipetune.memory_gib``)."""
+    activations, as the planner checks it against ``pipetune.memory_gib``). ``host_syncs``: per
+    stage, the host-device synchronisations of its rank's action loop (``pipetune.count_host_syncs``;
+    None where not counted)."""
 
     step: int
     batch: int
@@ -74,6 +76,7 @@ class StepRecord:
     call_overhead_s: float | None = None
     peak_bytes: list[float | None] = field(default_factory=list)
     predicted_peak_bytes: list[float] = field(default_factory=list)
+    host_syncs: list[int | None] = field(default_factory=list)
 
     ENUMS: ClassVar[dict[str, type[Enum]]] = {"kind": StepKind}
 

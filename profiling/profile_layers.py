@@ -2,11 +2,12 @@
 
 Measured on the current device, with the runtime's own modules:
 
-* attention of one decoder layer over documents of each length (flash-attn varlen on CUDA when
-  installed, per-document PyTorch SDPA otherwise), forward and backward. A packed micro-batch pays
-  the attention call's fixed cost once and a per-document cost per document, so each length is
-  timed as one document and as ``k`` documents packed together: the per-document cost is the
-  difference over ``k - 1`` and is what the ``attention`` curve holds;
+* attention of one decoder layer over documents of each length (the runtime's ``PackedAttention``:
+  TorchTitan's varlen attention on CUDA in bf16 / fp16, per-document PyTorch SDPA otherwise),
+  forward and backward. A packed micro-batch pays the attention call's fixed cost once and a
+  per-document cost per document, so each length is timed as one document and as ``k`` documents
+  packed together: the per-document cost is the difference over ``k - 1`` and is what the
+  ``attention`` curve holds;
 * one whole decoder layer over each packed length; non-attention cost (``rest``) = layer minus
   its attention, as the paper does (so ``rest`` carries the attention call's fixed cost). The
   packed sequence is cut into documents of ``REST_DOC_LEN`` tokens: attention is then a small,
@@ -311,7 +312,8 @@ def run_profile(model: ModelConfig, cfg: ProfileConfig, out: str | Path, *, prog
     notes.append(p2p_note)
     if cfg.tp > 1:
         notes.append(f"TP={cfg.tp}: one rank's shard was timed; TP collectives are not included")
-    backend = "flash-attn varlen" if cfg.attention_backend != "sdpa" and flash_attn_available(device) else "per-document SDPA"
+    varlen = cfg.attention_backend == "flash" or (cfg.attention_backend == "auto" and cfg.dtype != "float32" and flash_attn_available(device))
+    backend = "TorchTitan varlen" if varlen else "per-document SDPA"
     notes.append(f"attention backend: {backend}; threads: {cfg.threads}")
     table = LatencyTable(
         model=model,

@@ -58,13 +58,13 @@ class StageTimer:
     def stage_seconds(self, mb: PackedMicroBatch, stage: int) -> tuple[float, float]:
         """(forward, backward) seconds of ``mb`` on ``stage``."""
         mod = self.stages[stage]
-        masks = varlen_metadata(mb.cu_seqlens, self.device)
+        masks, spans = varlen_metadata(mb.cu_seqlens, self.device), mb.image_spans
         mb = mb.to(self.device)
         kwargs = {"positions": mb.positions[None], "masks": masks}
         if mod.is_first:
             with torch.no_grad(), self._autocast():
                 feats = self.encoder(mb.pixel_values) if self.encoder is not None and mb.num_images else None
-            kwargs.update(image_features=feats, image_token_index=mb.image_token_index)
+            kwargs.update(image_features=feats, image_spans=spans)
 
             def make():
                 return (mb.tokens[None],)

@@ -129,6 +129,10 @@ class PipeTuneSettings(Configurable):
         strict_order: bool = False
         """Give every message one tag, so gloo matches messages by order as NCCL does (a check)."""
 
+        count_host_syncs: bool = False
+        """Count each step's host-device synchronisations per rank into the step records (a check;
+        on CPU it slows the step: ``torchtitan_patches.runtime.host_sync``)."""
+
         jitter_draws: int = 0
         """Score plans by their expected time over this many draws of per-action jitter (0: the
         deterministic simulation; else >= 2). Needs ``calibration.online_window``: the spread is

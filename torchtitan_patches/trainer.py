@@ -17,7 +17,7 @@ metrics and logging. What is overridden, and why:
   guard), so a resumed job plans as the uninterrupted one would.
 
 A step: rank 0's ``PlanSource`` gives the batch's plans, one per data-parallel replica (replayed,
-calibration cycle, the planner planning ``plan_ahead`` batches ahead in a background thread, or
+calibration cycle, the planner planning ``plan_ahead`` batches ahead in its own process, or
 the guard's baseline) over a gloo control group; every rank runs its replica's plan on its
 pipeline (``runs``: one run; a subclass may add measurement runs); rank 0 learns from every
 replica's run (``pipetune.calibrate.learner``: online refit, per-mbs correction, guard) and appends
@@ -106,6 +106,7 @@ class Share:
     loss: float | None
     overhead_s: float
     peak_bytes: float | None
+    host_syncs: int | None
     timeline: list[TimedAction]
 
 
@@ -205,8 +206,9 @@ class PipeTuneTrainer(Trainer):
         return PlanExecutor(
             {stage: backbone}, chunks, dim=self.planning_model.backbone.dim, rank=stage, group=self.parallel_dims.get_mesh("pp").get_group(),
             control_group=self.control, replica=self.replica, sequence_shards=self.sequence_shards, image_shapes=ImageShapes.of(enc) if enc is not None else None,
-            device=self.device, strict_order=pt.strict_order, compute_dtype=TORCH_DTYPE_MAP[self.config.training.mixed_precision_param],
-            loss_fn=lambda logits, labels, n: self.loss_fn(logits, labels, torch.tensor(n, device=logits.device))[0])
+            device=self.device, strict_order=pt.strict_order, count_host_syncs=pt.count_host_syncs, compute_dtype=TORCH_DTYPE_MAP[self.config.training.mixed_precision_param],
+            timeout=timedelta(seconds=self.config.comm.init_timeout_seconds),
+            loss_fn=lambda logits, labels, n: self.loss_fn(logits, labels, n)[0])  # a Python divisor: no upload per micro-batch
 
     def _learner(self, pt: PipeTuneSettings.Config) -> Learner:
         """Rank 0's learning (an extension point: a subclass may measure more)."""
@@ -318,7 +320,7 @@ class PipeTuneTrainer(Trainer):
         replica, whose timeline is that of the replica's first pipeline (of its tensor-parallel
         ranks, which run the same actions). Times are from each rank's own step start
         (``StepResult``), so clocks of other nodes need not agree."""
-        mine = Share(self.replica, self.stage, self.tp_rank, res.elapsed_s, res.loss, res.overhead_s, res.peak_bytes, res.timeline)
+        mine = Share(self.replica, self.stage, self.tp_rank, res.elapsed_s, res.loss, res.overhead_s, res.peak_bytes, res.host_syncs, res.timeline)
         every: list[Share] = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine, group=self.control)
         line = [g for g in every if g.tp_rank == 0]
@@ -337,7 +339,7 @@ class PipeTuneTrainer(Trainer):
                 measured_s=max(g.elapsed_s for g in every if g.replica == r), plan_setup_s=max(g.overhead_s for g in every),
                 loss=sum(g.loss for g in ranks if g.loss is not None), fallback=plan.fallback, layout=self.layout.layers_per_stage(),
                 separated=self.layout.is_separated, plan=plan.to_json(), cold=cold, replica=r,
-                peak_bytes=[g.peak_bytes for g in ranks], predicted_peak_bytes=list(plan.peak_bytes),
+                peak_bytes=[g.peak_bytes for g in ranks], predicted_peak_bytes=list(plan.peak_bytes), host_syncs=[g.host_syncs for g in ranks],
                 timeline=[[t.rank, str(t.action), t.start, t.end, t.precomputed] for t in timeline], **self.run_fields(run)))
         return RunOutcome(loss, measured, records)
 

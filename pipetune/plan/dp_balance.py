@@ -183,7 +183,7 @@ def compare_dp(model: ModelConfig, planner, data, *, dp: int, gbs: int, max_seq_
                overlong="truncate", warmup: int = 0) -> dict:
     """Per iteration of ``gbs`` samples: each replica planned by ``planner`` under the round-robin and
     the balanced split; the step takes its slowest replica's time. ``planning_s``: wall-clock
-    seconds of each ``split_and_plan`` (the split plus the plans the planning thread makes per
+    seconds of each ``split_and_plan`` (the split plus the plans the planner process makes per
     step). The first ``warmup`` iterations warm the planner's caches and are not counted; the
     balanced split is timed first, so whatever the other split warms favours round-robin's time."""
     from pipetune.data.batch import batch_meta

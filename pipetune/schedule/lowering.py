@@ -22,8 +22,10 @@ same peer, which is safe only where sends are buffered, and breaks the identical
 queue per pair, rendezvous sends, and one queue per rank as NCCL runs batched point-to-point calls)
 and that this pass orders like torch's.
 
-Adjacent posts (a send and receives placed between two compute actions) form one ``Post`` step,
-which the executor issues as one ``batch_isend_irecv`` so that they are in flight together.
+Adjacent posts (sends and receives placed between two compute actions) form one ``Post`` step.
+The runtime issues each of its transfers as its own operation on a communicator of the pair, so
+that a ``Wait`` blocks on its own message and the pair's earlier ones only; the order per pair is
+all that an in-order transport needs.
 """
 
 from __future__ import annotations

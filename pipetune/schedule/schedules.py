@@ -129,3 +129,25 @@ def place_encoders(table: ScheduleTable, before: dict[int, int]) -> ScheduleTabl
     ranks = list(table.ranks)
     ranks[rank] = tuple(a for k, w in enumerate(work) for a in (*slots[k], w))
     return replace(table, ranks=tuple(ranks)).validate()
+
+
+def onto_ranks(table: ScheduleTable, stage_rank: tuple[int, ...]) -> ScheduleTable:
+    """A one-stage-per-rank table's actions placed on ``stage_rank``'s ranks (e.g. every stage on
+    rank 0: a whole pipeline in one process): each rank takes, in turns, the next action of its
+    stages whose inputs are done (stages in index order)."""
+    S = table.num_stages
+    placement = Placement.colocated(S, encoder=table.encoder, encoder_trained=table.placement.encoder_trained, stage_rank=stage_rank)
+    pos, done = [0] * S, set()
+    ranks: list[list[Action]] = [[] for _ in range(placement.num_ranks)]
+    while any(pos[s] < len(table.ranks[s]) for s in range(S)):
+        before = sum(pos)
+        for r in range(len(ranks)):
+            for s in (s for s in range(S) if stage_rank[s] == r):
+                if pos[s] < len(table.ranks[s]) and set(table.producers(table.ranks[s][pos[s]])) <= done:
+                    ranks[r].append(table.ranks[s][pos[s]])
+                    done.add(table.ranks[s][pos[s]])
+                    pos[s] += 1
+                    break
+        if sum(pos) == before:
+            raise ScheduleError(f"this schedule cannot run with its stages on ranks {list(stage_rank)}: no rank can proceed")
+    return replace(table, placement=placement, ranks=tuple(map(tuple, ranks)), max_in_flight=None).validate()

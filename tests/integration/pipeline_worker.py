@@ -15,6 +15,7 @@ import os
 import sys
 from dataclasses import replace
 from datetime import timedelta
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -25,8 +26,8 @@ from pipetune.config import load_model_config
 from pipetune.cost import StageLayout
 from pipetune.packing import PackingConfig
 from pipetune.plan.plan import build_plan
-from pipetune.schedule import Action, Op, Placement, ScheduleTable, place_encoders
-from pipetune.schedule.lowering import Direction, MessageKind, Post, lower
+from pipetune.schedule import Action, Op, onto_ranks, place_encoders
+from pipetune.schedule.lowering import Direction, MessageKind, Post, Wait, lower
 from torchtitan_patches.data import DataLoaderConfig
 from torchtitan_patches.model.vlm import build_encoder_chunks, build_stages, build_vlm
 from torchtitan_patches.runtime import executor as executor_module
@@ -53,26 +54,6 @@ def setup(rank: int, world: int, opts: dict | None = None):
     executor = PlanExecutor(stages, encoder, dim=model.backbone.dim, rank=rank, strict_order=opts.get("strict", False),
                             compute_dtype=DTYPES[opts.get("dtype", "fp32")])
     return model, stages, executor, stage_rank
-
-
-def onto_ranks(table: ScheduleTable, stage_rank: tuple[int, ...]) -> ScheduleTable:
-    """A one-stage-per-rank table's actions placed on ``stage_rank``'s ranks: each rank takes, in
-    turns, the next action of its stages whose inputs are done (stages in index order)."""
-    S = table.num_stages
-    placement = Placement.colocated(S, encoder=table.encoder, encoder_trained=table.placement.encoder_trained, stage_rank=stage_rank)
-    pos, done = [0] * S, set()
-    ranks: list[list[Action]] = [[] for _ in range(placement.num_ranks)]
-    while any(pos[s] < len(table.ranks[s]) for s in range(S)):
-        before = sum(pos)
-        for r in range(len(ranks)):
-            for s in (s for s in range(S) if stage_rank[s] == r):
-                if pos[s] < len(table.ranks[s]) and set(table.producers(table.ranks[s][pos[s]])) <= done:
-                    ranks[r].append(table.ranks[s][pos[s]])
-                    done.add(table.ranks[s][pos[s]])
-                    pos[s] += 1
-                    break
-        assert sum(pos) > before, "the schedule cannot be placed on these ranks"
-    return replace(table, placement=placement, ranks=tuple(map(tuple, ranks)), max_in_flight=None).validate()
 
 
 def loader(model, data, gbs, groups_of):
@@ -322,6 +303,58 @@ def separated_swapped(rank, world, data, opts):
     reference_step(ref_encoder, whole, batch)
     ref = grads({0: whole}, {0: ref_encoder})
     return {"worst_rel": max(rel_err(g, ref[n]) for n, g in grads(stages, chunks).items()), "loss": res.loss}
+
+
+class _Recorded:
+    """A work that logs, when waited on, which receive buffers its completion covers."""
+
+    def __init__(self, works, recv_buffers, log):
+        self.works, self.recv_buffers, self.log = works, recv_buffers, log
+
+    def wait(self, *args):
+        self.log.append(self.recv_buffers)
+        for w in self.works:
+            w.wait(*args)
+        return True
+
+
+def message_waits(rank, world, data, opts):
+    """A plan on ``world`` ranks (a middle rank receives activations from one side and gradients
+    from the other) with every point-to-point call recorded, and ``batch_isend_irecv`` returning one
+    work for its whole batch as NCCL's does: per wait, the receive buffers it covers; per message,
+    the ranks of its group."""
+    model, stages, ex, stage_rank = setup(rank, world, opts)
+    meta = loader(model, data, 12, None).meta(0)
+    plan = plan_for(model, meta, packer="balanced", mbs=1, stage_rank=stage_rank)
+    batch = batch_for(model, data, 12, plan)
+    waits, groups = [], []
+
+    def single(fn, recv):
+        def call(tensor, *args, group=None, **kwargs):
+            groups.append(sorted(dist.get_process_group_ranks(group)) if group is not None else list(range(world)))
+            return _Recorded([fn(tensor, *args, group=group, **kwargs)], [id(tensor)] if recv else [], waits)
+        return call
+
+    def coalesced(ops):
+        works = dist.batch_isend_irecv([dist.P2POp(real[op.op], op.tensor, group=op.group, tag=op.tag, group_peer=op.group_peer) for op in ops])
+        return [_Recorded(works, [id(op.tensor) for op in ops if real[op.op] is dist.irecv], waits)] * len(ops)
+
+    class P2POp:  # torch's checks its op against the real functions
+        def __init__(self, op, tensor, group=None, tag=0, group_peer=None):
+            self.op, self.tensor, self.group, self.tag, self.group_peer = op, tensor, group, tag, group_peer
+
+    recorded = SimpleNamespace(**{k: getattr(dist, k) for k in dir(dist) if not k.startswith("__")})
+    recorded.isend, recorded.irecv, recorded.batch_isend_irecv, recorded.P2POp = single(dist.isend, False), single(dist.irecv, True), coalesced, P2POp
+    real = {recorded.isend: dist.isend, recorded.irecv: dist.irecv}
+    executor_module.dist = recorded
+    try:
+        res = ex.run(batch, plan)
+    finally:
+        executor_module.dist = dist
+    steps = lower(plan.table(), rank)
+    mixed = [s for s in steps if isinstance(s, Post) and len({t.message.dst.op for t in s.transfers if t.direction is Direction.RECV}) > 1]
+    return {"waits_covering": [len(w) for w in waits if w], "wait_steps": sum(isinstance(s, Wait) for s in steps),
+            "posts_with_forward_and_backward_receives": len(mixed), "groups": groups, "loss": res.loss}
 
 
 def main() -> None:

@@ -15,19 +15,19 @@ WORKER = Path(__file__).with_name("pipeline_worker.py")
 pytestmark = pytest.mark.timeout(150)  # on top of each rank's own timeout (run_ranks) and its gloo timeout
 
 
-def run_ranks(scenario: str, data: Path, out: Path, timeout: float = 60.0, expect_ok: bool = True, **opts) -> list:
-    """Both ranks of ``scenario``; a rank still running after ``timeout`` seconds (a hang) fails the
+def run_ranks(scenario: str, data: Path, out: Path, timeout: float = 60.0, expect_ok: bool = True, world: int = 2, **opts) -> list:
+    """The ``world`` ranks of ``scenario``; a rank still running after ``timeout`` seconds (a hang) fails the
     test. With ``expect_ok=False``, returns each rank's exit code (None: killed after the timeout)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1",
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(map(str, (WORKER.parents[2], WORKER.parents[1])))}  # the checkout under test
            # (not an installed copy) and the shared test helpers
     procs = [
         subprocess.Popen([sys.executable, str(WORKER), scenario, str(data), str(out), json.dumps(opts)], env={**env, "RANK": str(r)},
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for r in range(2)
+        for r in range(world)
     ]
     logs = []
     try:
@@ -45,7 +45,7 @@ def run_ranks(scenario: str, data: Path, out: Path, timeout: float = 60.0, expec
         return [p.poll() if p.returncode is not None else None for p in procs]
     for r, p in enumerate(procs):
         assert p.returncode == 0, f"rank {r} failed:\n{logs[r][-3000:]}"
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 
 # fp32: the same maths, summed in another order (observed <= 3e-7); bf16: see test_bf16_gradients_match_the_bf16_reference
@@ -334,3 +334,16 @@ def test_a_model_built_for_another_layout_is_refused_before_any_message(datamix2
             PlanExecutor(stages, two_cuts, dim=model.backbone.dim, rank=0, image_shapes=shapes).run(batch, plan)
     finally:
         dist.destroy_process_group()
+
+
+def test_each_wait_blocks_on_its_own_message_only(datamix2_dir, tmp_path):
+    """Three ranks, 1F1B, strict order: the middle rank posts receives of a forward's activation and
+    of a backward's gradient together. With ``batch_isend_irecv`` made to return one work per batch
+    (as NCCL's does), a wait must still cover exactly its own receive, and every message must go
+    over a two-rank group of its pair (so that another peer's message never queues in front)."""
+    ranks = run_ranks("message_waits", datamix2_dir, tmp_path, world=3, strict=True)
+    assert ranks[1]["posts_with_forward_and_backward_receives"] > 0  # the case the old grouping got wrong
+    for r, res in enumerate(ranks):
+        assert res["waits_covering"] == [1] * res["wait_steps"], f"rank {r}"
+        assert res["groups"] and all(len(g) == 2 and r in g for g in res["groups"]), f"rank {r}: {res['groups']}"
+    assert ranks[2]["loss"] > 0

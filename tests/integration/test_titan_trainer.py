@@ -67,7 +67,8 @@ def test_step_one_gradients_equal_the_unsplit_model(job, tmp_path, monkeypatch, 
     finds it faster on this machine's table; pre-computation's gradients are proven for any placement
     in test_pipeline_runtime); ``separated``: DIP's layout with a trained encoder cut into chunks on both ranks
     and padded image sub-microbatches. Every parameter's gradient (none of them zero) equals the
-    unsplit model's."""
+    unsplit model's, and no rank's action loop synchronised host and device (counted as on a GPU:
+    ``runtime.host_sync``)."""
     from torchtitan.distributed import utils as dist_utils
 
     monkeypatch.setattr(dist_utils, "_spmd_backend", "partial_dtensor")
@@ -75,12 +76,13 @@ def test_step_one_gradients_equal_the_unsplit_model(job, tmp_path, monkeypatch, 
     extra = ["--pipetune.no-freeze_vision_encoder", "--pipetune.latency_table", str(job / "table_trained.json")] if trained else []
     # no gradient clipping: the gradients compared are the step's own, before TorchTitan scales them
     _torchrun([str(WORKER), str(tmp_path)] + _args(job, tmp_path / "dump", "--training.steps", "1", "--pipetune.layout", layout,
-                                                   "--training.max_norm", "1e9", *extra))
+                                                   "--training.max_norm", "1e9", "--pipetune.count_host_syncs", *extra))
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     batch = ranks[0]["batch"]
     assert any(mb.num_images for mb in batch.micro_batches), "the batch should exercise the vision encoder"
     record = _records(tmp_path / "dump")[0]
     assert record.separated == trained
+    assert record.host_syncs == [0, 0]
     weights = {k: v for r in ranks for k, v in r["weights"].items()}
     reference = _unsplit_gradients(weights, batch, trained=trained)
     pipelined = {k: v for r in ranks for k, v in r["grads"].items()}

@@ -5,8 +5,9 @@ pair of ranks, posted operations complete in posting order on both sides, a send
 together with its matching receive (rendezvous, no buffering), and a rank blocks only on ``Wait``
 (and, with ``blocking_send``, also until the sends of a ``Post`` complete). A pair whose heads are
 not the two halves of one message can never complete: that is the deadlock NCCL would hit.
+The runtime sends each message on a two-rank group of its pair (``run_in_order``'s model);
 ``run_one_queue_per_rank`` serialises all of a rank's transfers, to any peer, on one queue of
-groups (NCCL runs ``batch_isend_irecv`` groups on one communicator and stream).
+groups, as NCCL would with every message on the pipeline's one communicator and stream.
 """
 
 from __future__ import annotations
@@ -223,7 +224,7 @@ def test_one_micro_batch_two_stages_each_side_in_order():
     steps = check(Schedule.ONE_F_ONE_B.build(2, [0]))
     f = Message(Action(0, Op.FORWARD, 0), Action(1, Op.FORWARD, 0))
     b = Message(Action(1, Op.BACKWARD, 0), Action(0, Op.BACKWARD, 0))
-    # rank 0 posts its send and the receive of the gradient together (one batch_isend_irecv)
+    # rank 0 posts its send and the receive of the gradient together
     assert steps[0] == [Compute(Action(0, Op.FORWARD, 0)), Post((Transfer(Direction.SEND, f, 1), Transfer(Direction.RECV, b, 1))),
                         Wait(b), Compute(Action(0, Op.BACKWARD, 0))]
     assert pair_sequences(steps)[(0, 1)] == [(Direction.SEND, f), (Direction.RECV, b)]

@@ -46,6 +46,15 @@ class PackedMicroBatch:
     def num_label_tokens(self) -> int:
         return int((self.labels != IGNORE_INDEX).sum())
 
+    @property
+    def image_spans(self) -> tuple[tuple[int, int], ...]:
+        """``(start, length)`` of every run of consecutive image-token positions, in order: where
+        stage 0 writes the image features, read on the host before a step (a device-side search
+        for them, as TorchTitan's ``_vision_spans`` does, syncs the device every forward)."""
+        idx = self.image_token_index.numpy()
+        runs = np.split(idx, np.flatnonzero(np.diff(idx) != 1) + 1) if idx.size else []
+        return tuple((int(r[0]), len(r)) for r in runs)
+
     def to(self, device) -> "PackedMicroBatch":
         return PackedMicroBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 

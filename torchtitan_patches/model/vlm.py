@@ -115,6 +115,18 @@ class Projector(nn.Module):
         return self.fc2(F.gelu(self.fc1(features)))
 
 
+def scatter_spans(x: torch.Tensor, features: torch.Tensor, spans: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """``x`` ``(1, L, dim)`` with ``features`` ``(n, dim)`` written, in order, over the token
+    ``spans`` (``(start, length)``, host ints: no device search for the image tokens)."""
+    if sum(n for _, n in spans) != features.shape[0]:
+        raise ValueError(f"the image token spans hold {sum(n for _, n in spans)} positions for {features.shape[0]} image feature tokens")
+    at = 0
+    for start, n in spans:
+        x[0, start:start + n] = features[at:at + n]
+        at += n
+    return x
+
+
 class BackboneStage(nn.Module):
     """Decoder layers ``[first_layer, last_layer)``; the first stage (``first_layer == 0``) also
     embeds tokens and projects image features, the last applies the final norm and the output head.
@@ -163,7 +175,7 @@ class BackboneStage(nn.Module):
         positions: torch.Tensor,
         masks: VarlenMetadata,
         image_features: torch.Tensor | None = None,
-        image_token_index: torch.Tensor | None = None,
+        image_spans: tuple[tuple[int, int], ...] = (),
     ) -> torch.Tensor:
         if self.is_first:
             x = self.tok_embeddings(x)
@@ -171,7 +183,7 @@ class BackboneStage(nn.Module):
                 if self.projector is None:
                     raise ValueError("image features given to a text-only model")
                 projected = self.projector(image_features.flatten(0, 1)).to(x.dtype)
-                x = x.index_put((torch.zeros_like(image_token_index), image_token_index), projected)
+                x = scatter_spans(x, projected, image_spans)
         for layer in self.layers:
             x = layer(x, masks, positions)
         if self.is_last:

@@ -23,9 +23,13 @@ length, the order is arbitrary, and a rank may hold chunks of two modules whose 
   rows before its features leave, so padding changes no loss and no gradient (the padding rows'
   gradients are exactly zero);
 * messages follow ``pipetune.schedule.lowering``: between every pair of ranks both sides post
-  them in the same order, so a transport that ignores tags (NCCL) runs any plan; each ``Post`` is
-  one ``batch_isend_irecv``. ``strict_order=True`` gives every message the same tag, so gloo
-  matches by order as NCCL does (the tests run that way);
+  them in the same order, so a transport that ignores tags (NCCL) runs any plan. Each message is
+  its own ``isend`` / ``irecv`` on a two-rank group of its pair (``PeerGroups``), so a ``Wait``
+  blocks on its own message only: not on messages posted with it (NCCL's ``batch_isend_irecv``
+  returns one work for its whole group), nor on other peers' messages (NCCL runs a communicator's
+  operations on one stream, in order). On an in-order transport a message still follows the
+  earlier messages of its own pair, which the lowering orders. ``strict_order=True`` gives every
+  message the same tag, so gloo matches by order as NCCL does (the tests run that way);
 * messages carry the compute dtype (``compute_dtype``, the same on every rank and part of the
   plan digest); with bf16, chunks run under ``torch.autocast`` as TorchTitan does without FSDP:
   fp32 master weights and gradients, bf16 matmuls, fp32 residual stream and loss. Backbone
@@ -62,9 +66,10 @@ from __future__ import annotations
 
 import hashlib
 import time
-from contextlib import nullcontext
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -78,6 +83,8 @@ from pipetune.simulate.simulator import TimedAction
 from torchtitan_patches.data.micro_batch import GlobalBatch, PackedMicroBatch
 from torchtitan_patches.model.packed_attention import varlen_metadata
 from torchtitan_patches.model.vlm import BackboneStage, token_loss_sum
+from torchtitan_patches.runtime.host_sync import HostSyncCounter
+from torchtitan_patches.runtime.peer_groups import PeerGroups
 from torchtitan_patches.runtime.timing import Clock
 
 MAX_MICRO_BATCHES = 1 << 16
@@ -109,13 +116,15 @@ class StepResult:
     on this rank (digest + lowering; the digest exchange itself is a synchronisation point, not
     counted); ``peak_bytes`` the most memory the device's allocator held during the step (CUDA's
     ``max_memory_allocated``: weights, gradients and optimizer state included; None on CPU), to
-    set beside the plan's ``peak_bytes``."""
+    set beside the plan's ``peak_bytes``; ``host_syncs`` the host-device synchronisations of the
+    step's action loop (None: not counted)."""
 
     losses: dict[int, float] = field(default_factory=dict)
     timeline: list[TimedAction] = field(default_factory=list)
     elapsed_s: float = 0.0
     overhead_s: float = 0.0
     peak_bytes: float | None = None
+    host_syncs: int | None = None
 
     @property
     def loss(self) -> float | None:
@@ -155,6 +164,9 @@ class PlanExecutor:
     ``sequence_shards``: tensor-parallel ranks that split a backbone activation's sequence
     (sequence parallelism: every micro-batch's length is a multiple of it, and each rank's
     pipeline carries its ``1 / sequence_shards`` of the tokens); 1 otherwise.
+    ``timeout`` bounds the creation of the pairs' message groups (``PeerGroups``) and their
+    operations (default: torch's). ``count_host_syncs``: count the synchronisations of each step's
+    action loop (``runtime.host_sync``: a check, with overhead on CPU) into ``StepResult.host_syncs``.
     ``control_group`` carries the per-step digest exchange (default: ``group``; on NCCL pass a
     gloo group); it may span several replicas (``replica``: the data-parallel replica whose plan
     this rank runs; only ranks of one replica must agree). ``device`` defaults to the stages'.
@@ -176,6 +188,8 @@ class PlanExecutor:
         replica: int = 0,
         sequence_shards: int = 1,
         loss_fn: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
+        timeout: timedelta | None = None,
+        count_host_syncs: bool = False,
     ):
         self.stages = stages
         self.encoder = dict(encoder) if isinstance(encoder, dict) else {} if encoder is None else {0: encoder}
@@ -192,6 +206,8 @@ class PlanExecutor:
         self.loss_fn = loss_fn or (lambda logits, labels, normaliser: token_loss_sum(logits, labels) / normaliser)
         self.encoder_trained = any(p.requires_grad for chunk in self.encoder.values() for p in chunk.parameters())
         self.clock = Clock(self.device)
+        self.peers = PeerGroups(group, timeout=timeout)
+        self.count_host_syncs = count_host_syncs
 
     def _autocast(self):
         if self.compute_dtype == torch.float32:
@@ -270,13 +286,29 @@ class PlanExecutor:
         steps = lower(table, self.rank)
         overhead = time.perf_counter() - t0
         self.check_consistent(batch, plan, digests)
+        self.peers.make()
         cuda = self.device.type == "cuda"
         if cuda:  # allocator statistics, kept on the host: no device synchronisation
             torch.cuda.reset_peak_memory_stats(self.device)
         timeline = self.clock.timeline()
         timeline.start()
         st = _StepState(batch, plan, table, StepResult(overhead_s=overhead), self._on_device(batch, plan), images)
-        done: list[Action] = []
+        counter = HostSyncCounter(self.device) if self.count_host_syncs else None
+        with counter or nullcontext():
+            done = self._loop(st, steps, timeline)
+        st.res.host_syncs = counter.count if counter is not None else None
+        spans, st.res.elapsed_s = timeline.finish()
+        st.res.peak_bytes = float(torch.cuda.max_memory_allocated(self.device)) if cuda else None
+        if st.losses:
+            st.res.losses = dict(zip(st.losses, torch.stack(list(st.losses.values())).tolist()))
+        precomputed = _precomputed(plan, self.rank)
+        st.res.timeline = [TimedAction(self.rank, a, s, e, precomputed=a in precomputed) for a, (s, e) in zip(done, spans)]
+        return st.res
+
+    def _loop(self, st: "_StepState", steps: list, timeline) -> list[Action]:
+        """The step's hot loop: this rank's lowered steps in order, then its sends' completion;
+        returns the compute actions in the order they ran."""
+        done = []
         for step in steps:
             match step:
                 case Post():
@@ -294,13 +326,7 @@ class PlanExecutor:
                     done.append(a)
         for work, _ in st.sends:
             work.wait()
-        spans, st.res.elapsed_s = timeline.finish()
-        st.res.peak_bytes = float(torch.cuda.max_memory_allocated(self.device)) if cuda else None
-        if st.losses:
-            st.res.losses = dict(zip(st.losses, torch.stack(list(st.losses.values())).tolist()))
-        precomputed = _precomputed(plan, self.rank)
-        st.res.timeline = [TimedAction(self.rank, a, s, e, precomputed=a in precomputed) for a, (s, e) in zip(done, spans)]
-        return st.res
+        return done
 
     def _on_device(self, batch: GlobalBatch, plan: IterationPlan) -> list[dict]:
         """Per micro-batch, the tensors this rank's chunks use, moved to the device (non-blocking),
@@ -311,7 +337,7 @@ class PlanExecutor:
         for mb in batch.micro_batches:
             d = {"positions": mb.positions[None], "masks": varlen_metadata(mb.cu_seqlens, self.device)}
             if first:
-                d.update(tokens=mb.tokens[None], image_token_index=mb.image_token_index)
+                d.update(tokens=mb.tokens[None], image_spans=mb.image_spans)
             if pixels:
                 d["pixel_values"] = mb.pixel_values
             if last:
@@ -330,30 +356,17 @@ class PlanExecutor:
                 return (st.images[m.unit][2], *self.image_shapes.features)
 
     def _post(self, st: "_StepState", post: Post) -> None:
-        """Every post, even of one message, is a ``batch_isend_irecv``: torch's NCCL backend may
-        run batched and single point-to-point calls on different communicators, and the order
-        shared by two ranks holds only within one (the lowering test simulates both one queue
-        per pair and one queue per rank)."""
-        ops, recv_bufs = [], []
+        """Every transfer of ``post`` as its own operation on its pair's group: one work per message."""
         for t in post.transfers:
             m = t.message
+            group, peer = self.peers.of(t.peer)
             tag = 0 if self.strict_order else _tag(m)
             if t.direction is Direction.SEND:
-                ops.append(dist.P2POp(dist.isend, st.outbox.pop(m), group=self.group, tag=tag, group_peer=t.peer))
+                tensor = st.outbox.pop(m)
+                st.sends.append((dist.isend(tensor, group=group, group_dst=peer, tag=tag), tensor))
             else:
                 tensor = torch.empty(self._shape(st, m), dtype=self.compute_dtype, device=self.device)
-                ops.append(dist.P2POp(dist.irecv, tensor, group=self.group, tag=tag, group_peer=t.peer))
-                recv_bufs.append((m, tensor))
-        works = dist.batch_isend_irecv(ops)
-        if len(works) != len(ops):  # a coalescing backend (NCCL) returns one work for the whole batch
-            works = works * len(ops)
-        recv_at = iter(recv_bufs)
-        for t, op, work in zip(post.transfers, ops, works):
-            if t.direction is Direction.SEND:
-                st.sends.append((work, op.tensor))
-            else:
-                m, buf = next(recv_at)
-                st.recvs[m] = (work, buf)
+                st.recvs[m] = (dist.irecv(tensor, group=group, group_src=peer, tag=tag), tensor)
 
     def _take(self, st: "_StepState", a: Action) -> dict[Action, torch.Tensor | None]:
         """What ``a`` consumes from other chunks, by producing action: received messages and
@@ -431,7 +444,7 @@ class PlanExecutor:
         if stage.is_first:
             x = d["tokens"]
             if st.plan.encoder:
-                kwargs.update(image_features=self._image_features(st, j, got), image_token_index=d["image_token_index"])
+                kwargs.update(image_features=self._image_features(st, j, got), image_spans=d["image_spans"])
         else:
             (x,) = got.values()
             x.requires_grad_(True)

@@ -31,7 +31,7 @@ def reference_step(encoder: VisionEncoder | None, whole: BackboneStage, batch: G
                 with torch.set_grad_enabled(any(p.requires_grad for p in encoder.parameters())):
                     feats = encoder(mb.pixel_values)
             logits = whole(mb.tokens[None], positions=mb.positions[None], masks=varlen_metadata(mb.cu_seqlens.cpu(), device),
-                           image_features=feats, image_token_index=mb.image_token_index)
+                           image_features=feats, image_spans=mb.image_spans)
         loss = token_loss_sum(logits, mb.labels[None]) / batch.num_label_tokens
         loss.backward()
         total += loss.detach()

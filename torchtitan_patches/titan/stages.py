@@ -25,7 +25,8 @@ itself, through the encoder's own helpers: the first chunk embeds and permutes, 
 rebuilds the 2D RoPE table and masks of its images (a function of the patch grid, no
 parameters), the last un-permutes, normalises and merges. Between chunks an image is its
 ``(patches, latent_dim)`` hidden state in the window-permuted order. A chunk holding the whole
-encoder (the co-located layout) calls the encoder's own ``forward``.
+encoder (the co-located layout) runs the same way: the encoder's own ``forward`` reads its grids
+on the host and rebuilds masks and permutations every call (device syncs), the chunk keeps them.
 
 Images arrive as pixels ``(N, C, H, W)`` and are cut into the encoder's patches here:
 ``patch_temporal`` copies of a still image, each patch flattened channel-major, patches in raster
@@ -43,17 +44,24 @@ from torchtitan.models.muse_glimmer.vision_encoder import MuseGlimmerVisionEncod
 from torchtitan_patches.data.micro_batch import IMAGE_TOKEN_ID
 
 
-def patchify(pixels: torch.Tensor, patch_size: int, temporal: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(N, C, H, W)`` -> ``(N, P, C * temporal * patch**2)`` patches and ``(N, 3)`` grids."""
+def patch_rows(pixels: torch.Tensor, patch_size: int, temporal: int) -> torch.Tensor:
+    """``(N, C, H, W)`` -> ``(N, P, C * temporal * patch**2)`` patches."""
     n, c, h, w = pixels.shape
     gh, gw = h // patch_size, w // patch_size
     x = pixels.reshape(n, c, gh, patch_size, gw, patch_size).permute(0, 2, 4, 1, 3, 5)
     x = x[:, :, :, :, None].expand(n, gh, gw, c, temporal, patch_size, patch_size)
-    return x.reshape(n, gh * gw, c * temporal * patch_size * patch_size), _grids(n, gh, gw, pixels.device)
+    return x.reshape(n, gh * gw, c * temporal * patch_size * patch_size)
 
 
-def _grids(n: int, gh: int, gw: int, device) -> torch.Tensor:
-    return torch.tensor([[1, gh, gw]] * n, dtype=torch.long, device=device)
+def patchify(pixels: torch.Tensor, patch_size: int, temporal: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Patches and ``(N, 3)`` grids (on the host), the input TorchTitan's data pipeline gives the
+    encoder's own ``forward`` (the stock loader's batches, the tests' unsplit reference)."""
+    n, _, h, w = pixels.shape
+    return patch_rows(pixels, patch_size, temporal), _grids(n, h // patch_size, w // patch_size)
+
+
+def _grids(n: int, gh: int, gw: int) -> torch.Tensor:
+    return torch.tensor([[1, gh, gw]] * n, dtype=torch.long)
 
 
 def keep_encoder_chunks(encoder: MuseGlimmerVisionEncoder, chunk_ranges, local) -> None:
@@ -92,15 +100,15 @@ class TitanEncoderChunk(nn.Module):
         self.is_first, self.is_last = lo == 0, hi == num_layers
         self.num_layers, self.grid = num_layers, image_grid
         self._constants: dict = {}
+        device = encoder.rope_freq.inv_freq.device
+        if device.type != "meta":  # made now, not in a training step's first forward (building them syncs the device)
+            self._geometry(1, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         enc, n, g = self.encoder, x.shape[0], self.grid
-        if self.is_first and self.is_last:
-            patches, grid = patchify(x, enc.patch_size, enc.patch_temporal)
-            return enc(patches, grid_thw=grid).view(n, -1, enc.output_dim)
         perm, inv, rope, masks = self._geometry(n, x.device)
         if self.is_first:
-            patches, _ = patchify(x, enc.patch_size, enc.patch_temporal)
+            patches = patch_rows(x, enc.patch_size, enc.patch_temporal)
             patches = reorder_patch_vector(patches.to(enc.conv1_linear.weight.dtype), patch_size=enc.patch_size,
                                            patch_temporal=enc.patch_temporal)
             x = enc.conv1_linear(patches)
@@ -121,21 +129,25 @@ class TitanEncoderChunk(nn.Module):
 
     def _geometry(self, n: int, device) -> tuple:
         """Window permutation and its inverse (None without windows), RoPE table (in the permuted
-        order) and (windowed, global) masks of ``n`` images of the grid, made by the encoder's own
-        helpers as its ``forward`` makes them; constants of ``(n, device)``, kept."""
-        key = (n, str(device))
+        order) and (windowed, global) masks for ``n`` images of the grid, made by the encoder's own
+        helpers as its ``forward`` makes them. Every image has the same grid, so they are made once
+        per device for one image (the encoder's ``forward`` reads its grids on the host every call)
+        and expanded to ``n`` (views: no copy, no device work)."""
+        key = str(device)
         if key not in self._constants:
             enc, g = self.encoder, self.grid
-            P, grids = g * g, _grids(n, g, g, device).tolist()
-            rope = enc._make_2d_rope(g, g, device)[None, :, None].expand(n, P, 1, -1)
+            P = g * g
+            rope = enc._make_2d_rope(g, g, device)[None, :, None]
             perm = inv = None
-            win_id = torch.full((n, P), -1, device=device, dtype=torch.int32)
+            win_id = torch.full((1, P), -1, device=device, dtype=torch.int32)
             if enc.sparse_attention_factor > 1:
-                perm, inv, win_id = enc._compute_sparse_perm_winid(grids, P, device)
+                perm, inv, win_id = enc._compute_sparse_perm_winid([[1, g, g]], P, device)
                 rope = _vision_token_permute(rope, perm)
-            full, sparse = enc._build_padded_masks(torch.full((n,), P, device=device), win_id, P, device)
+            full, sparse = enc._build_padded_masks(torch.full((1,), P, device=device), win_id, P, device)
             self._constants[key] = perm, inv, rope, (sparse, full)
-        return self._constants[key]
+        perm, inv, rope, masks = self._constants[key]
+        many = lambda t: t.expand(n, *t.shape[1:]) if t is not None else None  # noqa: E731
+        return many(perm), many(inv), many(rope), tuple(map(many, masks))
 
 
 def encoder_chunks(part: nn.Module, chunk_ranges, local, *, image_grid: int) -> dict[int, TitanEncoderChunk]:
@@ -153,16 +165,19 @@ class TitanStage(nn.Module):
         super().__init__()
         self.part = part
         self.is_first, self.is_last = is_first, is_last
-        self.grid = image_grid
+        self._grid_row = _grids(1, image_grid, image_grid)  # on the host: the features' hook below never reads it
 
-    def forward(self, x, *, positions, masks, image_features: torch.Tensor | None = None, image_token_index=None):
+    def forward(self, x, *, positions, masks, image_features: torch.Tensor | None = None, image_spans: tuple[tuple[int, int], ...] = ()):
         if image_features is None:
             return self.part(x, positions, masks)
         part = self.part
+        # the model's own hooks, for this call: features through the adapter only (the encoder ran
+        # as its own actions), and the image tokens' spans as the host knows them (no device search)
         part._get_vision_features = lambda pixel_values, grid_thw: part.vision_adapter(pixel_values.flatten(0, 1)).unsqueeze(0)
+        part._vision_spans = lambda vision_mask: [(0, start, n) for start, n in image_spans]
         try:
             return part(x, positions, masks, pixel_values=image_features,
-                        grid_thw=_grids(image_features.shape[0], self.grid, self.grid, image_features.device),
+                        grid_thw=self._grid_row.expand(image_features.shape[0], 3),
                         special_tokens={"image_id": IMAGE_TOKEN_ID})
         finally:
-            del part._get_vision_features
+            del part._get_vision_features, part._vision_spans
