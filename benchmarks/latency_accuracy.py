@@ -29,7 +29,7 @@ from pipetune.config import load_model_config  # noqa: E402
 from pipetune.cost import CostModel, StageLayout, load_latency_table  # noqa: E402
 from pipetune.calibrate.action_fit import Observed, calibrate  # noqa: E402
 from pipetune.data import make_mix, write_dataset  # noqa: E402
-from profiling.profile_layers import ProfileConfig, run_profile  # noqa: E402
+from profiling.profile_layers import DTYPES, ProfileConfig, run_profile  # noqa: E402
 from profiling.stage_timing import StageTimer, observe, sample_micro_batches  # noqa: E402
 
 MAX_SEQ_LEN = 512
@@ -53,6 +53,7 @@ def main() -> None:
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--calib", type=int, default=8, help="micro-batches per mix used to fit calibration")
     ap.add_argument("--passes", type=int, default=5)
+    ap.add_argument("--samples", type=int, default=5000, help="samples per generated data mix")
     args = ap.parse_args()
     torch.set_num_threads(1)
     model = load_model_config("tiny")
@@ -64,11 +65,11 @@ def main() -> None:
         table = run_profile(model, cfg, work / "tiny_cpu.json", progress=False)
     layout = StageLayout.even(model.backbone.n_layers, args.stages)
     cost = CostModel(table, layout)
-    timer = StageTimer(model, layout, max_seq_len=4 * MAX_SEQ_LEN)
+    timer = StageTimer(model, layout, max_seq_len=4 * MAX_SEQ_LEN, compute_dtype=DTYPES[table.dtype])  # the table's device kind and dtype
 
     per_mix = {}
     for k, mix in enumerate(("datamix1", "datamix2", "datamix3")):
-        write_dataset(make_mix(mix, 5000, seed=k), work / mix, {"seed": k})
+        write_dataset(make_mix(mix, args.samples, seed=k), work / mix, {"seed": k})
         samples = sample_micro_batches(model, work / mix, args.per_mix, max_seq_len=MAX_SEQ_LEN, seed=k)
         obs = observe(timer, samples, passes=args.passes)
         calib_shapes = {id(shapes) for shapes, _ in samples[: args.calib]}
