@@ -1,8 +1,9 @@
 """Sample metadata as a struct of numpy arrays, and the policy for samples that do not fit.
 
 A sample is (id, source, text tokens, images, tokens per image). Its packed sequence is its text
-with each image's tokens inserted at a text offset (``image_offsets``, ascending), so its length is
-``text_tokens + num_images * tokens_per_image``. Everything downstream (packing, cost, planning)
+with each image's tokens inserted at a text offset (``image_offsets``, ascending), each image
+bracketed by ``image_markers`` vision start/end tokens (raw text tokenized with a tokenizer that has
+them), so its length is ``text_tokens + num_images * (tokens_per_image + image_markers)``. Everything downstream (packing, cost, planning)
 sees only these arrays; tensors are built from them later, by the runtime.
 """
 
@@ -35,6 +36,8 @@ class SampleTable:
 
     ``image_offsets`` is stored flat with ``image_ptr`` (CSR): the offsets of sample ``i`` are
     ``image_offsets[image_ptr[i]:image_ptr[i + 1]]`` and there are ``num_images[i]`` of them.
+    ``image_markers`` (0 or 2) are the positions each image takes besides its tokens (its vision
+    start/end): neither label targets nor image tokens.
     """
 
     ids: np.ndarray
@@ -45,6 +48,7 @@ class SampleTable:
     image_offsets: np.ndarray
     image_ptr: np.ndarray
     tokens_per_image: np.ndarray
+    image_markers: int = 0
 
     @classmethod
     def build(
@@ -57,6 +61,7 @@ class SampleTable:
         num_images,
         image_offsets=None,
         tokens_per_image: int | np.ndarray = 0,
+        image_markers: int = 0,
     ) -> "SampleTable":
         """Build from per-sample lists. ``image_offsets`` defaults to every image before the text."""
         ids = np.asarray(ids, dtype=np.int64)
@@ -81,6 +86,7 @@ class SampleTable:
             image_offsets=flat,
             image_ptr=ptr,
             tokens_per_image=tpi,
+            image_markers=image_markers,
         )
         table.validate()
         return table
@@ -90,8 +96,8 @@ class SampleTable:
 
     @property
     def lengths(self) -> np.ndarray:
-        """Packed sequence length of each sample (text + image tokens)."""
-        return self.text_tokens + self.num_images * self.tokens_per_image
+        """Packed sequence length of each sample (text + image tokens and their markers)."""
+        return self.text_tokens + self.num_images * (self.tokens_per_image + self.image_markers)
 
     @property
     def label_tokens(self) -> np.ndarray:
@@ -141,6 +147,8 @@ class SampleTable:
         for a in (self.ids, self.source, self.text_tokens, self.num_images, self.image_offsets):
             h.update(np.ascontiguousarray(a, dtype=np.int64).tobytes())
             h.update(b"|")
+        if self.image_markers:
+            h.update(f"markers={self.image_markers}".encode())
         return h.hexdigest()
 
     def take(self, idx: np.ndarray) -> "SampleTable":
@@ -159,6 +167,7 @@ class SampleTable:
             image_offsets=self.image_offsets[gather],
             image_ptr=ptr,
             tokens_per_image=self.tokens_per_image[idx],
+            image_markers=self.image_markers,
         )
 
     def with_tokens_per_image(self, tokens_per_image: int) -> "SampleTable":
@@ -251,7 +260,7 @@ def apply_overlong_policy(table: SampleTable, max_seq_len: int, policy: Overlong
         i = over[0]
         raise ValueError(
             f"sample id={table.ids[i]} is {lengths[i]} tokens ({table.text_tokens[i]} text + "
-            f"{table.num_images[i]} images x {table.tokens_per_image[i]}), longer than max_seq_len={max_seq_len} "
+            f"{table.num_images[i]} images x {table.tokens_per_image[i] + table.image_markers}), longer than max_seq_len={max_seq_len} "
             f"({len(over)} such samples in this batch; set the overlong policy to truncate or reject)"
         )
     if policy is Overlong.REJECT:
@@ -274,6 +283,7 @@ def apply_overlong_policy(table: SampleTable, max_seq_len: int, policy: Overlong
         num_images=nimg[keep],
         image_offsets=[table.offsets_of(i)[: nimg[i]] for i in keep],
         tokens_per_image=table.tokens_per_image[keep],
+        image_markers=table.image_markers,
     )
     cut = int(lengths.sum() - out.lengths.sum())
     return out, OverlongReport(
@@ -288,7 +298,7 @@ def apply_overlong_policy(table: SampleTable, max_seq_len: int, policy: Overlong
 def _truncate_one(table: SampleTable, i: int, max_seq_len: int) -> tuple[int, int]:
     """Longest prefix of sample ``i`` within ``max_seq_len``, never splitting an image: (text tokens
     kept, images kept); 0 text tokens when the images before its first text token fill the budget."""
-    tpi = int(table.tokens_per_image[i])
+    tpi = int(table.tokens_per_image[i]) + table.image_markers
     offsets = table.offsets_of(i).tolist()
     room, prev = max_seq_len, 0
     for j, off in enumerate(offsets):

@@ -9,13 +9,15 @@ files. One row is one sample:
 | ``id``          | int         | unique sample id (default: row number)                              |
 | ``source``      | str         | corpus name (default ``"user"``)                                    |
 | ``input_ids``   | list[int]   | pre-tokenized text (preferred for real data)                        |
-| ``text``        | str         | raw text; ``<image>`` marks where each image goes; byte-tokenized   |
+| ``text``        | str         | raw text; ``<image>`` marks where each image goes (see below)       |
 | ``text_tokens`` | int         | length only; token ids are synthesized from the id (generated data) |
 | ``images``      | list[str]   | image files, relative to the data file's directory                  |
 | ``num_images``  | int         | image count when there are no files (pixels are synthesized)        |
 | ``image_offsets`` | list[int] | text offset of each image (default: all images before the text)    |
 
 A row needs one of ``input_ids``, ``text`` or ``text_tokens``; all rows of a file have the same columns.
+Raw ``text`` is tokenized with the job's tokenizer (default pipetune's byte tokenizer) with its
+BOS/EOS, and its images bracketed by its vision start/end tokens (``pipetune.data.text``).
 Loading never drops a row: a bad row (a missing or null value, a non-integral number where an
 integer belongs, a value beyond int64) is an error that names the file, the row (counted from 0
 over the data set's rows) and the column; an unreadable file is an error naming the file.
@@ -32,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from pipetune.data.samples import SampleTable
-from pipetune.data.text import BYTE_VOCAB, IMAGE_PLACEHOLDER, TextEncoder, split_on_images
+from pipetune.data.text import BYTE_TOKENIZER, IMAGE_PLACEHOLDER, TextTokenizer
 
 INFO_FILE = "pipetune.json"
 TEXT_COLUMNS = ("input_ids", "text", "text_tokens")
@@ -55,7 +57,7 @@ class SampleStore:
     content_seed: int
     has_token_ids: bool
     has_image_files: bool
-    encode: TextEncoder | None = None
+    tokenizer: TextTokenizer = BYTE_TOKENIZER
 
     def __len__(self) -> int:
         return len(self.table)
@@ -80,10 +82,11 @@ class SampleStore:
                     f"{self.origin}: row {row} (counted from 0), column 'input_ids': sample id={self.table.ids[row]} has "
                     f"token id {int(flat[k])} outside the vocabulary of {vocab_size}; tokenize with the model's tokenizer"
                 )
-        elif "text" in self.dataset.column_names and self.encode is None and vocab_size < BYTE_VOCAB:
+        elif "text" in self.dataset.column_names and self.tokenizer.vocab_size > vocab_size:
             raise ValueError(
-                f"{self.origin}: raw `text` is byte-tokenized into ids up to {BYTE_VOCAB - 1}, beyond the model's "
-                f"vocabulary of {vocab_size}; store pre-tokenized `input_ids` instead"
+                f"{self.origin}: raw `text` is tokenized by {self.tokenizer.name} into ids up to "
+                f"{self.tokenizer.vocab_size - 1}, beyond the model's vocabulary of {vocab_size}; use a tokenizer that "
+                "fits the model or store pre-tokenized `input_ids` instead"
             )
 
     def rows(self, indices) -> list[dict]:
@@ -145,9 +148,9 @@ def write_dataset(table: SampleTable, out: str | Path, info: dict) -> Path:
     return out
 
 
-def open_dataset(path: str | Path, *, encode: TextEncoder | None = None) -> SampleStore:
+def open_dataset(path: str | Path, *, tokenizer: TextTokenizer = BYTE_TOKENIZER) -> SampleStore:
     """Open any accepted input (see module doc) and derive the metadata of every row; raw ``text``
-    is tokenized with ``encode`` (default: pipetune's byte-level tokenizer)."""
+    is tokenized with ``tokenizer``."""
     import pyarrow as pa
 
     path = Path(path)
@@ -158,7 +161,7 @@ def open_dataset(path: str | Path, *, encode: TextEncoder | None = None) -> Samp
     if len(ds) == 0:
         raise ValueError(f"{path}: the data set has no rows")
     try:
-        table = _metadata(ds, path, encode)
+        table = _metadata(ds, path, tokenizer)
     except (pa.ArrowException, OSError) as e:  # a damaged file found while reading its columns
         raise ValueError(f"{path}: cannot read the data set's rows ({_first_line(e)}); {_REMAKE}") from None
     return SampleStore(
@@ -169,7 +172,7 @@ def open_dataset(path: str | Path, *, encode: TextEncoder | None = None) -> Samp
         content_seed=int(info.get("seed", 0)),
         has_token_ids=bool({"input_ids", "text"} & set(ds.column_names)),
         has_image_files="images" in ds.column_names,
-        encode=encode,
+        tokenizer=tokenizer,
     )
 
 
@@ -317,7 +320,7 @@ def _list_column(ds, path: Path, column: str, *, nullable: bool = False) -> tupl
     return lengths, _ints(flat, path, column, owner=np.repeat(np.arange(len(lengths)), lengths))
 
 
-def _metadata(ds, path: Path, encode: TextEncoder | None = None) -> SampleTable:
+def _metadata(ds, path: Path, tokenizer: TextTokenizer) -> SampleTable:
     import pyarrow as pa
 
     cols = set(ds.column_names)
@@ -340,8 +343,15 @@ def _metadata(ds, path: Path, encode: TextEncoder | None = None) -> SampleTable:
         text_type = ds.data.column("text").type
         if not (pa.types.is_string(text_type) or pa.types.is_large_string(text_type)):
             raise ValueError(f"{_where(path, 0, 'text')}: holds {text_type} values; it needs strings")
-        pieces = [split_on_images(t, encode) for t in ds["text"]]
+        pieces = [tokenizer.split(t) for t in ds["text"]]
         text_tokens = np.fromiter((p.num_tokens for p in pieces), np.int64, n)
+        for i, p in enumerate(pieces):
+            if clash := set(tokenizer.not_text).intersection(p.token_ids):
+                raise ValueError(
+                    f"{_where(path, i, 'text')}: sample id={ids[i]} encodes to the image or vision marker id(s) "
+                    f"{sorted(clash)} of {tokenizer.name}, which only the loader writes; remove those special-token "
+                    f"strings from the text (mark images with {IMAGE_PLACEHOLDER})"
+                )
     else:
         text_tokens = _int_column(ds, path, "text_tokens")
 
@@ -361,10 +371,12 @@ def _metadata(ds, path: Path, encode: TextEncoder | None = None) -> SampleTable:
         if mismatch.any():
             i = int(np.argmax(mismatch))
             raise ValueError(
-                f"{path}: sample id={ids[i]} has {placed[i]} {IMAGE_PLACEHOLDER} placeholders but {num_images[i]} images"
+                f"{_where(path, i, 'text')}: sample id={ids[i]} has {placed[i]} {IMAGE_PLACEHOLDER} placeholders but "
+                f"{num_images[i]} images; give one {IMAGE_PLACEHOLDER} per image"
             )
         num_images = np.where(placed > 0, placed, num_images)
-        offsets = [p.image_offsets if p.image_offsets else [0] * int(k) for p, k in zip(pieces, num_images)]
+        first = int(tokenizer.bos is not None)  # images without placeholders open the text, after its BOS
+        offsets = [p.image_offsets if p.image_offsets else [first] * int(k) for p, k in zip(pieces, num_images)]
     elif "image_offsets" in cols:
         counts, flat = _list_column(ds, path, "image_offsets", nullable=True)
         bad = counts != num_images
@@ -382,6 +394,7 @@ def _metadata(ds, path: Path, encode: TextEncoder | None = None) -> SampleTable:
             text_tokens=text_tokens,
             num_images=num_images,
             image_offsets=offsets,
+            image_markers=tokenizer.image_markers if "text" in cols and "input_ids" not in cols else 0,
         )
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from e

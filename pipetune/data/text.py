@@ -1,9 +1,10 @@
-"""A byte-level tokenizer for raw text rows, so user text works offline with no vocabulary file.
+"""How raw ``text`` rows become token ids: the tokenizer plus the ids the loader writes around them.
 
-Token id = UTF-8 byte + ``BYTE_OFFSET`` (ids below it are reserved). A job with its own tokenizer
-passes its ``encode`` (a ``TextEncoder``) instead: metadata and content are then tokenized with it,
-image placeholders still split the text first, so the tokenizer never sees them. Data can also be
-pre-tokenized into ``input_ids``.
+pipetune's own byte-level tokenizer works offline with no vocabulary file: token id = UTF-8 byte +
+``BYTE_OFFSET``; the ids below it are reserved (0 image, 1 padding, 2/3 vision start/end). A job
+with its own tokenizer passes a ``TextTokenizer`` built from it (``titan.tokenizer.text_tokenizer``):
+metadata and content are then tokenized with it; image placeholders split the text first, so the
+tokenizer never sees them. Data can also be pre-tokenized into ``input_ids`` (taken as stored).
 """
 
 from __future__ import annotations
@@ -34,13 +35,54 @@ def byte_encode(text: str) -> list[int]:
     return [b + BYTE_OFFSET for b in text.encode("utf-8")]
 
 
-def split_on_images(text: str, encode: TextEncoder | None = None) -> TextPieces:
-    """Token ids of ``text`` (``encode``, default bytes) chunk by chunk between image placeholders."""
-    encode = encode or byte_encode
-    ids: list[int] = []
-    offsets: list[int] = []
-    for k, chunk in enumerate(text.split(IMAGE_PLACEHOLDER)):
-        if k:
-            offsets.append(len(ids))
-        ids.extend(encode(chunk))
-    return TextPieces(ids, offsets)
+@dataclass(frozen=True, kw_only=True)
+class TextTokenizer:
+    """A tokenizer for raw text (``encode``: a plain chunk, no special tokens) and its special ids.
+
+    A raw-text document is ``bos, text, eos`` (each of BOS/EOS only if the tokenizer has it, as
+    TorchTitan's text loaders add them); an image is ``vision_start, image x tokens_per_image,
+    vision_end`` (the markers only if the tokenizer has them, both or neither). ``image`` is the
+    id the model finds image positions by; ``pad`` fills the padding document. Pre-tokenized and
+    generated rows get no BOS/EOS or markers (their ids are taken as they are).
+    """
+
+    name: str
+    encode: TextEncoder
+    vocab_size: int
+    image: int
+    pad: int
+    vision_start: int | None = None
+    vision_end: int | None = None
+    bos: int | None = None
+    eos: int | None = None
+
+    def __post_init__(self) -> None:
+        if (self.vision_start is None) != (self.vision_end is None):
+            raise ValueError(f"{self.name}: vision start and end tokens come as a pair; it has only one")
+
+    @property
+    def image_markers(self) -> int:
+        """Sequence positions an image takes besides its image tokens (its start/end markers)."""
+        return 0 if self.vision_start is None else 2
+
+    @property
+    def not_text(self) -> tuple[int, ...]:
+        """Ids that raw text must not encode to (the loader writes them; a text copy would shift images)."""
+        return tuple(i for i in (self.image, self.vision_start, self.vision_end) if i is not None)
+
+    def split(self, text: str) -> TextPieces:
+        """Token ids of ``text`` (with BOS/EOS) chunk by chunk between image placeholders."""
+        ids = [] if self.bos is None else [self.bos]
+        offsets: list[int] = []
+        for k, chunk in enumerate(text.split(IMAGE_PLACEHOLDER)):
+            if k:
+                offsets.append(len(ids))
+            ids.extend(self.encode(chunk))
+        if self.eos is not None:
+            ids.append(self.eos)
+        return TextPieces(ids, offsets)
+
+
+BYTE_TOKENIZER = TextTokenizer(name="pipetune's byte tokenizer", encode=byte_encode, vocab_size=BYTE_VOCAB,
+                               image=0, pad=1, vision_start=2, vision_end=3)
+

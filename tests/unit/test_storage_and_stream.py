@@ -75,7 +75,7 @@ def test_missing_and_empty_inputs(tmp_path):
 
 
 def test_byte_tokenizer_offsets():
-    from pipetune.data.text import split_on_images
+    from pipetune.data.text import BYTE_TOKENIZER
 
-    p = split_on_images("A<image>")
+    p = BYTE_TOKENIZER.split("A<image>")
     assert p.token_ids == [ord("A") + BYTE_OFFSET] and p.image_offsets == [1]

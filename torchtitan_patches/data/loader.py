@@ -29,7 +29,7 @@ from pipetune.data.batch import BatchMeta, batch_meta
 from pipetune.data.samples import Overlong, OverlongTotals
 from pipetune.data.storage import SampleStore, open_dataset
 from pipetune.data.stream import BatchStream
-from pipetune.data.text import TextEncoder
+from pipetune.data.text import BYTE_TOKENIZER, TextTokenizer
 from pipetune.packing.config import PackingConfig
 from torchtitan_patches.data.micro_batch import ContentSpec, GlobalBatch, build_micro_batch, sample_content
 
@@ -140,10 +140,12 @@ class _PackedBatches(torch.utils.data.Dataset):
         rows = self._store.rows(spec.meta.rows)
         contents = [sample_content(table, k, rows[k], self._content) for k in range(len(table))]
         mbs = [build_micro_batch(table, g, [contents[k] for k in g.tolist()], self._content) for g in spec.groups]
-        built, planned = sum(m.num_label_tokens for m in mbs), int(table.label_tokens.sum())
+        built = sum(m.num_label_tokens for m in mbs), sum(int(m.cu_seqlens[len(g)]) for m, g in zip(mbs, spec.groups))
+        planned = int(table.label_tokens.sum()), int(table.lengths.sum())
         if built != planned:
-            raise ValueError(f"step {spec.meta.step}: the built micro-batches hold {built} label tokens, the metadata says {planned}; "
-                             f"the data set's text_tokens do not match its content (rows {spec.meta.rows[:5].tolist()} ...)")
+            raise ValueError(f"step {spec.meta.step}: the built micro-batches hold {built[0]} label tokens in {built[1]} tokens, the "
+                             f"metadata says {planned[0]} in {planned[1]}; the data set's text_tokens do not match its content "
+                             f"(rows {spec.meta.rows[:5].tolist()} ...)")
         return GlobalBatch(step=spec.meta.step, micro_batches=mbs, num_label_tokens=spec.global_label_tokens, overlong=spec.meta.overlong)
 
 
@@ -188,10 +190,10 @@ class DataLoaderConfig:
         packing_source: PackingSource | None = None,
         dp_rank: int = 0,
         dp_size: int = 1,
-        encode: TextEncoder | None = None,
+        tokenizer: TextTokenizer = BYTE_TOKENIZER,
     ) -> "PipeTuneDataLoader":
-        """``encode`` tokenizes raw ``text`` rows (default: pipetune's byte-level tokenizer)."""
-        return PipeTuneDataLoader(self, model, open_dataset(self.data, encode=encode), packing_source, dp_rank, dp_size)
+        """``tokenizer`` tokenizes raw ``text`` rows and gives the image and padding ids."""
+        return PipeTuneDataLoader(self, model, open_dataset(self.data, tokenizer=tokenizer), packing_source, dp_rank, dp_size)
 
 
 class PipeTuneDataLoader(StatefulDataLoader):
@@ -234,7 +236,7 @@ class PipeTuneDataLoader(StatefulDataLoader):
             channels=enc.channels if enc else 1,
             content_seed=store.content_seed,
             data_dir=store.path,
-            encode=store.encode,
+            tokenizer=store.tokenizer,
             seq_multiple=config.seq_multiple,
         )
         self._sampler = _StepSampler(self.meta, lambda meta: self.packing_source(meta), config.max_steps, replicas=dp_size)

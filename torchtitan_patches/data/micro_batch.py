@@ -9,12 +9,13 @@ import numpy as np
 import torch
 
 from pipetune.data.samples import OverlongReport, SampleTable
-from pipetune.data.text import BYTE_OFFSET, TextEncoder, split_on_images
+from pipetune.data.text import BYTE_OFFSET, BYTE_TOKENIZER, TextTokenizer
 
 IGNORE_INDEX = -100
-IMAGE_TOKEN_ID = 0
-PAD_TOKEN_ID = 1
-"""A reserved id (``pipetune.data.text``: ids below ``BYTE_OFFSET``) filling the padding document."""
+IMAGE_TOKEN_ID = BYTE_TOKENIZER.image
+PAD_TOKEN_ID = BYTE_TOKENIZER.pad
+"""The image and padding ids of pipetune's byte tokenizer (the default): reserved ids that
+generated text never uses. A job's own tokenizer brings its own (``ContentSpec.tokenizer``)."""
 
 
 @dataclass
@@ -22,8 +23,9 @@ class PackedMicroBatch:
     """One packed sequence of several documents (batch dimension 1, as varlen attention wants).
 
     ``image_token_index`` lists, image by image, the positions of each image's tokens in the
-    sequence; stage 0 scatters the projected image features there. ``labels`` are next-token
-    targets within each document (``-100`` where nothing is to be predicted).
+    sequence (which hold the tokenizer's image id); stage 0 scatters the projected image features
+    there. ``labels`` are next-token targets within each document (``-100`` where nothing is to be
+    predicted: where the next token is an image token, a vision marker or padding).
     """
 
     tokens: torch.Tensor
@@ -85,14 +87,14 @@ class GlobalBatch:
 @dataclass(frozen=True, kw_only=True)
 class ContentSpec:
     """What the tensors need beyond metadata: vocabulary, image shape, where content comes from and
-    how raw text is tokenized (``encode``, default bytes; it must be the one the metadata used)."""
+    the tokenizer of raw text and special ids (it must be the one the metadata used)."""
 
     vocab_size: int
     image_size: int
     channels: int
     content_seed: int
     data_dir: Path | None = None
-    encode: TextEncoder | None = None
+    tokenizer: TextTokenizer = BYTE_TOKENIZER
     seq_multiple: int = 1
     """Every micro-batch's length is a multiple of this (tensor parallelism with sequence
     parallelism splits the sequence over its ranks): a padding document makes up the rest."""
@@ -129,9 +131,14 @@ def sample_content(table: SampleTable, k: int, row: dict, spec: ContentSpec) -> 
     if "input_ids" in row:
         ids = np.asarray(row["input_ids"], dtype=np.int64)[:n_text]
     elif "text" in row:
-        ids = np.asarray(split_on_images(row["text"], spec.encode).token_ids, dtype=np.int64)[:n_text]
+        ids = np.asarray(spec.tokenizer.split(row["text"]).token_ids, dtype=np.int64)[:n_text]
     else:
         ids = synthetic_tokens(spec.content_seed, sid, n_text, spec.vocab_size)
+        image = spec.tokenizer.image
+        ids[ids == image] = (image + 1) % spec.vocab_size  # a tokenizer's image id may lie in the synthetic range
+    if len(ids) < n_text:
+        raise ValueError(f"sample id={sid}: its content has {len(ids)} text tokens, the metadata look-ahead counted {n_text}; "
+                         "tokenize the metadata and the content with the same tokenizer")
     if row.get("images"):
         if spec.data_dir is None:
             raise ValueError(f"sample id={sid} refers to image files but the data set has no directory")
@@ -142,20 +149,27 @@ def sample_content(table: SampleTable, k: int, row: dict, spec: ContentSpec) -> 
 
 
 def build_micro_batch(table: SampleTable, group: np.ndarray, contents: list[tuple[np.ndarray, np.ndarray]], spec: ContentSpec) -> PackedMicroBatch:
-    """Concatenate the documents of ``group`` (rows of ``table``), images at their text offsets."""
+    """Concatenate the documents of ``group`` (rows of ``table``), images (with their markers, if
+    the table has them) at their text offsets."""
+    tok = spec.tokenizer
+    marked = table.image_markers > 0
     tokens, labels, positions, image_index, pixels, doc_lens = [], [], [], [], [], []
     start = 0
     for k, (ids, pix) in zip(group.tolist(), contents):
         tpi = int(table.tokens_per_image[k])
+        block = np.full(tpi + table.image_markers, tok.image, np.int64)
+        if marked:
+            block[0], block[-1] = tok.vision_start, tok.vision_end
         offsets = table.offsets_of(k)
         pieces, is_text = [], []
         prev = 0
         for j, off in enumerate(offsets.tolist()):
             pieces.append(ids[prev:off])
             is_text.append(np.ones(off - prev, bool))
-            image_index.append(start + off + j * tpi + np.arange(tpi))  # off text tokens and j images precede it
-            pieces.append(np.full(tpi, IMAGE_TOKEN_ID, np.int64))
-            is_text.append(np.zeros(tpi, bool))
+            # off text tokens and j image blocks precede it
+            image_index.append(start + off + j * len(block) + int(marked) + np.arange(tpi))
+            pieces.append(block)
+            is_text.append(np.zeros(len(block), bool))
             prev = off
         pieces.append(ids[prev:])
         is_text.append(np.ones(len(ids) - prev, bool))
@@ -172,7 +186,7 @@ def build_micro_batch(table: SampleTable, group: np.ndarray, contents: list[tupl
         start += len(doc)
     pad = -start % spec.seq_multiple
     if pad:  # its own document (attends to nothing else) without labels: no loss, no gradient
-        tokens.append(np.full(pad, PAD_TOKEN_ID, np.int64))
+        tokens.append(np.full(pad, tok.pad, np.int64))
         labels.append(np.full(pad, IGNORE_INDEX, np.int64))
         positions.append(np.arange(pad))
         doc_lens.append(pad)

@@ -14,7 +14,8 @@ State (``state_dict``) is the wrapped loader's: next step, configuration fingerp
 totals; TorchTitan's ``CheckpointManager`` stores it per data-parallel rank.
 
 Token ids come from the data set: pre-tokenized ``input_ids``, raw ``text`` through the job's
-tokenizer (``titan.tokenizer.text_encoder``: metadata look-ahead and content use the same one), or
+tokenizer (``titan.tokenizer.text_tokenizer``: metadata look-ahead and content use the same one,
+with its BOS/EOS and its image and vision start/end ids), or
 synthetic ids for generated data. The tokenizer's vocabulary must fit the model's (checked at
 ``bind``). With data parallelism every rank reads the whole global batch (``gbs`` samples) and
 yields its replica's share, as the plan channel says (``PipeTuneTrainer``); TorchTitan stores the
@@ -33,7 +34,7 @@ from pipetune.config.model import ModelConfig
 from pipetune.data import Overlong
 from pipetune.packing import PackingConfig
 from torchtitan_patches.data.loader import DataLoaderConfig, PackingSource, PipeTuneDataLoader
-from torchtitan_patches.titan.tokenizer import text_encoder
+from torchtitan_patches.titan.tokenizer import text_tokenizer
 
 
 class PipeTuneTitanDataLoader(BaseDataLoader):
@@ -77,7 +78,7 @@ class PipeTuneTitanDataLoader(BaseDataLoader):
                 f"the job's tokenizer has {self.tokenizer.get_vocab_size()} ids but the model's vocabulary is "
                 f"{model.backbone.vocab_size}; use a tokenizer that fits the model")
         config = dataclasses.replace(self.loader_config, seq_multiple=seq_multiple)
-        self.inner = config.build(model, packing_source=packing_source, encode=text_encoder(self.tokenizer),
+        self.inner = config.build(model, packing_source=packing_source, tokenizer=text_tokenizer(self.tokenizer),
                                   dp_rank=self.dp_rank, dp_size=self.dp_world_size)
         return self.inner
 

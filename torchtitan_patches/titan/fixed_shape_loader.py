@@ -19,8 +19,9 @@ must equal ``training.local_batch_size``):
 
 Each micro-batch is TorchTitan's multimodal format: ``input``, per-document ``positions`` (from
 which the trainer builds the document mask), ``pixel_values`` as padded patches ``(images,
-patches, patch_dim)`` with ``grid_thw`` (None without images) and ``special_tokens``; labels
-``-100`` wherever nothing is predicted. ``real_tokens`` counts each step's tokens that are not
+patches, patch_dim)`` with ``grid_thw`` (None without images) and ``special_tokens`` (the image id
+of the job's tokenizer, by which the model finds image positions); labels ``-100`` wherever
+nothing is predicted. ``real_tokens`` counts each step's tokens that are not
 padding. Tensors come from ``torchtitan_patches.data`` (pipetune's content path); ``StockTrainer``
 binds the loader to the model's planning shapes before the first step. Checkpoints hold the
 position in the stream of global batches, so only ``pad_steps`` jobs resume (a streamed step may
@@ -41,10 +42,10 @@ from pipetune.data import Overlong
 from pipetune.data.batch import BatchMeta
 from pipetune.packing import PackingConfig
 from torchtitan_patches.data.loader import DataLoaderConfig, PipeTuneDataLoader
-from torchtitan_patches.data.micro_batch import IGNORE_INDEX, IMAGE_TOKEN_ID, PAD_TOKEN_ID, PackedMicroBatch
+from torchtitan_patches.data.micro_batch import IGNORE_INDEX, PackedMicroBatch
 from torchtitan_patches.titan.dataloader import PipeTuneTitanDataLoader
 from torchtitan_patches.titan.stages import patchify
-from torchtitan_patches.titan.tokenizer import text_encoder
+from torchtitan_patches.titan.tokenizer import text_tokenizer
 
 
 def scan_and_pick(lengths: np.ndarray, seq_len: int) -> list[list[int]]:
@@ -113,7 +114,7 @@ class FixedShapeDataLoader(BaseDataLoader):
         """Build the wrapped loader for ``model``'s planning shapes; images are cut into the vision
         encoder's patches (``patch_size``, ``patch_temporal``)."""
         self.model, self.patch = model, (patch_size, patch_temporal)
-        self.inner = self.loader_config.build(model, packing_source=ScanAndPick(self.seq_len), encode=text_encoder(self.tokenizer))
+        self.inner = self.loader_config.build(model, packing_source=ScanAndPick(self.seq_len), tokenizer=text_tokenizer(self.tokenizer))
         return self.inner
 
     def _bound(self) -> PipeTuneDataLoader:
@@ -143,7 +144,7 @@ class FixedShapeDataLoader(BaseDataLoader):
         for ``None``)."""
         n = mb.num_tokens if mb is not None else 0
         pad = self.seq_len - n
-        tokens, labels, positions = (torch.full((self.seq_len,), PAD_TOKEN_ID), torch.full((self.seq_len,), IGNORE_INDEX),
+        tokens, labels, positions = (torch.full((self.seq_len,), self._bound().store.tokenizer.pad), torch.full((self.seq_len,), IGNORE_INDEX),
                                      torch.cat([torch.zeros(n, dtype=torch.long), torch.arange(pad)]))
         images = None
         if mb is not None:
@@ -158,7 +159,7 @@ class FixedShapeDataLoader(BaseDataLoader):
             patches, grid = patchify(torch.cat(images), *self.patch)
         stack = lambda key: torch.stack([r[key] for r in rows])  # noqa: E731
         return ({"input": stack("input"), "positions": stack("positions"), "pixel_values": patches, "grid_thw": grid,
-                 "special_tokens": {"image_id": IMAGE_TOKEN_ID}}, stack("labels"))
+                 "special_tokens": {"image_id": self._bound().store.tokenizer.image}}, stack("labels"))
 
     def state_dict(self) -> dict:
         if not self.config.pad_steps:

@@ -24,7 +24,7 @@ from pipetune.schedule.table import Placement
 from torchtitan_patches.compat.muse_glimmer_tp import convert_first_block_input
 from torchtitan_patches.runtime.data_parallel import shard_part
 from torchtitan_patches.titan.stages import keep_encoder_chunks
-from torchtitan_patches.titan.tokenizer import text_encoder
+from torchtitan_patches.titan.tokenizer import text_tokenizer
 
 VISION_MODULES = ("vision_encoder", "vision_adapter", "vision_projection", "perception_emb_norm")
 
@@ -49,8 +49,8 @@ def sample_job_batches(config, model: ModelConfig) -> list[BatchMeta]:
     """8 batches of the job's data drawn with their own seed (deterministic, so every rank draws
     the same): the layout search and the choice of the guard's baseline are made on them."""
     dl = config.dataloader
-    encode = text_encoder(config.tokenizer.build(tokenizer_path=config.hf_assets_path))
-    return sample_batches(open_dataset(dl.dataset_path, encode=encode).table, model, gbs=dl.gbs, max_seq_len=config.training.seq_len,
+    tokenizer = text_tokenizer(config.tokenizer.build(tokenizer_path=config.hf_assets_path))
+    return sample_batches(open_dataset(dl.dataset_path, tokenizer=tokenizer).table, model, gbs=dl.gbs, max_seq_len=config.training.seq_len,
                           count=8, seed=dl.seed, overlong=dl.overlong)
 
 

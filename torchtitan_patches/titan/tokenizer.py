@@ -1,10 +1,13 @@
-"""pipetune's byte-level tokenizer (``pipetune.data.text``) as a TorchTitan ``BaseTokenizer``.
+"""pipetune's byte-level tokenizer (``pipetune.data.text``) as a TorchTitan ``BaseTokenizer``, and
+the job's tokenizer as the ``TextTokenizer`` of pipetune's data path.
 
 A TorchTitan job always builds a tokenizer; the HuggingFace one needs vocabulary files that an
 offline machine may not have. pipetune's data path tokenizes raw ``text`` rows byte by byte unless
-the job names another tokenizer: ``text_encoder`` gives the dataloader the job's tokenizer (e.g.
-TorchTitan's ``HuggingFaceTokenizer``) for raw text, without BOS/EOS (documents are packed, and
-their boundaries are kept by the per-document positions). Generated data keeps synthetic ids.
+the job names another tokenizer: ``text_tokenizer`` then gives the dataloader the job's tokenizer
+(TorchTitan's ``HuggingFaceTokenizer`` or ``MultiModalTokenizer``) with its special ids, found as
+TorchTitan's multimodal data path finds them: the image placeholder and vision start/end tokens
+(TorchTitan's ``MultiModalTokenizer`` ids, else the Muse Glimmer / Qwen strings below looked up in
+the vocabulary), BOS/EOS as the tokenizer defines them. Generated data keeps synthetic ids.
 """
 
 from __future__ import annotations
@@ -12,9 +15,13 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from torchtitan.components.tokenizer import BaseTokenizer
+from torchtitan.components.tokenizer import BaseTokenizer, HuggingFaceTokenizer, MultiModalTokenizer
 
-from pipetune.data.text import BYTE_OFFSET, BYTE_VOCAB, TextEncoder, byte_encode
+from pipetune.data.text import BYTE_OFFSET, BYTE_TOKENIZER, BYTE_VOCAB, TextTokenizer, byte_encode
+
+VISION_TOKENS = {"image": "<|image_pad|>", "vision_start": "<|vision_start|>", "vision_end": "<|vision_end|>",
+                 "pad": "<|endoftext|>"}
+"""TorchTitan's Muse Glimmer and Qwen3.5 special-token strings (``MUSE_GLIMMER_SPECIAL_TOKENS``)."""
 
 
 class ByteTokenizer(BaseTokenizer):
@@ -35,12 +42,31 @@ class ByteTokenizer(BaseTokenizer):
         return BYTE_VOCAB
 
 
-def _encode_plain(tokenizer: BaseTokenizer, text: str) -> list[int]:
-    return tokenizer.encode(text, add_bos=False, add_eos=False)
+def _encode_plain(tokenizer: HuggingFaceTokenizer, text: str) -> list[int]:
+    # the underlying tokenizer without its post-processor: no BOS per chunk of a document
+    return tokenizer.tokenizer.encode(text, add_special_tokens=False).ids
 
 
-def text_encoder(tokenizer: BaseTokenizer | None) -> TextEncoder | None:
-    """What tokenizes raw text for the job: ``None`` (pipetune's byte tokenizer) or the job's own."""
+def text_tokenizer(tokenizer: BaseTokenizer | None) -> TextTokenizer:
+    """What tokenizes raw text for the job, with its special ids: pipetune's byte tokenizer for
+    ``None``/``ByteTokenizer``, else the job's HuggingFace tokenizer. One that lacks an image,
+    vision start/end or padding token is refused here, at job build, naming the token."""
     if tokenizer is None or isinstance(tokenizer, ByteTokenizer):
-        return None
-    return functools.partial(_encode_plain, tokenizer)
+        return BYTE_TOKENIZER
+    if not isinstance(tokenizer, HuggingFaceTokenizer):
+        raise TypeError(f"pipetune tokenizes raw text with TorchTitan's HuggingFaceTokenizer or its own ByteTokenizer, "
+                        f"not {type(tokenizer).__name__}")
+    name = f"the tokenizer at {tokenizer.tokenizer_path!r}"
+    if isinstance(tokenizer, MultiModalTokenizer):  # TorchTitan checked its configured strings at build
+        ids = {k: getattr(tokenizer, f"{k}_id") for k in VISION_TOKENS}
+    else:
+        ids = {k: tokenizer.token_to_id(s) for k, s in VISION_TOKENS.items()}
+        missing = [VISION_TOKENS[k] for k, i in ids.items() if i is None]
+        if missing:
+            raise ValueError(
+                f"{name} has no {', '.join(missing)} token(s), which pipetune writes for images and padding as "
+                "TorchTitan's Muse Glimmer does; add them as special tokens to the tokenizer (tokenizer_config.json "
+                "added_tokens_decoder), or name the tokens it has with TorchTitan's MultiModalTokenizer.Config "
+                "(image_token, vision_start_token, vision_end_token, pad_token) as the job's tokenizer")
+    return TextTokenizer(name=name, encode=functools.partial(_encode_plain, tokenizer), vocab_size=tokenizer.get_vocab_size(),
+                         bos=tokenizer.bos_id, eos=tokenizer.eos_id, **ids)
