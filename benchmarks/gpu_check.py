@@ -154,7 +154,7 @@ def main() -> None:
         port = s.getsockname()[1]
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-                            timeout=timedelta(seconds=300), device_id=device if device.type == "cuda" else None)
+                            timeout=timedelta(seconds=300), device_id=torch.device("cuda", 0) if device.type == "cuda" else None)
     report = Report()
     print(f"pipetune gpu_check on {torch.cuda.get_device_name(0) if device.type == 'cuda' else 'CPU (dry run)'}, "
           f"torch {torch.__version__}, compute dtype {dtype}", flush=True)

@@ -207,7 +207,6 @@ class PipeTuneTrainer(Trainer):
             {stage: backbone}, chunks, dim=self.planning_model.backbone.dim, rank=stage, group=self.parallel_dims.get_mesh("pp").get_group(),
             control_group=self.control, replica=self.replica, sequence_shards=self.sequence_shards, image_shapes=ImageShapes.of(enc) if enc is not None else None,
             device=self.device, strict_order=pt.strict_order, count_host_syncs=pt.count_host_syncs, compute_dtype=TORCH_DTYPE_MAP[self.config.training.mixed_precision_param],
-            timeout=timedelta(seconds=self.config.comm.init_timeout_seconds),
             loss_fn=lambda logits, labels, n: self.loss_fn(logits, labels, n)[0])  # a Python divisor: no upload per micro-batch
 
     def _learner(self, pt: PipeTuneSettings.Config) -> Learner:

@@ -23,9 +23,8 @@ queue per pair, rendezvous sends, and one queue per rank as NCCL runs batched po
 and that this pass orders like torch's.
 
 Adjacent posts (sends and receives placed between two compute actions) form one ``Post`` step.
-The runtime issues each of its transfers as its own operation on a communicator of the pair, so
-that a ``Wait`` blocks on its own message and the pair's earlier ones only; the order per pair is
-all that an in-order transport needs.
+The runtime issues each of its transfers as its own operation, so that a ``Wait`` is not tied to
+the other transfers of its ``Post``.
 """
 
 from __future__ import annotations

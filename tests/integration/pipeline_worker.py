@@ -321,18 +321,16 @@ class _Recorded:
 def message_waits(rank, world, data, opts):
     """A plan on ``world`` ranks (a middle rank receives activations from one side and gradients
     from the other) with every point-to-point call recorded, and ``batch_isend_irecv`` returning one
-    work for its whole batch as NCCL's does: per wait, the receive buffers it covers; per message,
-    the ranks of its group."""
+    work for its whole batch as NCCL's does: per wait, the receive buffers it covers."""
     model, stages, ex, stage_rank = setup(rank, world, opts)
     meta = loader(model, data, 12, None).meta(0)
     plan = plan_for(model, meta, packer="balanced", mbs=1, stage_rank=stage_rank)
     batch = batch_for(model, data, 12, plan)
-    waits, groups = [], []
+    waits = []
 
     def single(fn, recv):
-        def call(tensor, *args, group=None, **kwargs):
-            groups.append(sorted(dist.get_process_group_ranks(group)) if group is not None else list(range(world)))
-            return _Recorded([fn(tensor, *args, group=group, **kwargs)], [id(tensor)] if recv else [], waits)
+        def call(tensor, *args, **kwargs):
+            return _Recorded([fn(tensor, *args, **kwargs)], [id(tensor)] if recv else [], waits)
         return call
 
     def coalesced(ops):
@@ -354,7 +352,7 @@ def message_waits(rank, world, data, opts):
     steps = lower(plan.table(), rank)
     mixed = [s for s in steps if isinstance(s, Post) and len({t.message.dst.op for t in s.transfers if t.direction is Direction.RECV}) > 1]
     return {"waits_covering": [len(w) for w in waits if w], "wait_steps": sum(isinstance(s, Wait) for s in steps),
-            "posts_with_forward_and_backward_receives": len(mixed), "groups": groups, "loss": res.loss}
+            "posts_with_forward_and_backward_receives": len(mixed), "loss": res.loss}
 
 
 def main() -> None:

@@ -339,11 +339,11 @@ def test_a_model_built_for_another_layout_is_refused_before_any_message(datamix2
 def test_each_wait_blocks_on_its_own_message_only(datamix2_dir, tmp_path):
     """Three ranks, 1F1B, strict order: the middle rank posts receives of a forward's activation and
     of a backward's gradient together. With ``batch_isend_irecv`` made to return one work per batch
-    (as NCCL's does), a wait must still cover exactly its own receive, and every message must go
-    over a two-rank group of its pair (so that another peer's message never queues in front)."""
+    (as NCCL's does), a wait must still cover exactly its own receive. (The former executor, one
+    ``batch_isend_irecv`` per post, fails here: its waits cover the whole post, and this plan then
+    hangs until gloo's timeout.)"""
     ranks = run_ranks("message_waits", datamix2_dir, tmp_path, world=3, strict=True)
     assert ranks[1]["posts_with_forward_and_backward_receives"] > 0  # the case the old grouping got wrong
     for r, res in enumerate(ranks):
         assert res["waits_covering"] == [1] * res["wait_steps"], f"rank {r}"
-        assert res["groups"] and all(len(g) == 2 and r in g for g in res["groups"]), f"rank {r}: {res['groups']}"
     assert ranks[2]["loss"] > 0

@@ -5,9 +5,10 @@ pair of ranks, posted operations complete in posting order on both sides, a send
 together with its matching receive (rendezvous, no buffering), and a rank blocks only on ``Wait``
 (and, with ``blocking_send``, also until the sends of a ``Post`` complete). A pair whose heads are
 not the two halves of one message can never complete: that is the deadlock NCCL would hit.
-The runtime sends each message on a two-rank group of its pair (``run_in_order``'s model);
-``run_one_queue_per_rank`` serialises all of a rank's transfers, to any peer, on one queue of
-groups, as NCCL would with every message on the pipeline's one communicator and stream.
+torch's NCCL backend runs single point-to-point calls on a two-rank communicator per pair
+(``run_in_order``'s model), or on the group's one communicator when the default group has a bound
+``device_id``: ``run_one_queue_per_rank`` serialises all of a rank's transfers, to any peer, on
+one queue.
 """
 
 from __future__ import annotations
@@ -66,11 +67,12 @@ def run_in_order(steps: list[list], *, blocking_send: bool = False) -> None:
         raise Deadlock("; ".join(stuck))
 
 
-def run_one_queue_per_rank(steps: list[list]) -> None:
-    """Stricter still: all of a rank's transfers, to any peer, run on one queue (as NCCL runs
-    batched point-to-point operations on one communicator and stream): a ``Post`` is a group
-    whose transfers progress together, and the next group starts only when the whole group has
-    completed; a transfer completes when the peer's current group holds its other half."""
+def run_one_queue_per_rank(steps: list[list], *, per_transfer: bool = False) -> None:
+    """Stricter still: all of a rank's transfers, to any peer, run on one queue (as NCCL runs one
+    communicator's point-to-point operations on one stream): a ``Post`` is a group whose transfers
+    progress together (``per_transfer``: each transfer is a group of its own, as the executor posts
+    them), and the next group starts only when the whole group has completed; a transfer completes
+    when the peer's current group holds its other half."""
     n = len(steps)
     pc = [0] * n
     posted: list[deque] = [deque() for _ in range(n)]  # groups: sets of incomplete transfers
@@ -83,7 +85,7 @@ def run_one_queue_per_rank(steps: list[list]) -> None:
                 if isinstance(s, Wait) and s.message not in received[r]:
                     break
                 if isinstance(s, Post):
-                    posted[r].append(set(s.transfers))
+                    posted[r].extend([{t} for t in s.transfers] if per_transfer else [set(s.transfers)])
                 pc[r] += 1
                 progress = True
         for r in range(n):
@@ -133,6 +135,7 @@ def check(table: ScheduleTable) -> list[list]:
     run_in_order(steps)
     run_in_order(steps, blocking_send=True)
     run_one_queue_per_rank(steps)
+    run_one_queue_per_rank(steps, per_transfer=True)
     computes = [s.action for lst in steps for s in lst if isinstance(s, Compute)]
     assert sorted(computes, key=str) == sorted((a for r in table.ranks for a in r), key=str)
     for r, lst in enumerate(steps):  # the rank's compute actions keep the plan's order

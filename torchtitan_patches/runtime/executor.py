@@ -24,12 +24,15 @@ length, the order is arbitrary, and a rank may hold chunks of two modules whose 
   gradients are exactly zero);
 * messages follow ``pipetune.schedule.lowering``: between every pair of ranks both sides post
   them in the same order, so a transport that ignores tags (NCCL) runs any plan. Each message is
-  its own ``isend`` / ``irecv`` on a two-rank group of its pair (``PeerGroups``), so a ``Wait``
-  blocks on its own message only: not on messages posted with it (NCCL's ``batch_isend_irecv``
-  returns one work for its whole group), nor on other peers' messages (NCCL runs a communicator's
-  operations on one stream, in order). On an in-order transport a message still follows the
-  earlier messages of its own pair, which the lowering orders. ``strict_order=True`` gives every
-  message the same tag, so gloo matches by order as NCCL does (the tests run that way);
+  its own ``isend`` / ``irecv``, with a work of its own: NCCL's ``batch_isend_irecv`` returns one
+  work for its whole batch, so a wait for one receive waited for every transfer posted with it
+  (a backward's gradient behind a forward's activation). What a wait still follows is the
+  transport's order: torch's NCCL backend runs single point-to-point calls on a two-rank
+  communicator per pair of ranks (one stream each, so a message follows the earlier messages of
+  its pair), or, when the default group was initialised with a ``device_id``, on the group's
+  communicator (one stream: a message follows every earlier one of its rank). The lowering is
+  safe under both (``tests/unit/test_lowering_fifo.py`` simulates both). ``strict_order=True``
+  gives every message the same tag, so gloo matches by order as NCCL does (the tests run that way);
 * messages carry the compute dtype (``compute_dtype``, the same on every rank and part of the
   plan digest); with bf16, chunks run under ``torch.autocast`` as TorchTitan does without FSDP:
   fp32 master weights and gradients, bf16 matmuls, fp32 residual stream and loss. Backbone
@@ -69,7 +72,6 @@ import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -84,7 +86,6 @@ from torchtitan_patches.data.micro_batch import GlobalBatch, PackedMicroBatch
 from torchtitan_patches.model.packed_attention import varlen_metadata
 from torchtitan_patches.model.vlm import BackboneStage, token_loss_sum
 from torchtitan_patches.runtime.host_sync import HostSyncCounter
-from torchtitan_patches.runtime.peer_groups import PeerGroups
 from torchtitan_patches.runtime.timing import Clock
 
 MAX_MICRO_BATCHES = 1 << 16
@@ -164,8 +165,7 @@ class PlanExecutor:
     ``sequence_shards``: tensor-parallel ranks that split a backbone activation's sequence
     (sequence parallelism: every micro-batch's length is a multiple of it, and each rank's
     pipeline carries its ``1 / sequence_shards`` of the tokens); 1 otherwise.
-    ``timeout`` bounds the creation of the pairs' message groups (``PeerGroups``) and their
-    operations (default: torch's). ``count_host_syncs``: count the synchronisations of each step's
+    ``count_host_syncs``: count the synchronisations of each step's
     action loop (``runtime.host_sync``: a check, with overhead on CPU) into ``StepResult.host_syncs``.
     ``control_group`` carries the per-step digest exchange (default: ``group``; on NCCL pass a
     gloo group); it may span several replicas (``replica``: the data-parallel replica whose plan
@@ -188,7 +188,6 @@ class PlanExecutor:
         replica: int = 0,
         sequence_shards: int = 1,
         loss_fn: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
-        timeout: timedelta | None = None,
         count_host_syncs: bool = False,
     ):
         self.stages = stages
@@ -206,7 +205,6 @@ class PlanExecutor:
         self.loss_fn = loss_fn or (lambda logits, labels, normaliser: token_loss_sum(logits, labels) / normaliser)
         self.encoder_trained = any(p.requires_grad for chunk in self.encoder.values() for p in chunk.parameters())
         self.clock = Clock(self.device)
-        self.peers = PeerGroups(group, timeout=timeout)
         self.count_host_syncs = count_host_syncs
 
     def _autocast(self):
@@ -286,7 +284,6 @@ class PlanExecutor:
         steps = lower(table, self.rank)
         overhead = time.perf_counter() - t0
         self.check_consistent(batch, plan, digests)
-        self.peers.make()
         cuda = self.device.type == "cuda"
         if cuda:  # allocator statistics, kept on the host: no device synchronisation
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -356,17 +353,18 @@ class PlanExecutor:
                 return (st.images[m.unit][2], *self.image_shapes.features)
 
     def _post(self, st: "_StepState", post: Post) -> None:
-        """Every transfer of ``post`` as its own operation on its pair's group: one work per message."""
+        """Every transfer of ``post`` as its own operation, in order: one work per message (never
+        ``batch_isend_irecv``, whose batches torch's NCCL backend runs on another communicator than
+        single calls: the order two ranks share holds within one communicator only)."""
         for t in post.transfers:
             m = t.message
-            group, peer = self.peers.of(t.peer)
             tag = 0 if self.strict_order else _tag(m)
             if t.direction is Direction.SEND:
                 tensor = st.outbox.pop(m)
-                st.sends.append((dist.isend(tensor, group=group, group_dst=peer, tag=tag), tensor))
+                st.sends.append((dist.isend(tensor, group=self.group, group_dst=t.peer, tag=tag), tensor))
             else:
                 tensor = torch.empty(self._shape(st, m), dtype=self.compute_dtype, device=self.device)
-                st.recvs[m] = (dist.irecv(tensor, group=group, group_src=peer, tag=tag), tensor)
+                st.recvs[m] = (dist.irecv(tensor, group=self.group, group_src=t.peer, tag=tag), tensor)
 
     def _take(self, st: "_StepState", a: Action) -> dict[Action, torch.Tensor | None]:
         """What ``a`` consumes from other chunks, by producing action: received messages and

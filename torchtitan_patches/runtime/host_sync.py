@@ -5,14 +5,17 @@ ahead to queue kernels: a few per micro-batch make a GPU pipeline wait on Python
 
 * CUDA: torch's sync debug mode warns at every synchronising call (``item``, ``tolist``, copies
   to the host, ``nonzero``, uploads from pageable memory without ``non_blocking``); each warning
-  counts.
+  counts. Not seen by it: ``non_blocking`` copies from pageable memory (they may stall the host
+  too) and CUDA event or stream ``synchronize`` calls. The mode and the warning capture are
+  process-wide, so another thread's synchronisations in the block count too.
 * CPU: nothing synchronises, so the counter counts what would on a GPU, treating every tensor as
-  a device tensor: reads of tensor data into Python (``item``, ``tolist``, ``numpy``, a tensor's
-  truth value), operators whose output shape depends on tensor data (``nonzero``, boolean
-  masking, ``unique``, ``repeat_interleave`` without a size), comparisons answered on the host
-  (``equal``) and tensors made from Python data (``torch.tensor``: an upload). Stricter than CUDA
-  on purpose; host work belongs before the loop (the executor prepares spans, lengths and
-  metadata from the batch's host tensors there).
+  a device tensor: reads of tensor data into Python (``item``, ``tolist``, ``numpy``, ``cpu``, a
+  tensor's truth value), operators whose output shape depends on tensor data (``nonzero``,
+  boolean masking, ``unique``, ``repeat_interleave`` without a size), comparisons answered on the
+  host (``equal``) and tensors made from Python data (``torch.tensor``: an upload). Stricter than
+  CUDA on purpose; host work belongs before the loop (the executor prepares spans, lengths and
+  metadata from the batch's host tensors there). A copy by ``to`` has no direction on a CPU and is
+  not counted.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ class HostSyncCounter:
             torch.cuda.set_sync_debug_mode("warn")
         else:
             self._dispatch = _CpuSyncs().__enter__()
-            self._host_reads = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy")}
+            self._host_reads = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy", "cpu")}
             for name, read in self._host_reads.items():
                 setattr(torch.Tensor, name, self._counted(read))
         return self

@@ -112,7 +112,7 @@ class TitanEncoderChunk(nn.Module):
             patches = reorder_patch_vector(patches.to(enc.conv1_linear.weight.dtype), patch_size=enc.patch_size,
                                            patch_temporal=enc.patch_temporal)
             x = enc.conv1_linear(patches)
-            x = enc.ln_pre(x + enc._get_pos_emb(g, g, x.device).to(x.dtype))
+            x = enc.ln_pre(x + enc._get_pos_emb(g, g, x.device).to(enc.conv1_linear.weight.dtype))  # as the encoder's forward adds it
             x = _vision_token_permute(x, perm) if perm is not None else x
         for i in range(*self.layer_range):
             x = enc.layers[str(i)](x, rope_cache=rope, rope_apply=ComplexRoPE.apply_rotary_emb, attention_mask=masks[self._global(i)])
