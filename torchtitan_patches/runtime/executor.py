@@ -165,8 +165,8 @@ class PlanExecutor:
     ``sequence_shards``: tensor-parallel ranks that split a backbone activation's sequence
     (sequence parallelism: every micro-batch's length is a multiple of it, and each rank's
     pipeline carries its ``1 / sequence_shards`` of the tokens); 1 otherwise.
-    ``count_host_syncs``: count the synchronisations of each step's
-    action loop (``runtime.host_sync``: a check, with overhead on CPU) into ``StepResult.host_syncs``.
+    ``count_host_syncs``: count the synchronisations of each step's action loop
+    (``runtime.host_sync``: a check, with overhead on CPU) into ``StepResult.host_syncs``.
     ``control_group`` carries the per-step digest exchange (default: ``group``; on NCCL pass a
     gloo group); it may span several replicas (``replica``: the data-parallel replica whose plan
     this rank runs; only ranks of one replica must agree). ``device`` defaults to the stages'.
