@@ -90,6 +90,14 @@ def test_head_dim_outside_the_schema_is_refused(spec):
         planning_model_config(dataclasses.replace(spec, model=odd), image_grid=4)
 
 
+def test_a_vlm_pipetune_does_not_map_is_refused_by_name():
+    """TorchTitan's Kimi K2.7 has its own vision encoder: a ConfigError naming it, not an AttributeError."""
+    from torchtitan.models.kimi_k2_7 import model_registry
+
+    with pytest.raises(ConfigError, match="Muse Glimmer's vision encoder only"):
+        planning_model_config(model_registry("debugmodel"), image_grid=4)
+
+
 def test_fingerprint_of_existing_presets_is_unchanged_by_the_new_fields(tiny):
     """Optional shape fields count only when set, so latency tables made before them stay valid."""
     gated = dataclasses.replace(tiny, backbone=dataclasses.replace(tiny.backbone, output_gate=True))

@@ -14,7 +14,8 @@ of the head and the sliding windows (attention is counted over whole documents: 
 for documents longer than a window, 128 tokens in ``debugmodel_mm``); the encoder's windowed
 layers are likewise counted as full attention over the image. Refused with a ``ConfigError``:
 configs pipetune's schema cannot express (``head_dim * n_heads != dim``, layers that differ in
-shape, MoE layers, video).
+shape, MoE layers, video), and vision encoders other than Muse Glimmer's (TorchTitan's ``qwen3_5``
+and ``kimi_k2_7`` are not mapped yet).
 
 ``muse_glimmer_spec`` takes TorchTitan's flavours and pipetune's size variants (``FLAVORS``), which
 call TorchTitan's own Muse Glimmer config builder with other sizes, exactly as TorchTitan's
@@ -170,5 +171,9 @@ def planning_model_config(spec: ModelSpec, *, image_grid: int, encoder_frozen: b
         raise ConfigError(f"{spec.name}/{spec.flavor}: not a decoder model ({type(cfg).__name__})")
     encoder = None
     if getattr(cfg, "vision_encoder", None) is not None:
+        if not isinstance(cfg.vision_encoder, MuseGlimmerVisionEncoder.Config):
+            raise ConfigError(f"{spec.name}/{spec.flavor}: pipetune maps Muse Glimmer's vision encoder only, not "
+                              f"{type(cfg.vision_encoder).__qualname__}; train this model with TorchTitan's own trainer, "
+                              "or pick a muse_glimmer flavour (configs/)")
         encoder = _encoder(cfg, image_grid, encoder_frozen)
     return ModelConfig(name=name or f"{spec.name}_{spec.flavor}", backbone=_backbone(cfg), encoder=encoder)
