@@ -23,7 +23,6 @@ its times include that contention.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections import defaultdict
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from titan_jobs import ROOT, prepare, run_job
+from titan_jobs import job_arguments, prepare, run_job
 
 
 def run_mode(job: str, out: Path, args) -> list[StepTime]:
@@ -70,13 +69,7 @@ class StepTime:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=ROOT / "out" / "titan")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--gbs", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=1024)
+    p = job_arguments(__doc__, rounds=1)
     p.add_argument("--jobs", default="original,balanced@1,pipetune",
                    help="modes to compare, mode@mbs fixes the micro-batch size (balanced@1: a careful fixed choice)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (2 pipeline ranks each)")

@@ -9,6 +9,7 @@ makes the data set and latency table once per config.
 
 from __future__ import annotations
 
+import argparse
 import os
 import socket
 import subprocess
@@ -19,6 +20,19 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # configs/ and benchmarks/testbed, as the jobs import them
 
 from benchmarks.testbed.learning import TestbedRecord  # noqa: E402
+
+
+def job_arguments(doc: str, *, rounds: int) -> argparse.ArgumentParser:
+    """The options every job comparison takes: output folder, steps per job, alternating rounds,
+    steps left out at the start of each job, global batch and sequence length."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=ROOT / "out" / "titan")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=rounds)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--gbs", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=1024)
+    return p
 
 
 def prepare(out: Path, config: str = "muse_glimmer_mm", *extra: str) -> None:

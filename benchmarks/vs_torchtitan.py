@@ -25,7 +25,6 @@ from the same weights.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
@@ -33,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from titan_jobs import ROOT, prepare, run_job
+from titan_jobs import job_arguments, prepare, run_job
 
 
 def _batches(out: Path, args) -> tuple[list[int], list[int]]:
@@ -69,14 +68,7 @@ def _pipetune(dump: Path, out: Path, args, tokens: list[int]) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=ROOT / "out" / "titan")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--gbs", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=1024)
-    args = p.parse_args(argv)
+    args = job_arguments(__doc__, rounds=3).parse_args(argv)
     prepare(args.out)
     rows, tokens = _batches(args.out, args)
     streamed = max(1, round(float(np.mean(rows))))

@@ -3,8 +3,9 @@
 A sample is (id, source, text tokens, images, tokens per image). Its packed sequence is its text
 with each image's tokens inserted at a text offset (``image_offsets``, ascending), each image
 bracketed by ``image_markers`` vision start/end tokens (raw text tokenized with a tokenizer that has
-them), so its length is ``text_tokens + num_images * (tokens_per_image + image_markers)``. Everything downstream (packing, cost, planning)
-sees only these arrays; tensors are built from them later, by the runtime.
+them), so its length is ``text_tokens + num_images * (tokens_per_image + image_markers)``.
+Everything downstream (packing, cost, planning) sees only these arrays; tensors are built from
+them later, by the runtime.
 """
 
 from __future__ import annotations

@@ -53,10 +53,17 @@ class PipeTuneTitanDataLoader(BaseDataLoader):
         num_workers: int = 0
         """Worker processes that build the tensors."""
 
+        def data_loader_config(self, seq_len: int) -> DataLoaderConfig:
+            """pipetune's loader settings for rows of up to ``seq_len`` tokens."""
+            if not self.dataset_path:
+                raise ValueError("dataloader.dataset_path is empty: give the data set directory (e.g. from `pipetune data make`)")
+            return DataLoaderConfig(data=self.dataset_path, gbs=self.gbs, max_seq_len=seq_len, seed=self.seed,
+                                    overlong=Overlong(self.overlong), num_workers=self.num_workers,
+                                    packing=PackingConfig(max_seq_len=seq_len))
+
     def __init__(self, config: Config, *, dp_world_size: int = 1, dp_rank: int = 0, tokenizer=None, seq_len: int,
                  local_batch_size: int = 1, **kwargs):
-        if not config.dataset_path:
-            raise ValueError("dataloader.dataset_path is empty: give the data set directory (e.g. from `pipetune data make`)")
+        self.loader_config = config.data_loader_config(seq_len)
         if config.gbs < 1:
             raise ValueError(f"dataloader.gbs must be a positive number of samples, got {config.gbs}")
         if config.gbs < dp_world_size:
@@ -65,9 +72,6 @@ class PipeTuneTitanDataLoader(BaseDataLoader):
         self.config = config
         self.tokenizer = tokenizer
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
-        self.loader_config = DataLoaderConfig(
-            data=config.dataset_path, gbs=config.gbs, max_seq_len=seq_len, seed=config.seed, overlong=Overlong(config.overlong),
-            num_workers=config.num_workers, packing=PackingConfig(max_seq_len=seq_len))
         self.inner: PipeTuneDataLoader | None = None
 
     def bind(self, model: ModelConfig, packing_source: PackingSource, *, seq_multiple: int = 1) -> PipeTuneDataLoader:

@@ -94,17 +94,13 @@ class FixedShapeDataLoader(BaseDataLoader):
 
     def __init__(self, config: Config, *, dp_world_size: int = 1, dp_rank: int = 0, tokenizer=None, seq_len: int,
                  local_batch_size: int = 1, **kwargs):
-        if not config.dataset_path:
-            raise ValueError("dataloader.dataset_path is empty: give the data set directory (e.g. from `pipetune data make`)")
+        self.loader_config = config.data_loader_config(seq_len)
         if dp_world_size != 1:
             raise ValueError(f"FixedShapeDataLoader feeds one pipeline replica; this job has {dp_world_size} data-parallel ranks")
         if config.rows_per_step % local_batch_size:
             raise ValueError(f"dataloader.rows_per_step {config.rows_per_step} is not a multiple of the micro-batch size "
                              f"{local_batch_size} (parallelism.pipeline_parallel_microbatch_size)")
         self.config, self.tokenizer, self.seq_len, self.rows_per_micro_batch = config, tokenizer, seq_len, local_batch_size
-        self.loader_config = DataLoaderConfig(
-            data=config.dataset_path, gbs=config.gbs, max_seq_len=seq_len, seed=config.seed, overlong=Overlong(config.overlong),
-            num_workers=config.num_workers, packing=PackingConfig(max_seq_len=seq_len))
         self.inner: PipeTuneDataLoader | None = None
         self.model: ModelConfig | None = None
         self.patch = (0, 0)
