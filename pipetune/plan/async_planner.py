@@ -65,6 +65,11 @@ def _dumps(obj) -> bytes:
     return buf.getvalue()
 
 
+def _set_last_mbs(planner, mbs: int) -> None:
+    """The fallback's micro-batch size (an attribute; a ``ReplicaPlanner``'s property)."""
+    planner.last_mbs = mbs
+
+
 def _stop(proc: subprocess.Popen, owner: int) -> None:
     """Kill the planner process (it holds nothing worth a clean exit); never from a forked copy of
     its parent, such as a dataloader worker."""
@@ -114,7 +119,7 @@ class AsyncPlanner:
         self._consumed_mbs = planner.last_mbs
         self._lock = threading.Lock()
         self._waiting: deque[_Request] = deque()  # not yet sent
-        self._updates: dict[str, tuple] = {}  # method -> args, the latest of each, for the next request
+        self._updates: dict[Callable, tuple] = {}  # update -> args, the latest of each, for the next request
         self._failed: str | None = None  # how the process ended
         self._proc = subprocess.Popen([sys.executable, "-m", plan_worker.__name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self._stop = weakref.finalize(self, _stop, self._proc, os.getpid())
@@ -226,18 +231,21 @@ class AsyncPlanner:
             self._consumed_mbs = plan.mbs
             return plan
 
-    def _update(self, method: str, *args) -> None:
-        getattr(self.planner, method)(*args)  # checked here, so the process never refuses one
+    def _update(self, update: Callable, *args) -> None:
+        """``update(planner, *args)`` here (checked here, so the process never refuses one) and in
+        the process before its next search; ``update`` travels by name (a class's method, or a
+        module-level function)."""
+        update(self.planner, *args)
         with self._lock:
-            self._updates[method] = args
+            self._updates[update] = args
 
     def set_cost(self, cost) -> None:
         """The wrapped planner's ``set_cost``, from the next search on."""
-        self._update("set_cost", cost)
+        self._update(type(self.planner).set_cost, cost)
 
     def set_correction(self, factors) -> None:
         """The wrapped planner's ``set_correction``, from the next search on."""
-        self._update("set_correction", dict(factors))
+        self._update(type(self.planner).set_correction, dict(factors))
 
     def state_dict(self) -> dict:
         """The fallback's micro-batch size as of the last plan the training loop took (``pop``)."""
@@ -246,7 +254,7 @@ class AsyncPlanner:
     def load_state_dict(self, state: dict) -> None:
         """Drop every plan not yet taken (a search under way finishes unheard) and fall back from ``last_mbs``."""
         mbs = int(state["last_mbs"])
-        self._update("__setattr__", "last_mbs", mbs)  # an attribute (a ReplicaPlanner's property)
+        self._update(_set_last_mbs, mbs)
         with self._lock:
             self._requests.clear()
             self._waiting.clear()

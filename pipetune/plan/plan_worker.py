@@ -2,8 +2,8 @@
 ``pipetune.plan.async_planner`` for why a process).
 
 It imports the planning core only, never torch. Pickles on stdin: first the planner, then one
-request at a time, ``(updates, meta, remaining_s)``: it applies ``updates`` (``(method, args)``
-calls, such as ``set_cost``, made since the previous request), plans ``meta`` with a deadline
+request at a time, ``(updates, meta, remaining_s)``: it applies ``updates`` (``(function, args)``
+calls on the planner, such as its class's ``set_cost``, made since the previous request), plans ``meta`` with a deadline
 ``remaining_s`` from now (``None``: none) and writes ``(True, plan)``, or ``(False, (exception,
 traceback))`` if planning raised, to stdout. Answer ``(True, None)`` says the planner arrived. It
 exits when stdin closes.
@@ -47,8 +47,8 @@ def serve(requests: BinaryIO, answers: BinaryIO) -> None:
         except EOFError:
             return
         try:
-            for method, args in updates:
-                getattr(planner, method)(*args)
+            for update, args in updates:
+                update(planner, *args)
             deadline = None if remaining is None else time.perf_counter() + remaining
             answer = True, planner.plan(meta, deadline=deadline)
         except Exception as e:
