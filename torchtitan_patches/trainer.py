@@ -80,8 +80,7 @@ from torchtitan_patches.compat.cpu_device import use_cpu
 from torchtitan_patches.titan.dataloader import PipeTuneTitanDataLoader
 from torchtitan_patches.titan.job_checks import check_table, refuse_unsupported
 from torchtitan_patches.titan.model_parts import choose_layout, local_encoder_chunks, sample_job_batches, split_for_layout
-from torchtitan_patches.titan.model_spec import planning_model_config
-from torchtitan_patches.titan.stages import TitanStage, encoder_chunks
+from torchtitan_patches.titan.model_spec import planning_model_config, stage_runtime
 from torchtitan_patches.compat.torch_compat import add_missing_torch_apis
 
 
@@ -190,19 +189,22 @@ class PipeTuneTrainer(Trainer):
         """This rank's backbone stage and encoder chunks (meta-initialised: each rank materialised
         only its own part) behind a ``PlanExecutor`` on its pipeline (TorchTitan's ``pp`` mesh)."""
         part, stage = self.model_parts[0], self.stage
+        runtime = stage_runtime(self.config.model_spec)
         if pt.freeze_vision_encoder and getattr(part, "vision_encoder", None) is not None:
             part.vision_encoder.requires_grad_(False)  # AdamW skips parameters without gradients
+            for name in runtime.trained_with_frozen_encoder:
+                getattr(part.vision_encoder, name).requires_grad_(True)
         sizes = [None] * dist.get_world_size()
         dist.all_gather_object(sizes, sum(p.numel() * p.element_size() for p in part.parameters()), group=self.control)
         if self.rank == 0:
             logger.info("pipetune: parameter bytes per rank " + ", ".join(f"rank {r} {b / 2**20:.1f} MiB" for r, b in enumerate(sizes)))
-        backbone = TitanStage(part, is_first=stage == 0, is_last=stage == pp - 1, image_grid=pt.image_grid)
+        backbone = runtime.stage(part, is_first=stage == 0, is_last=stage == pp - 1, image_grid=pt.image_grid)
         enc = self.planning_model.encoder
         if self.layout.is_separated:
             ranges = self.layout.encoder_chunks
-            chunks = encoder_chunks(part, ranges, local_encoder_chunks(stage, pp, ranges), image_grid=pt.image_grid)
+            chunks = runtime.encoder_chunks(part, ranges, local_encoder_chunks(stage, pp, ranges), image_grid=pt.image_grid)
         else:
-            chunks = encoder_chunks(part, [(0, enc.n_layers)], [0], image_grid=pt.image_grid) if enc is not None and backbone.is_first else {}
+            chunks = runtime.encoder_chunks(part, [(0, enc.n_layers)], [0], image_grid=pt.image_grid) if enc is not None and backbone.is_first else {}
         return PlanExecutor(
             {stage: backbone}, chunks, dim=self.planning_model.backbone.dim, rank=stage, group=self.parallel_dims.get_mesh("pp").get_group(),
             control_group=self.control, replica=self.replica, sequence_shards=self.sequence_shards, image_shapes=ImageShapes.of(enc) if enc is not None else None,

@@ -77,9 +77,9 @@ def test_context_parallelism_refused():
 
 def test_unmapped_model_refused():
     config = config_registry.muse_glimmer_mm()
-    config.model_spec = dataclasses.replace(config.model_spec, name="qwen3_5", flavor="debugmodel")
+    config.model_spec = dataclasses.replace(config.model_spec, name="kimi_k2_7", flavor="debugmodel")
     message = _refused(config, "model_spec")
-    assert "qwen3_5/debugmodel" in message and "muse_glimmer" in message and "model_spec.py" in message
+    assert "kimi_k2_7/debugmodel" in message and "muse_glimmer" in message and "model_spec.py" in message
 
 
 def test_validation_refused():

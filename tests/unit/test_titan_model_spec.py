@@ -94,7 +94,7 @@ def test_a_vlm_pipetune_does_not_map_is_refused_by_name():
     """TorchTitan's Kimi K2.7 has its own vision encoder: a ConfigError naming it, not an AttributeError."""
     from torchtitan.models.kimi_k2_7 import model_registry
 
-    with pytest.raises(ConfigError, match="Muse Glimmer's vision encoder only"):
+    with pytest.raises(ConfigError, match="vision encoders of Muse Glimmer and Qwen3.5 only"):
         planning_model_config(model_registry("debugmodel"), image_grid=4)
 
 

@@ -332,9 +332,10 @@ class PlanExecutor:
         pixels = plan.encoder and 0 in self.encoder
         out = []
         for mb in batch.micro_batches:
-            d = {"positions": mb.positions[None], "masks": varlen_metadata(mb.cu_seqlens, self.device)}
+            # image spans on every stage: a model whose positions depend on the images (Qwen's MRoPE) needs them
+            d = {"positions": mb.positions[None], "masks": varlen_metadata(mb.cu_seqlens, self.device), "image_spans": mb.image_spans}
             if first:
-                d.update(tokens=mb.tokens[None], image_spans=mb.image_spans)
+                d["tokens"] = mb.tokens[None]
             if pixels:
                 d["pixel_values"] = mb.pixel_values
             if last:
@@ -438,11 +439,11 @@ class PlanExecutor:
         d = st.dev[j]
         stage = self.stages[s]
         got = self._take(st, a)
-        kwargs = {"positions": d["positions"], "masks": d["masks"]}
+        kwargs = {"positions": d["positions"], "masks": d["masks"], "image_spans": d["image_spans"]}
         if stage.is_first:
             x = d["tokens"]
             if st.plan.encoder:
-                kwargs.update(image_features=self._image_features(st, j, got), image_spans=d["image_spans"])
+                kwargs["image_features"] = self._image_features(st, j, got)
         else:
             (x,) = got.values()
             x.requires_grad_(True)

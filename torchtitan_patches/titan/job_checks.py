@@ -11,7 +11,7 @@ use one stage per rank); a ``training.global_batch_size`` that asks for gradient
 context parallelism, FSDP resharding after forward, CPU offload, DIP's separated layout beside data
 or tensor parallelism; TorchTitan's validator; a micro-batch size or stage split set through
 TorchTitan's pipeline settings (pipetune chooses both); model families whose planning shapes are
-not mapped (``PLANNED_MODELS``).
+not mapped (``PLANNED_MODELS``), and what the Qwen3.5 mapping lacks (``_qwen3_5``).
 
 Limits, plainly: the data-parallel degree is known before ``init_distributed`` only from the config
 and torchrun's ``WORLD_SIZE`` (``model_parts.replicas_of``; without it, a shard degree of -1 counts
@@ -28,7 +28,7 @@ from torchtitan_patches.titan.model_parts import replicas_of
 
 __all__ = ["PLANNED_MODELS", "check_table", "refuse_unsupported"]
 
-PLANNED_MODELS = ("muse_glimmer",)
+PLANNED_MODELS = ("muse_glimmer", "qwen3_5")
 """``ModelSpec.name`` of the families whose planning shapes ``model_spec.planning_model_config``
 maps (its schema checks then refuse flavours it cannot express)."""
 
@@ -68,6 +68,7 @@ def refuse_unsupported(config) -> None:
                              "(even, counts such as 3,5, auto or separated)")
     _accumulation(config)
     _scale_out(config)
+    _qwen3_5(config)
     if config.validator.enable:
         raise ValueError("validator.enable: TorchTitan's validation runs the torch pipeline schedule, which PipeTuneTrainer "
                          "builds but never runs: turn it off (--validator.no-enable)")
@@ -88,6 +89,20 @@ def _scale_out(config) -> None:
     if config.pipetune.layout == "separated" and (replicas_of(config) > 1 or par.tensor_parallel_degree > 1):
         raise ValueError("pipetune.layout separated: DIP's separated layout runs without data or tensor parallelism for now: "
                          "use a co-located layout (even, counts, or auto, which stays co-located for such jobs)")
+
+
+def _qwen3_5(config) -> None:
+    """What pipetune's Qwen3.5 mapping (``titan.qwen3_5``) does not do yet: the separated layout
+    (and ``auto``, which may choose it), data and tensor parallelism."""
+    if config.model_spec.name != "qwen3_5":
+        return
+    par = config.parallelism
+    if config.pipetune.layout in ("separated", "auto"):
+        raise ValueError(f"pipetune.layout {config.pipetune.layout}: Qwen3.5 runs with its vision encoder on stage 0 (co-located "
+                         "layouts) only: use --pipetune.layout even or layer counts such as 3,5")
+    if replicas_of(config) > 1 or par.tensor_parallel_degree > 1:
+        raise ValueError("Qwen3.5 under PipeTuneTrainer runs without data or tensor parallelism for now: set "
+                         "--parallelism.data_parallel_shard_degree 1 and --parallelism.tensor_parallel_degree 1")
 
 
 def _model(spec) -> None:

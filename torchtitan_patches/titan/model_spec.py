@@ -14,8 +14,9 @@ of the head and the sliding windows (attention is counted over whole documents: 
 for documents longer than a window, 128 tokens in ``debugmodel_mm``); the encoder's windowed
 layers are likewise counted as full attention over the image. Refused with a ``ConfigError``:
 configs pipetune's schema cannot express (``head_dim * n_heads != dim``, layers that differ in
-shape, MoE layers, video), and vision encoders other than Muse Glimmer's (TorchTitan's ``qwen3_5``
-and ``kimi_k2_7`` are not mapped yet).
+shape, MoE layers, video), and vision encoders other than Muse Glimmer's and Qwen3.5's
+(TorchTitan's ``kimi_k2_7`` is not mapped yet). Qwen3.5's linear-attention layers are planned as
+its full-attention layers (an approximation, stated in ``planning_model_config``).
 
 ``muse_glimmer_spec`` takes TorchTitan's flavours and pipetune's size variants (``FLAVORS``), which
 call TorchTitan's own Muse Glimmer config builder with other sizes, exactly as TorchTitan's
@@ -27,6 +28,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from torchtitan.models.common.attention import VarlenAttention
 from torchtitan.models.common.decoder import Decoder
@@ -38,10 +41,12 @@ from torchtitan.models.muse_glimmer import (
     muse_glimmer_vision_encoder_config,
 )
 from torchtitan.models.muse_glimmer.vision_encoder import MuseGlimmerVisionEncoder
+from torchtitan.models.qwen3_5.model import Qwen35Model
 from torchtitan.protocols.model_spec import ModelSpec
 
 from pipetune.config.model import BackboneConfig, ConfigError, EncoderConfig, ModelConfig
 from torchtitan_patches.titan.document_attention import DocumentAttention, VisionMaskAttention
+from torchtitan_patches.titan.stages import TitanStage, encoder_chunks
 from torchtitan_patches.titan.vision import DenseMaskVisionEncoder
 
 
@@ -160,20 +165,81 @@ def _encoder(cfg, image_grid: int, frozen: bool) -> EncoderConfig:
     )
 
 
+def _qwen3_5_backbone(cfg: Qwen35Model.Config) -> BackboneConfig:
+    """The full-attention layers' shapes for every layer: see ``planning_model_config``."""
+    full = [layer.attention for layer in cfg.layers if layer.attention is not None]
+    if not full or any(layer.moe is not None for layer in cfg.layers):
+        raise ConfigError("pipetune maps dense Qwen3.5 models with full-attention layers only")
+    n_heads, head_dim = _uniform([a.n_heads for a in full], "n_heads"), _uniform([a.head_dim for a in full], "head_dim")
+    if n_heads * head_dim != cfg.dim:
+        raise ConfigError(f"n_heads * head_dim = {n_heads} * {head_dim} != dim = {cfg.dim}; pipetune's backbone schema has "
+                          "head_dim = dim / n_heads (of TorchTitan's Qwen3.5 flavours, debugmodel fits)")
+    return BackboneConfig(
+        n_layers=len(cfg.layers), dim=cfg.dim, ffn_dim=_uniform([layer.feed_forward.w1.out_features for layer in cfg.layers], "ffn hidden dim"),
+        n_heads=n_heads, n_kv_heads=_uniform([a.n_kv_heads for a in full], "n_kv_heads"), vocab_size=cfg.vocab_size,
+        rope_theta=float(_uniform([a.rope.theta for a in full], "rope theta")), norm_eps=float(cfg.layers[0].attention_norm.eps), output_gate=True,
+    )
+
+
+def _qwen3_5_encoder(cfg: Qwen35Model.Config, image_grid: int, frozen: bool) -> EncoderConfig:
+    """Qwen's ViT; its ``PatchMerger`` (``merged -> merged -> dim`` MLP) is the projector."""
+    enc = cfg.vision_encoder
+    merger, merge = enc.merger, enc.spatial_merge_size
+    if image_grid % merge:
+        raise ConfigError(f"image_grid={image_grid} patches per side is not a multiple of the encoder's spatial_merge_size={merge}")
+    if merger.fc1.in_features != enc.dim * merge**2 or merger.fc2.in_features != merger.fc1.out_features or merger.fc2.out_features != cfg.dim:
+        raise ConfigError(f"merger widths {merger.fc1.in_features} -> {merger.fc1.out_features} -> {merger.fc2.out_features} do not chain "
+                          f"from the merged width {enc.dim * merge**2} to dim={cfg.dim}")
+    return EncoderConfig(
+        n_layers=enc.num_layers, dim=enc.dim, ffn_dim=enc.block.mlp.fc1.out_features, n_heads=enc.num_heads, image_size=image_grid * enc.patch_size,
+        patch_size=enc.patch_size, channels=enc.in_channels, patch_temporal=enc.temporal_patch_size, frozen=frozen,
+        norm_eps=float(enc.block.norm1.eps), merge=merge, projector_hidden=(merger.fc1.out_features,),
+    )
+
+
 def planning_model_config(spec: ModelSpec, *, image_grid: int, encoder_frozen: bool = True, name: str | None = None) -> ModelConfig:
-    """pipetune's ``ModelConfig`` for a TorchTitan Muse Glimmer spec.
+    """pipetune's ``ModelConfig`` for a TorchTitan Muse Glimmer or (dense) Qwen3.5 spec.
 
     pipetune plans with one image size: ``image_grid`` patches per side (a multiple of the
-    encoder's downsample factor). ``encoder_frozen`` says whether the job trains the ViT.
+    encoder's downsample / merge factor). ``encoder_frozen`` says whether the job trains the ViT.
+
+    Qwen3.5, an approximation: pipetune's schema (and its cost model and profiler) has one kind of
+    layer, so every layer, Gated DeltaNet ones included, is planned as the model's gated
+    full-attention layer (GQA, output gate, SwiGLU). The projections agree closely (``debugmodel``:
+    DeltaNet 264 k weights per layer against 262 k); the DeltaNet layers' attention core is
+    overestimated (counted quadratic in the document length; it is linear) and their causal
+    convolutions and state recursion are not counted. Partial RoPE and QK-norms cost no matmul.
     """
     cfg = spec.model
     if not isinstance(cfg, Decoder.Config):
         raise ConfigError(f"{spec.name}/{spec.flavor}: not a decoder model ({type(cfg).__name__})")
-    encoder = None
-    if getattr(cfg, "vision_encoder", None) is not None:
-        if not isinstance(cfg.vision_encoder, MuseGlimmerVisionEncoder.Config):
-            raise ConfigError(f"{spec.name}/{spec.flavor}: pipetune maps Muse Glimmer's vision encoder only, not "
-                              f"{type(cfg.vision_encoder).__qualname__}; train this model with TorchTitan's own trainer, "
-                              "or pick a muse_glimmer flavour (configs/)")
-        encoder = _encoder(cfg, image_grid, encoder_frozen)
-    return ModelConfig(name=name or f"{spec.name}_{spec.flavor}", backbone=_backbone(cfg), encoder=encoder)
+    name = name or f"{spec.name}_{spec.flavor}"
+    enc = getattr(cfg, "vision_encoder", None)
+    if isinstance(cfg, Qwen35Model.Config):
+        encoder = _qwen3_5_encoder(cfg, image_grid, encoder_frozen) if enc is not None else None
+        return ModelConfig(name=name, backbone=_qwen3_5_backbone(cfg), encoder=encoder)
+    if enc is not None and not isinstance(enc, MuseGlimmerVisionEncoder.Config):
+        raise ConfigError(f"{spec.name}/{spec.flavor}: pipetune maps the vision encoders of Muse Glimmer and Qwen3.5 only, not "
+                          f"{type(enc).__qualname__}; train this model with TorchTitan's own trainer, or pick a muse_glimmer or "
+                          "qwen3_5 flavour (configs/)")
+    return ModelConfig(name=name, backbone=_backbone(cfg), encoder=_encoder(cfg, image_grid, encoder_frozen) if enc is not None else None)
+
+
+@dataclass(frozen=True)
+class StageRuntime:
+    """How ``PipeTuneTrainer`` runs a family's model parts: its stage wrapper, its encoder chunks
+    and the encoder's submodules that train while the ViT is frozen (the projector's part of it)."""
+
+    stage: Callable
+    encoder_chunks: Callable
+    trained_with_frozen_encoder: tuple[str, ...] = ()
+
+
+def stage_runtime(spec: ModelSpec) -> StageRuntime:
+    """The ``StageRuntime`` of ``spec``'s family (Muse Glimmer: ``stages``; Qwen3.5: ``qwen3_5``,
+    whose merger lives inside its vision encoder)."""
+    if spec.name == "qwen3_5":
+        from torchtitan_patches.titan import qwen3_5
+
+        return StageRuntime(qwen3_5.Qwen35Stage, qwen3_5.encoder_chunks, ("merger",))
+    return StageRuntime(TitanStage, encoder_chunks)

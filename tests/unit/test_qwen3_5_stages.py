@@ -1,0 +1,172 @@
+"""TorchTitan's Qwen3.5 under pipetune, in one process: planning shapes, MRoPE positions equal to
+TorchTitan's own collator's, and the stage wrapper + encoder chunk on a two-part split giving the
+unsplit model's loss and gradients (packed documents with images, a frozen ViT, a trained merger)."""
+
+import copy
+import dataclasses
+import sys
+import types
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from pipetune.config.model import ConfigError
+from torchtitan_patches.model.packed_attention import varlen_metadata
+from torchtitan_patches.titan.model_spec import planning_model_config
+from torchtitan_patches.titan.qwen3_5 import (Qwen35EncoderChunk, Qwen35Stage, block_patches, image_starts, mrope_positions,
+                                              qwen3_5_spec)
+
+IMAGE_ID = 7
+GRID = 4  # patches per image side: 2 x 2 merged tokens per image
+
+
+@pytest.fixture(autouse=True)
+def _plain_tensors(monkeypatch):
+    """No device mesh here: TorchTitan's plain-tensor SPMD backend (as the trainer tests' references use)."""
+    from torchtitan.distributed import utils as dist_utils
+
+    monkeypatch.setattr(dist_utils, "_spmd_backend", "partial_dtensor")
+    warnings.filterwarnings("ignore", message=".*Triton is not supported.*")
+
+
+@pytest.fixture(scope="module")
+def spec():
+    return qwen3_5_spec("debugmodel_small_vocab")
+
+
+def test_planning_shapes_of_debugmodel(spec):
+    m = planning_model_config(spec, image_grid=GRID)
+    b, e = m.backbone, m.encoder
+    assert (b.n_layers, b.dim, b.ffn_dim, b.n_heads, b.n_kv_heads, b.vocab_size, b.output_gate) == (8, 256, 512, 4, 2, 2048, True)
+    assert (e.n_layers, e.dim, e.ffn_dim, e.n_heads, e.patch_size, e.patch_temporal, e.merge) == (4, 256, 512, 4, 16, 2, 2)
+    assert e.tokens_per_image == 4 and e.projector_hidden == (1024,) and e.merged_dim == 1024
+    assert m.projector_params == 1024 * 1024 + 1024 * 256  # the merger's fc1 and fc2
+    with pytest.raises(ConfigError, match="spatial_merge_size=2"):
+        planning_model_config(spec, image_grid=5)
+    from torchtitan.models.qwen3_5 import model_registry
+
+    with pytest.raises(ConfigError, match="head_dim = dim / n_heads"):  # 0.8B: 8 heads of 256 on width 1024
+        planning_model_config(model_registry("0.8B"), image_grid=GRID)
+
+
+def _torchtitan_mrope(tokens, grid_thw, positions):
+    """TorchTitan's own ``MultiModalCollator._build_mrope_positions`` (its module imports
+    torchvision, which does not load here; the collator's MRoPE code does not use it)."""
+    for name in ("torchvision", "torchvision.io", "torchvision.transforms", "torchvision.transforms.v2",
+                 "torchvision.transforms.v2.functional"):
+        sys.modules.setdefault(name, types.ModuleType(name))
+    from torchtitan.hf_datasets.multimodal.mm_collator import MultiModalCollator
+
+    owner = types.SimpleNamespace(patch_order="block", spatial_merge_size=2)
+    return MultiModalCollator._build_mrope_positions(owner, tokens, grid_thw, None, positions, image_token_id=IMAGE_ID, video_token_id=-1)
+
+
+def _packed(lengths, images):
+    """Tokens, per-document positions and bounds of packed documents; ``images``: (document,
+    offset) of each image's 4 tokens."""
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(10, 2000, (sum(lengths),), generator=gen)
+    bounds = np.concatenate([[0], np.cumsum(lengths)])
+    for d, off in images:
+        tokens[bounds[d] + off:bounds[d] + off + 4] = IMAGE_ID
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    return tokens, positions, bounds
+
+
+def _spans(tokens):
+    idx = torch.nonzero(tokens == IMAGE_ID).flatten().numpy()
+    runs = np.split(idx, np.flatnonzero(np.diff(idx) != 1) + 1) if idx.size else []
+    return tuple((int(r[0]), len(r)) for r in runs)
+
+
+LENGTHS = [40, 23, 50]
+IMAGES = [(0, 3), (0, 12), (2, 0), (2, 30)]  # two images in one document, one at a document's start
+
+
+def test_mrope_positions_equal_torchtitans_collator():
+    tokens, positions, bounds = _packed(LENGTHS, IMAGES)
+    starts = image_starts(_spans(tokens), 4)
+    ours = mrope_positions(bounds, starts, (2, 2))
+    theirs = _torchtitan_mrope(tokens[None], torch.tensor([[1, GRID, GRID]] * len(IMAGES)), positions[None])[0]
+    assert np.array_equal(ours, theirs.numpy())
+    assert ours[bounds[1]].tolist() == [0, 0, 0]  # a document starts from 0
+
+
+def test_adjacent_images_are_split_by_their_token_count():
+    assert image_starts(((5, 8), (20, 4)), 4) == [5, 9, 20]
+    with pytest.raises(ValueError, match="not a whole number of images"):
+        image_starts(((5, 6),), 4)
+
+
+def _model(spec):
+    with torch.device("meta"):
+        model = spec.model.build()
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+        for name, p in model.named_parameters():  # off the zero / one inits, so every parameter gets a gradient
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))), alpha=0.05)
+    model.vision_encoder.requires_grad_(False)
+    model.vision_encoder.merger.requires_grad_(True)
+    return model
+
+
+def _split(model, cut):
+    """TorchTitan's split in miniature: each part the whole model class with other stages' modules None."""
+    first, last = copy.deepcopy(model), copy.deepcopy(model)
+    for i in range(cut, len(model.layers)):
+        del first.layers[str(i)]
+    for i in range(cut):
+        del last.layers[str(i)]
+    first.norm = first.lm_head = None
+    last.tok_embeddings = last.vision_encoder = None
+    return first, last
+
+
+def test_stages_and_encoder_chunk_give_the_unsplit_models_gradients(spec):
+    model = _model(spec)
+    first, last = _split(model, 3)
+    tokens, positions, bounds = _packed(LENGTHS, IMAGES)
+    labels = torch.roll(tokens, -1)
+    pixels = torch.randn(len(IMAGES), 3, GRID * 16, GRID * 16, generator=torch.Generator().manual_seed(3))
+    masks = varlen_metadata(torch.from_numpy(bounds))
+    loss_fn = torch.nn.functional.cross_entropy
+
+    enc = model.vision_encoder
+    patches = block_patches(pixels, 16, 2, 2)
+    mrope = _torchtitan_mrope(tokens[None], torch.tensor([[1, GRID, GRID]] * len(IMAGES)), positions[None])
+    logits = model(tokens[None], pixel_values=patches, grid_thw=torch.tensor([[1, GRID, GRID]] * len(IMAGES)),
+                   attention_masks={"quadratic_attention": masks, "deltanet": masks}, positions=positions[None], mrope_positions=mrope,
+                   special_tokens={"image_id": IMAGE_ID, "video_id": -1})
+    loss_fn(logits[0], labels).backward()
+    reference = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert any(n.startswith("vision_encoder.merger.") for n in reference) and not any(n.startswith("vision_encoder.layers") for n in reference)
+
+    spans = _spans(tokens)
+    with torch.no_grad():
+        features = Qwen35EncoderChunk(first.vision_encoder, image_grid=GRID)(pixels)
+    assert features.shape == (len(IMAGES), GRID * GRID, enc.config.dim)
+    s0 = Qwen35Stage(first, is_first=True, is_last=False, image_grid=GRID)
+    s1 = Qwen35Stage(last, is_first=False, is_last=True, image_grid=GRID)
+    hidden = s0(tokens[None], positions=positions[None], masks=masks, image_features=features, image_spans=spans)
+    sent = hidden.detach().requires_grad_()
+    loss_fn(s1(sent, positions=positions[None], masks=masks, image_spans=spans)[0], labels).backward()
+    hidden.backward(sent.grad)
+    pipelined = {n: p.grad for part in (first, last) for n, p in part.named_parameters() if p.grad is not None}
+    assert set(pipelined) == set(reference)
+    assert all(g.abs().max() > 0 for g in reference.values())
+    worst = max(float((pipelined[n] - g).norm() / g.norm()) for n, g in reference.items())
+    assert worst < 1e-5, worst
+    text = s0(tokens[None], positions=positions[None], masks=masks)  # stage 0 without images: text embeddings only
+    assert text.shape == hidden.shape
+
+
+def test_moe_flavours_are_refused():
+    from torchtitan.models.qwen3_5 import model_registry
+
+    from torchtitan_patches.titan.qwen3_5 import with_cpu_paths
+
+    with pytest.raises(ConfigError, match="MoE"):
+        with_cpu_paths(model_registry("debugmodel_moe", attn_backend="varlen").model)

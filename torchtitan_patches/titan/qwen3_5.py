@@ -1,0 +1,310 @@
+"""TorchTitan's Qwen3.5 (dense) under pipetune: a model that trains on CPU, its stage and encoder chunk.
+
+The model is TorchTitan's ``qwen3_5`` (``Qwen35Model``: Gated DeltaNet linear-attention layers
+beside gated full-attention layers with MRoPE, a ViT whose ``PatchMerger`` hands merged tokens to
+the decoder). ``with_cpu_paths`` swaps in, config by config, subclasses that run where TorchTitan's
+pieces do not:
+
+* full attention: ``DocumentAttention`` (pipetune's varlen counterpart, per-document SDPA on CPU);
+* ``CpuGatedDeltaNet`` / ``CpuGatedDeltaKernel``: on a CUDA tensor TorchTitan's own forward (fla's
+  Triton kernels); otherwise the torch versions in ``model.gated_delta_cpu`` (same math, per document);
+* ``DenseMaskQwen35VisionEncoder``: TorchTitan's encoder builds a FlexAttention ``BlockMask`` with
+  a compiled ``create_block_mask`` inside ``forward`` (no CPU backward, compilation fails on CPU),
+  so its ``forward`` is restated with a dense per-image mask for ``VisionMaskAttention``.
+
+Parameters, initialisation and the state-dict adapter stay TorchTitan's. ``parallelize_for_pipetune``
+is TorchTitan's ``parallelize_qwen3_5`` without FSDP (pipetune runs one replica per pipeline).
+
+``Qwen35Stage`` runs a model part on pipetune's packed micro-batch: the document metadata feeds
+both the full-attention and the DeltaNet layers, and the 3D MRoPE positions (``mrope_positions``)
+are built on the host from the documents and the image spans, on every stage (later stages get no
+tokens). ``Qwen35EncoderChunk`` runs the ViT blocks on stage 0's images; the merger (the adapter
+step) runs in stage 0's forward, so it trains while the ViT is frozen, as pipetune's projector does.
+
+Limits: the co-located layout only (the separated layout is refused in ``titan.job_checks``), no
+data or tensor parallelism yet, dense flavours only, and every image has the job's ``image_grid``
+(``pipetune.image_grid`` patches per side), as elsewhere in pipetune today.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+
+import einops
+import numpy as np
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torchtitan.distributed.compile import apply_compile
+from torchtitan.distributed.full_dtensor import validate_config
+from torchtitan.models.common.attention import VarlenAttention, VarlenMetadata
+from torchtitan.models.common.multimodal import scatter_vision_embeds
+from torchtitan.models.common.rope import CosSinRoPE
+from torchtitan.models.qwen3_5 import model_registry, parallelize_qwen3_5, qwen3_5_configs
+from torchtitan.models.qwen3_5.model import GatedDeltaKernel, GatedDeltaNet, Qwen35Model
+from torchtitan.models.qwen3_5.vision_encoder import Qwen35VisionEncoder, _compute_2d_rope_cache, _compute_learned_pos_embeds
+from torchtitan.protocols.model_spec import ModelSpec
+
+from pipetune.config.model import ConfigError
+from torchtitan_patches.model.gated_delta_cpu import causal_conv1d, gated_delta_rule
+from torchtitan_patches.titan.document_attention import DocumentAttention, VisionMaskAttention
+
+
+class CpuGatedDeltaKernel(GatedDeltaKernel):
+    """TorchTitan's kernel dispatch; off CUDA the torch gated delta rule (``gated_delta_cpu``)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(GatedDeltaKernel.Config):
+        pass
+
+    def forward(self, xq_BLNK, xk_BLNK, xv_BLNV, g_BLN, beta_BLN, *, cu_seqlens=None, cu_seqlens_cpu=None):
+        if xq_BLNK.device.type == "cuda":
+            return super().forward(xq_BLNK, xk_BLNK, xv_BLNV, g_BLN, beta_BLN, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+        repeat = xv_BLNV.shape[2] // xq_BLNK.shape[2]  # grouped heads, expanded as the parent does
+        if repeat > 1:
+            xq_BLNK, xk_BLNK = xq_BLNK.repeat_interleave(repeat, dim=2), xk_BLNK.repeat_interleave(repeat, dim=2)
+        # without offsets fla runs the folded (1, B * L) row as one stream; so does this
+        bounds = cu_seqlens_cpu.tolist() if cu_seqlens_cpu is not None else (0, xq_BLNK.shape[1])
+        return gated_delta_rule(xq_BLNK, xk_BLNK, xv_BLNV, g_BLN, beta_BLN, bounds=bounds)
+
+
+class CpuGatedDeltaNet(GatedDeltaNet):
+    """TorchTitan's Gated DeltaNet; off CUDA its per-document causal conv in torch."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(GatedDeltaNet.Config):
+        pass
+
+    def _causal_conv(self, x_BLD, conv, cu_seqlens=None, cu_seqlens_cpu=None):
+        if cu_seqlens is None or x_BLD.device.type == "cuda" or isinstance(x_BLD, DTensor):
+            return super()._causal_conv(x_BLD, conv, cu_seqlens, cu_seqlens_cpu)
+        return causal_conv1d(x_BLD, conv.weight, bounds=cu_seqlens_cpu.tolist())
+
+
+def patch_mask(num_patch: torch.Tensor, max_num_patch: int) -> torch.Tensor:
+    """``(N, P, P)`` booleans: query and key are both real patches of image ``n`` (the dense form
+    of TorchTitan's ``get_vision_block_mask_mod``)."""
+    valid = torch.arange(max_num_patch, device=num_patch.device)[None, :] < num_patch[:, None]
+    return valid[:, :, None] & valid[:, None, :]
+
+
+class DenseMaskQwen35VisionEncoder(Qwen35VisionEncoder):
+    """``Qwen35VisionEncoder`` whose ``forward`` (restated: the mask is built inside it) gives its
+    blocks a dense mask instead of a compiled ``BlockMask``."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Qwen35VisionEncoder.Config):
+        pass
+
+    def forward(self, pixel_values: torch.Tensor, *, grid_thw: torch.Tensor) -> torch.Tensor:
+        grids = grid_thw.tolist()
+        x = self.patch_embed(pixel_values)
+        learned_pos, rope_cache = self.compute_position_embeddings(grids, pixel_values.shape[1])
+        mask = patch_mask(grid_thw.prod(-1), pixel_values.shape[1])
+        return self.merger(self.blocks(x + learned_pos, rope_cache, mask))
+
+    def blocks(self, x: torch.Tensor, rope_cache: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers.values():
+            x = layer(x, rope_cache=rope_cache, rope_apply=CosSinRoPE.apply_rotary_emb, attention_mask=mask)
+        return x
+
+
+def _init_fields(cfg) -> dict:
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.init}
+
+
+def with_cpu_paths(model_config: Qwen35Model.Config) -> Qwen35Model.Config:
+    """A copy of a dense ``Qwen35Model.Config`` built with ``attn_backend="varlen"`` whose layers
+    and ViT train on CPU (see module doc); on a GPU the decoder runs TorchTitan's kernels."""
+    cfg = copy.deepcopy(model_config)
+    for i, layer in enumerate(cfg.layers):
+        if layer.moe is not None:
+            raise ConfigError(f"layer {i} is a MoE layer: pipetune maps the dense Qwen3.5 flavours only (debugmodel, 0.8B ... 27B)")
+        if layer.attention is not None:
+            inner = layer.attention.inner_attention
+            if not isinstance(inner, VarlenAttention.Config):
+                raise ConfigError(f"layer {i} uses {type(inner).__name__}; build the spec with attn_backend='varlen', then apply with_cpu_paths")
+            layer.attention.inner_attention = DocumentAttention.Config(window_size=inner.window_size)
+        else:
+            dn = layer.delta_net
+            layer.delta_net = CpuGatedDeltaNet.Config(**{**_init_fields(dn), "kernel": CpuGatedDeltaKernel.Config(**_init_fields(dn.kernel))})
+    enc = cfg.vision_encoder
+    block = dataclasses.replace(enc.block, attn=dataclasses.replace(enc.block.attn, inner_attention=VisionMaskAttention.Config()))
+    cfg.vision_encoder = DenseMaskQwen35VisionEncoder.Config(**{**_init_fields(enc), "block": block})
+    return cfg
+
+
+def parallelize_for_pipetune(model, *, parallel_dims, training, parallelism, compile_config, ac_config, dump_folder, skip_dp: bool = False):
+    """TorchTitan's ``parallelize_qwen3_5``; with ``skip_dp`` (what ``PipeTuneTrainer`` asks for) its
+    steps before FSDP, in its order: the model's sharding plan, activation checkpointing, compile
+    (TorchTitan's function has no way to skip FSDP, which it applies last)."""
+    if not skip_dp:
+        return parallelize_qwen3_5(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
+                                   compile_config=compile_config, ac_config=ac_config, dump_folder=dump_folder)
+    if parallel_dims.cp_enabled:
+        raise NotImplementedError("context parallelism is not supported for Qwen3.5 (TorchTitan refuses it too)")
+    if parallelism.spmd_backend == "spmd_types":
+        validate_config(parallel_dims, model)
+        model.parallelize(parallel_dims)
+    elif parallel_dims.tp_enabled or parallel_dims.ep_enabled:
+        model.parallelize(parallel_dims)
+    if ac_config is not None:
+        policy = ac_config.build(dump_folder=dump_folder)
+        policy.apply(model)
+        if model.vision_encoder is not None:
+            policy.apply(model.vision_encoder)
+    if compile_config.enable and "model" in compile_config.components:
+        for m in (model, model.vision_encoder):
+            if m is not None:
+                apply_compile(m, compile_config=compile_config, parallel_dims=parallel_dims)
+    return model
+
+
+def _small_vocab(attn_backend: str) -> Qwen35Model.Config:
+    """TorchTitan's ``debugmodel`` (8 layers of width 256, 6 Gated DeltaNet + 2 full attention; a
+    4-block ViT of width 256 with a 2 x 2 merger) with a vocabulary of 2048 instead of Qwen's
+    248,320, whose embedding and head (127 M of its 136 M parameters) would dominate a CPU test."""
+    cfg = qwen3_5_configs["debugmodel"](attn_backend=attn_backend)
+    vocab = 2048
+    return dataclasses.replace(cfg, vocab_size=vocab, tok_embeddings=dataclasses.replace(cfg.tok_embeddings, num_embeddings=vocab),
+                               lm_head=dataclasses.replace(cfg.lm_head, out_features=vocab))
+
+
+FLAVORS = {"debugmodel_small_vocab": _small_vocab}
+"""pipetune's Qwen3.5 size variants, by flavour name (beside TorchTitan's own)."""
+
+
+def qwen3_5_spec(flavor: str = "debugmodel") -> ModelSpec:
+    """TorchTitan's Qwen3.5 ``ModelSpec`` of a dense flavour (TorchTitan's or one of ``FLAVORS``)
+    with ``with_cpu_paths`` applied and ``parallelize_for_pipetune``; split by TorchTitan's
+    ``pipeline_vlm`` (pipetune hands it the layout through ``module_fqns_per_model_part``)."""
+    if flavor in FLAVORS:
+        spec = dataclasses.replace(model_registry("debugmodel", attn_backend="varlen"), flavor=flavor, model=FLAVORS[flavor]("varlen"))
+    else:
+        spec = model_registry(flavor, attn_backend="varlen")
+    return dataclasses.replace(spec, model=with_cpu_paths(spec.model), parallelize_fn=parallelize_for_pipetune)
+
+
+def block_patches(pixels: torch.Tensor, patch_size: int, temporal: int, merge: int) -> torch.Tensor:
+    """``(N, C, H, W)`` still images -> ``(N, P, C * temporal * patch**2)`` patches in Qwen's block
+    order (each ``merge x merge`` group contiguous, a patch channel-first ``(c, pt, ph, pw)``), the
+    layout of TorchTitan's ``vision_to_patches(patch_order="block")`` (not importable here: its
+    module imports torchvision), with the frame repeated ``temporal`` times as it pads a still image."""
+    x = pixels[:, None].expand(-1, temporal, -1, -1, -1)
+    return einops.rearrange(x, "b pt c (bh m ph) (bw n pw) -> b (bh bw m n) (c pt ph pw)", ph=patch_size, pw=patch_size,
+                            m=merge, n=merge)
+
+
+def image_starts(image_spans, tokens_per_image: int) -> list[int]:
+    """Where each image's tokens start, from runs of image tokens (adjacent images form one run)."""
+    starts = []
+    for start, n in image_spans:
+        if n % tokens_per_image:
+            raise ValueError(f"a run of {n} image tokens at {start} is not a whole number of images of {tokens_per_image} tokens")
+        starts += range(start, start + n, tokens_per_image)
+    return starts
+
+
+def mrope_positions(bounds, starts, grid: tuple[int, int]) -> np.ndarray:
+    """``(T, 3)`` temporal/height/width positions of packed documents (``bounds``: cumulative
+    lengths), Qwen-VL's rule per document as TorchTitan's ``MultiModalCollator`` builds it: text
+    counts on from the largest position so far on all three axes; an image of ``grid`` merged
+    tokens (rows, columns; ``starts``: where each image's tokens begin) sits at the next position
+    plus its (0, row, column). Every document starts again from 0."""
+    rows, cols = grid
+    T = int(bounds[-1])
+    out = np.empty((T, 3), dtype=np.int64)
+    r, c = np.divmod(np.arange(rows * cols), cols)
+    image = np.stack([np.zeros_like(r), r, c], 1)
+    starts = iter(sorted(starts))
+    s = next(starts, None)
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        cursor, offset = a, 0
+        while s is not None and s < b:
+            out[cursor:s] = (offset + np.arange(s - cursor))[:, None]
+            offset += s - cursor
+            out[s:s + rows * cols] = offset + image
+            offset += max(rows, cols)
+            cursor, s = s + rows * cols, next(starts, None)
+        out[cursor:b] = (offset + np.arange(b - cursor))[:, None]
+    return out
+
+
+class Qwen35Stage(nn.Module):
+    """A Qwen3.5 model part with the executor's stage interface (see module doc). ``image_grid``:
+    patches per image side."""
+
+    def __init__(self, part: Qwen35Model, *, is_first: bool, is_last: bool, image_grid: int = 0):
+        super().__init__()
+        self.part = part
+        self.is_first, self.is_last = is_first, is_last
+        merge = part.spatial_merge_size
+        if image_grid % merge:
+            raise ConfigError(f"pipetune.image_grid={image_grid} is not a multiple of the encoder's spatial_merge_size={merge}")
+        self.grid = (image_grid // merge, image_grid // merge)
+
+    def forward(self, x, *, positions, masks: VarlenMetadata, image_features: torch.Tensor | None = None,
+                image_spans: tuple[tuple[int, int], ...] = ()):
+        n_tokens = self.grid[0] * self.grid[1]
+        starts = image_starts(image_spans, n_tokens)
+        bounds = masks.cu_seq_q_host
+        mrope = torch.from_numpy(mrope_positions(bounds, starts, self.grid))[None].to(positions.device, non_blocking=True)
+        kwargs = {"attention_masks": {"quadratic_attention": masks, "deltanet": masks}, "positions": positions, "mrope_positions": mrope}
+        part = self.part
+        if part.tok_embeddings is None:
+            return part(x, **kwargs)
+
+        def embed(tokens, **_):  # the model's own hook for this call: the merger on the ViT's output, scattered at the host's spans
+            x = part.tok_embeddings(tokens)
+            if image_features is None:
+                return x
+            merged = part.vision_encoder.merger(image_features)
+            return scatter_vision_embeds(x, vision_embeds=merged, vision_positions=[(i, 0, s, n_tokens) for i, s in enumerate(starts)])
+
+        part._prepare_multimodal_embeds = embed
+        try:
+            return part(x, **kwargs)
+        finally:
+            del part._prepare_multimodal_embeds
+
+
+class Qwen35EncoderChunk(nn.Module):
+    """The whole ViT of a Qwen3.5 model part as the plan's one encoder chunk (co-located layout):
+    pixels ``(N, C, H, W)`` in, the blocks' output ``(N, patches, dim)`` out, before the merger
+    (stage 0 runs it). The RoPE table and mask depend on the grid only: made once per device."""
+
+    def __init__(self, encoder: DenseMaskQwen35VisionEncoder, *, image_grid: int):
+        super().__init__()
+        if not isinstance(encoder, DenseMaskQwen35VisionEncoder):
+            raise TypeError(f"Qwen35EncoderChunk needs the encoder of with_cpu_paths, got {type(encoder).__name__}")
+        self.encoder, self.grid = encoder, image_grid
+        self.is_first = self.is_last = True
+        self.layer_range = (0, len(encoder.layers))
+        self._constants: dict = {}
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        enc, g, n = self.encoder, self.grid, pixels.shape[0]
+        cfg = enc.config
+        patches = block_patches(pixels, cfg.patch_size, cfg.temporal_patch_size, enc.spatial_merge_size)
+        x = enc.patch_embed(patches.to(enc.patch_embed.weight.dtype))
+        pos = _compute_learned_pos_embeds(enc.pos_embed, [[1, g, g]], g * g, enc.num_grid_per_side, enc.spatial_merge_size, cfg.dim)
+        rope, mask = self._geometry(x.device)
+        return enc.blocks(x + pos, rope.expand(n, *rope.shape[1:]), mask.expand(n, *mask.shape[1:]))
+
+    def _geometry(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = str(device)
+        if key not in self._constants:
+            enc, g = self.encoder, self.grid
+            freq = enc.rotary_pos_emb(g)
+            rope = _compute_2d_rope_cache(freq, [[1, g, g]], g * g, enc.spatial_merge_size, enc.config.dim // enc.config.num_heads)
+            self._constants[key] = rope, torch.ones(1, g * g, g * g, dtype=torch.bool, device=device)
+        return self._constants[key]
+
+
+def encoder_chunks(part: nn.Module, chunk_ranges, local, *, image_grid: int) -> dict[int, Qwen35EncoderChunk]:
+    """Stage 0's encoder chunk (the co-located layout's one chunk holding the whole ViT)."""
+    if len(chunk_ranges) != 1 or list(local) != [0]:
+        raise ConfigError("Qwen3.5 runs its vision encoder as one chunk on stage 0 (co-located layout); the separated layout is not mapped")
+    return {0: Qwen35EncoderChunk(part.vision_encoder, image_grid=image_grid)}
