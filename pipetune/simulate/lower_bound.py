@@ -11,19 +11,40 @@ trained). So for every stage
 with ``work_0`` and ``bwd[i, 0]`` including the encoder's work. Also no schedule beats one
 micro-batch's full chain ``enc_i + sum_t (fwd + bwd)[i, t] + 2 (S - 1) p2p_i``.
 
-Any placement (``placement_lower_bound``): no rank finishes before it has done all its work, and
-no micro-batch before the chain of its slowest sub-microbatch's encoder forward, its backbone
-forward and backward, and its slowest encoder backward (messages left out).
+Any placement (``placement_lower_bound``; DIP's separated layout with encoder chunks on every
+rank, or any other): every action gets a *head*, the longest chain of producers (with their
+messages) that must end before it can start, and a *tail*, the longest chain of consumers (with
+their messages) that must still run after it ends. Both ignore the ranks' other work, so they hold
+for every table the simulator times. A rank runs its actions one at a time, so for every set ``J``
+of its actions
 
-Both ignore memory limits, so they may be unreachable, never too high.
+    makespan >= min_{a in J} head_a + sum_{a in J} dur_a + min_{a in J} tail_a
+
+(the first of ``J`` to start cannot start earlier, the last cannot end earlier, and its tail still
+follows it). The bound is the largest value over all ranks and all sets ``{a : head_a >= h,
+tail_a >= q}`` (for given ``h`` and ``q`` no set does better): the optimum of the rank's
+preemptive one-machine relaxation. With ``J`` one action it is the critical path; with ``J`` all of
+a rank's actions it is the co-located bound's ``fill + work + drain``, so on a co-located placement
+it is never below ``makespan_lower_bound`` (tested).
+
+With a per-rank memory limit (``placement_lower_bound(..., memory_limit)``), also a bound from
+memory: the simulator counts a rank's memory along its own action order, so at any moment the
+buffers whose allocating action has started and whose freeing action has not yet started fit
+under the limit. Every buffer is held at least as long as the chain from its allocating action's
+start to its freeing action's start (a saved activation: the rest of the forward, and the
+backward back to its chunk), so ``makespan * limit_r >= sum over rank r's buffers of bytes x that
+time``. It applies when no action floats (every rank sends its first chunk's output to another
+rank, as in DIP's layout with two or more ranks); else it is left out.
+
+``makespan_lower_bound`` and ``placement_lower_bound`` without a limit ignore memory, so they may
+be unreachable, never too high. Contention only adds time.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from pipetune.cost.cost_model import rank_work
-from pipetune.schedule.table import ScheduleTable
+from pipetune.schedule.table import Placement, ScheduleTable
 from pipetune.simulate.simulator import Latencies
 
 
@@ -44,14 +65,118 @@ def makespan_lower_bound(lat: Latencies) -> float:
     return float(max(per_stage.max(), chain.max()))
 
 
-def placement_lower_bound(table: ScheduleTable, lat: Latencies) -> float:
-    """The bound for any placement (see the module doc)."""
-    work = rank_work(table.placement, lat)
-    chain = (lat.fwd + lat.bwd).sum(axis=1)
-    if table.num_sub_micro_batches:
-        parent = np.array(table.sub_mb_parent)
-        for arr in (lat.encoder, lat.encoder_bwd) if table.placement.encoder_trained else (lat.encoder,):
-            slowest = np.zeros(table.num_micro_batches)
-            np.maximum.at(slowest, parent, arr.sum(axis=1))
-            chain = chain + slowest
-    return float(max(work.max(), chain.max()))
+def heads_and_tails(placement: Placement, sub_mb_parent, lat: Latencies) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """``{kind: (head, duration, tail)}``, each ``[units, chunks]``, for the kinds ``F``, ``B``
+    (backbone) and ``EF``, ``EB`` (encoder; ``EB`` only when trained), see the module doc."""
+    fwd, bwd, p2p = lat.fwd, lat.bwd, lat.p2p
+    m, S = fwd.shape
+    bb = np.array(placement.backbone)
+    hop = lambda ranks, c: float(ranks[c] != ranks[c + 1])  # noqa: E731  1 if chunks c, c+1 sit on different ranks
+    E = len(placement.encoder)
+    parent = np.asarray(sub_mb_parent, np.int64)
+    n = len(parent) if E else 0
+    trained = placement.encoder_trained
+    enc = lat.encoder[:n] if E else np.zeros((0, 0))
+    encb = lat.encoder_bwd[:n] if trained else np.zeros((n, E))
+    er = np.array(placement.encoder, np.int64)
+    feat = (float(er[-1] != bb[0]) * lat.feature_p2p[:n]) if E else np.zeros(0)
+
+    hEF = np.zeros((n, E))
+    for c in range(1, E):
+        hEF[:, c] = hEF[:, c - 1] + enc[:, c - 1] + hop(er, c - 1) * lat.encoder_p2p[:n]
+    hF = np.zeros((m, S))
+    if n:
+        np.maximum.at(hF[:, 0], parent, hEF[:, -1] + enc[:, -1] + feat)
+    for s in range(1, S):
+        hF[:, s] = hF[:, s - 1] + fwd[:, s - 1] + hop(bb, s - 1) * p2p
+    hB = np.zeros((m, S))
+    hB[:, -1] = hF[:, -1] + fwd[:, -1]
+    for s in range(S - 2, -1, -1):
+        hB[:, s] = np.maximum(hF[:, s] + fwd[:, s], hB[:, s + 1] + bwd[:, s + 1] + hop(bb, s) * p2p)
+    tB = np.zeros((m, S))
+    tEB = np.zeros((n, E))
+    hEB = np.zeros((n, E))
+    if trained and n:
+        for c in range(1, E):
+            tEB[:, c] = tEB[:, c - 1] + encb[:, c - 1] + hop(er, c - 1) * lat.encoder_p2p[:n]
+        np.maximum.at(tB[:, 0], parent, feat + encb[:, -1] + tEB[:, -1])
+        hEB[:, -1] = np.maximum(hEF[:, -1] + enc[:, -1], hB[parent, 0] + bwd[parent, 0] + feat)
+        for c in range(E - 2, -1, -1):
+            hEB[:, c] = np.maximum(hEF[:, c] + enc[:, c], hEB[:, c + 1] + encb[:, c + 1] + hop(er, c) * lat.encoder_p2p[:n])
+    for s in range(1, S):
+        tB[:, s] = tB[:, s - 1] + bwd[:, s - 1] + hop(bb, s - 1) * p2p
+    tF = np.zeros((m, S))
+    tF[:, -1] = bwd[:, -1] + tB[:, -1]
+    for s in range(S - 2, -1, -1):
+        tF[:, s] = np.maximum(tF[:, s + 1] + fwd[:, s + 1] + hop(bb, s) * p2p, bwd[:, s] + tB[:, s])
+    tEF = np.zeros((n, E))
+    if n:
+        tEF[:, -1] = np.maximum(feat + fwd[parent, 0] + tF[parent, 0], encb[:, -1] + tEB[:, -1] if trained else 0.0)
+        for c in range(E - 2, -1, -1):
+            tEF[:, c] = np.maximum(tEF[:, c + 1] + enc[:, c + 1] + hop(er, c) * lat.encoder_p2p[:n], encb[:, c] + tEB[:, c] if trained else 0.0)
+    out = {"F": (hF, fwd, tF), "B": (hB, bwd, tB), "EF": (hEF, enc, tEF)}
+    if trained:
+        out["EB"] = (hEB, encb, tEB)
+    return out
+
+
+def one_machine_bound(head: np.ndarray, dur: np.ndarray, tail: np.ndarray) -> float:
+    """``max over h, q of h + q + sum(dur[head >= h and tail >= q])`` over non-empty sets: the
+    preemptive one-machine bound of one rank's actions (module doc)."""
+    if not len(head):
+        return 0.0
+    order = np.argsort(-head, kind="stable")
+    h, p, q = head[order], dur[order], tail[order]
+    levels = np.unique(q)
+    has = q[:, None] >= levels[None, :]
+    work = np.cumsum(p[:, None] * has, axis=0)  # [i, k]: the i + 1 latest-released actions with tail >= levels[k]
+    value = np.where(np.cumsum(has, axis=0) > 0, h[:, None] + levels[None, :] + work, -np.inf)
+    return float(value.max())
+
+
+def memory_bound(placement: Placement, sub_mb_parent, lat: Latencies, memory_limit) -> float:
+    """``max_r sum(bytes x shortest holding time) / limit_r`` over each rank's buffers (module doc);
+    0 when an action may float, ``inf`` when a rank holds buffers but may hold no bytes."""
+    bb, er = np.array(placement.backbone), np.array(placement.encoder, np.int64)
+    E, S = len(er), len(bb)
+    if (E and (er[1] if E > 1 else bb[0]) == er[0]) or (S > 1 and bb[1] == bb[0]):
+        return 0.0  # encoder chunk 0's forwards, or an image-less micro-batch's first forward, may float
+    fwd, bwd, p2p = lat.fwd, lat.bwd, lat.p2p
+    hop = lambda ranks, c: float(ranks[c] != ranks[c + 1])  # noqa: E731
+    held = np.zeros(placement.num_ranks)
+    d = np.zeros_like(fwd)  # start of F(s, j) to start of B(s, j)
+    d[:, -1] = fwd[:, -1]
+    for s in range(S - 2, -1, -1):
+        d[:, s] = fwd[:, s] + 2 * hop(bb, s) * p2p + d[:, s + 1] + bwd[:, s + 1]
+    np.add.at(held, bb, (lat.activation_bytes * d).sum(axis=0))
+    parent = np.asarray(sub_mb_parent, np.int64)
+    if E and len(parent):
+        n = len(parent)
+        feat = float(er[-1] != bb[0]) * lat.feature_p2p[:n]
+        held[bb[0]] += float((lat.image_feature_bytes[:n] * d[parent, 0]).sum())
+        if placement.encoder_trained:
+            enc, encb = lat.encoder[:n], lat.encoder_bwd[:n]
+            de = np.zeros((n, E))
+            de[:, -1] = enc[:, -1] + 2 * feat + d[parent, 0] + bwd[parent, 0]
+            for c in range(E - 2, -1, -1):
+                de[:, c] = enc[:, c] + 2 * hop(er, c) * lat.encoder_p2p[:n] + de[:, c + 1] + encb[:, c + 1]
+            np.add.at(held, er, (lat.encoder_activation_bytes[:n] * de).sum(axis=0))
+    limit = np.broadcast_to(np.asarray(memory_limit, np.float64), held.shape)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        per_rank = np.where(held > 0, held / np.maximum(limit, 0.0), 0.0)
+    return float(per_rank.max())
+
+
+def placement_lower_bound(table: ScheduleTable, lat: Latencies, memory_limit=None) -> float:
+    """The bound for any placement (see the module doc); ``table`` gives the placement and the
+    sub-microbatches, its rank lists are not read. With ``memory_limit`` (bytes per rank, or one
+    for all), a bound on the tables that fit it."""
+    p = table.placement
+    parts = heads_and_tails(p, table.sub_mb_parent, lat)
+    rank_of = {"F": p.backbone, "B": p.backbone, "EF": p.encoder, "EB": p.encoder}
+    per_rank: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = [[] for _ in range(p.num_ranks)]
+    for kind, (h, d, t) in parts.items():
+        for c, r in enumerate(rank_of[kind]):
+            per_rank[r].append((h[:, c], d[:, c], t[:, c]))
+    bound = max(one_machine_bound(*(np.concatenate(x) for x in zip(*cols))) for cols in per_rank)
+    return bound if memory_limit is None else max(bound, memory_bound(p, table.sub_mb_parent, lat, memory_limit))

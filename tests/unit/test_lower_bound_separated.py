@@ -1,0 +1,74 @@
+"""The lower bound for any placement (``placement_lower_bound``), DIP's separated layout above all:
+never above a simulated makespan, with or without its memory term, and never below the
+co-located bound on the co-located layout, so gaps mean the same on both layouts."""
+
+import numpy as np
+import pytest
+from random_schedules import random_separated_table
+from test_separated import random_case
+
+from pipetune.cost.cost_model import rank_work
+from pipetune.plan.interleave import interleave, segment_priorities
+from pipetune.schedule import Placement, Schedule, ScheduleTable
+from pipetune.simulate import Latencies, simulate
+from pipetune.simulate.lower_bound import makespan_lower_bound, memory_bound, placement_lower_bound
+
+
+def random_latencies(rng, table: ScheduleTable) -> Latencies:
+    m, n, S, E = table.num_micro_batches, table.num_sub_micro_batches, table.num_stages, len(table.placement.encoder)
+    trained = table.placement.encoder_trained
+    return Latencies(rng.random((m, S)), rng.random((m, S)), rng.random((n, E)), 0.1 * rng.random(m), rng.random((m, S)), rng.random(n),
+                     encoder_bwd=rng.random((n, E)) if trained else None, encoder_p2p=0.1 * rng.random(n), feature_p2p=0.1 * rng.random(n),
+                     encoder_activation_bytes=rng.random((n, E)) if trained else None)
+
+
+def test_the_bound_never_exceeds_the_simulated_makespan_of_separated_plans():
+    """Random valid orders and greedy tables of random separated layouts (2-6 ranks, 1-3 encoder
+    segments, trained or frozen encoders, micro-batches without images), random latencies and
+    bytes: the bound, with a memory limit the table fits, is never above the simulator's
+    makespan, and never below the old bound (busiest rank, slowest micro-batch's chain)."""
+    rng = np.random.default_rng(21)
+    for t in range(400):
+        if t % 2:
+            table = random_separated_table(rng)
+            lat = random_latencies(rng, table)
+        else:
+            placement, parent, lat = random_case(rng)
+            order = rng.permutation(lat.fwd.shape[0])
+            table = interleave(placement, parent, lat, *segment_priorities(order, parent, int(rng.integers(0, 4)))).table
+        res = simulate(table, lat)
+        limit = res.peak_bytes * rng.uniform(1.0, 1.5)
+        bound = placement_lower_bound(table, lat, limit)
+        assert bound <= res.makespan * (1 + 1e-12)
+        assert memory_bound(table.placement, table.sub_mb_parent, lat, res.peak_bytes) <= res.makespan * (1 + 1e-12)
+        assert placement_lower_bound(table, lat) >= rank_work(table.placement, lat).max() - 1e-12
+        chain = (lat.fwd + lat.bwd).sum(axis=1)
+        assert placement_lower_bound(table, lat) >= chain.max() - 1e-12
+
+
+def test_on_the_colocated_layout_the_bound_is_at_least_the_colocated_one():
+    rng = np.random.default_rng(4)
+    for _ in range(100):
+        S, m = int(rng.integers(1, 6)), int(rng.integers(1, 10))
+        trained = bool(rng.random() < 0.5)
+        table = Schedule.ONE_F_ONE_B.build(S, rng.permutation(m), encoder=True, encoder_trained=trained)
+        lat = Latencies(rng.random((m, S)), rng.random((m, S)), rng.random(m), 0.1 * rng.random(m), encoder_bwd=rng.random((m, 1)) if trained else None)
+        bound = placement_lower_bound(table, lat)
+        assert makespan_lower_bound(lat) - 1e-12 <= bound <= simulate(table, lat).makespan * (1 + 1e-12)
+
+
+def test_one_micro_batch_with_one_sub_micro_batch_is_a_chain_and_the_bound_is_exact():
+    rng = np.random.default_rng(1)
+    for trained in (False, True):
+        placement = Placement.separated(3, 6, encoder_trained=trained)
+        table = interleave(placement, (0,), Latencies(np.ones((1, 3)), np.ones((1, 3)), np.ones((1, 6))), np.zeros(1, np.int64),
+                           np.zeros(1, np.int64)).table
+        lat = random_latencies(rng, table)
+        assert placement_lower_bound(table, lat) == pytest.approx(simulate(table, lat).makespan)
+
+
+def test_a_rank_that_may_hold_nothing_has_no_table():
+    table = random_separated_table(np.random.default_rng(0))
+    lat = random_latencies(np.random.default_rng(1), table)
+    assert placement_lower_bound(table, lat, np.zeros(table.placement.num_ranks)) == np.inf
+    assert placement_lower_bound(table, lat, None) < np.inf
