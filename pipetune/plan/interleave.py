@@ -33,12 +33,17 @@ encoder runs ``lead`` micro-batches ahead of the backbone (DIP's segment reorder
 priorities per segment; segments of one micro-batch and modality share theirs, DIP Sec. 5.1).
 The scheduling times are the simulator's own: ``simulate`` on the returned table gives the same
 makespan and peak memory (tested).
+
+Speed: everything but the priorities depends on the packing alone, so ``Problem`` holds it as
+flat Python lists, built once per packing, and ``Problem.run`` is one pass of list scheduling per
+priority vector (about 1 ms for 200 actions on one core); the search calls it hundreds of times.
 """
 
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -51,9 +56,16 @@ from pipetune.simulate.simulator import Latencies, buffer_bytes, durations, mess
 class Interleaved:
     """A greedy table with its own makespan and per-rank peak bytes (activations, not model states)."""
 
-    table: ScheduleTable
+    problem: "Problem"
+    lists: tuple[tuple[int, ...], ...]
     makespan: float
     peak_bytes: np.ndarray
+
+    @cached_property
+    def table(self) -> ScheduleTable:
+        p = self.problem
+        return ScheduleTable(placement=p.placement, num_micro_batches=p.num_micro_batches,
+                             ranks=tuple(tuple(p.acts[i] for i in r) for r in self.lists), sub_mb_parent=p.sub_mb_parent, name=p.name)
 
 
 def segment_priorities(order, sub_mb_parent, lead: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -61,6 +73,149 @@ def segment_priorities(order, sub_mb_parent, lead: int = 0) -> tuple[np.ndarray,
     pos = np.empty(len(order), np.int64)
     pos[np.asarray(order, np.int64)] = np.arange(len(order))
     return pos, pos[np.asarray(sub_mb_parent, np.int64)] - lead if len(sub_mb_parent) else np.zeros(0, np.int64)
+
+
+class Problem:
+    """One packing's actions, durations, messages and buffers as flat lists, for ``run``."""
+
+    def __init__(self, placement: Placement, sub_mb_parent: tuple[int, ...], lat: Latencies, *, name: str = "interleaved"):
+        proto = ScheduleTable(placement=placement, num_micro_batches=lat.fwd.shape[0], ranks=((),) * placement.num_ranks,
+                              sub_mb_parent=tuple(sub_mb_parent), name=name)
+        acts = proto.expected_actions()
+        index = {a: i for i, a in enumerate(acts)}
+        self.placement, self.sub_mb_parent, self.num_micro_batches, self.name = placement, proto.sub_mb_parent, proto.num_micro_batches, name
+        self.acts = acts
+        self.num_ranks = R = placement.num_ranks
+        self.rank = [placement.rank_of(a) for a in acts]
+        self.dur = [float(durations(lat, a.module, a.op)[a.unit, a.chunk]) for a in acts]
+        self.forward = [a.op is Op.FORWARD for a in acts]
+        self.is_encoder = np.array([a.is_encoder for a in acts], bool)
+        self.unit = np.array([a.unit for a in acts], np.int64)
+        self.alloc, self.free = [0.0] * len(acts), [0.0] * len(acts)
+        self.group = [proto.sub_mb_parent[a.unit] if a.is_encoder else a.unit for a in acts]
+        need = np.zeros((proto.num_micro_batches, R))  # forward memory of each micro-batch (with its images) on each rank
+        for kind, chunk, unit, made, freed in proto.buffers():
+            arr = buffer_bytes(lat, kind)
+            nbytes = float(arr[unit, chunk] if arr.ndim == 2 else arr[unit])
+            self.alloc[index[made]] += nbytes
+            self.free[index[freed]] += nbytes
+            need[self.group[index[made]], self.rank[index[made]]] += nbytes
+        self.need = need.tolist()
+        self.out = []
+        for i, a in enumerate(acts):
+            edges = []
+            for c in proto.consumers(a):
+                j = index[c]
+                msg = Message(a, c)
+                edges.append((j, 0.0 if self.rank[j] == self.rank[i] else float(message_costs(lat, msg.kind)[msg.unit])))
+            self.out.append(edges)
+        self.waiting = [len(proto.producers(a)) for a in acts]
+
+    def keys(self, priority: np.ndarray, sub_priority: np.ndarray) -> list[int]:
+        """Each action's priority (its unit's; lower runs first)."""
+        out = np.empty(len(self.acts), np.int64)
+        enc = self.is_encoder
+        out[enc] = np.asarray(sub_priority, np.int64)[self.unit[enc]]
+        out[~enc] = np.asarray(priority, np.int64)[self.unit[~enc]]
+        return out.tolist()
+
+    def run(self, priority: np.ndarray, sub_priority: np.ndarray, memory_limit: np.ndarray | None = None) -> Interleaved | None:
+        """The greedy table (module doc) for these priorities; ``memory_limit[r]``: bytes rank ``r`` may hold at once."""
+        R = self.num_ranks
+        n_acts = len(self.acts)
+        rank, dur, forward, group, alloc, free, need, out = (self.rank, self.dur, self.forward, self.group, self.alloc, self.free,
+                                                             self.need, self.out)
+        prio = self.keys(priority, sub_priority)
+        key = list(zip(prio, range(n_acts)))
+        waiting = self.waiting.copy()
+        ready_at = [0.0] * n_acts
+        limited = memory_limit is not None
+        limit = [float(x) for x in memory_limit] if limited else []
+        # per rank and kind (0 forward, 1 backward): not yet startable (by ready time), startable (by priority)
+        pending = [[[], []] for _ in range(R)]
+        avail = [[[], []] for _ in range(R)]
+        for i in range(n_acts):
+            if waiting[i] == 0:
+                heapq.heappush(pending[rank[i]][0 if forward[i] else 1], (0.0, key[i], i))
+        t_last, mem, peak, last_fwd = [0.0] * R, [0.0] * R, [0.0] * R, [False] * R
+        held = [0.0] * R  # memory in use plus what admitted micro-batches will still allocate, per rank
+        admitted = [False] * self.num_micro_batches
+        lists: list[list[int]] = [[] for _ in range(R)]
+        end_max = 0.0
+
+        def allowed(i: int) -> bool:
+            g = group[i]
+            if admitted[g]:
+                return True
+            ng = need[g]
+            return all(held[r] + ng[r] <= limit[r] for r in range(R))
+
+        def first_allowed(heap: list, by: int) -> tuple | None:
+            """The best entry of ``heap`` (ordered by its tuples) whose action may run, or None."""
+            if not heap or not limited or allowed(heap[0][by]):
+                return heap[0] if heap else None
+            return next((e for e in sorted(heap) if allowed(e[by])), None)
+
+        for _ in range(n_acts):
+            best_t, best_i, best_r = np.inf, -1, -1
+            for r in range(R):
+                t = t_last[r]
+                if t >= best_t:
+                    continue
+                pr, av = pending[r], avail[r]
+                for q in (0, 1):
+                    pq = pr[q]
+                    while pq and pq[0][0] <= t:
+                        _, k, i = heapq.heappop(pq)
+                        heapq.heappush(av[q], (k, i))
+                f = first_allowed(av[0], 1)
+                b = av[1][0] if av[1] else None
+                if f is not None or b is not None:
+                    i = (b[1] if last_fwd[r] else f[1]) if f is not None and b is not None else (f or b)[1]
+                    best_t, best_i, best_r = t, i, r
+                    continue
+                heads = [h for h in (pr[1][0] if pr[1] else None, first_allowed(pr[0], 2)) if h]
+                if heads:
+                    start, _, i = min(heads)
+                    if start < best_t:
+                        best_t, best_i, best_r = start, i, r
+            if best_i < 0:
+                return None  # no micro-batch fits on its own: no table exists under this limit
+            i, r = best_i, best_r
+            q = 0 if forward[i] else 1
+            for heap in (avail[r][q], pending[r][q]):
+                at = next((n for n, e in enumerate(heap) if e[-1] == i), None)
+                if at is not None:
+                    last = heap.pop()
+                    if at < len(heap):
+                        heap[at] = last
+                        heapq.heapify(heap)
+                    break
+            g = group[i]
+            if not admitted[g]:
+                admitted[g] = True
+                ng = need[g]
+                for x in range(R):
+                    held[x] += ng[x]
+            start = best_t if best_t > ready_at[i] else ready_at[i]
+            end = start + dur[i]
+            t_last[r], last_fwd[r] = end, forward[i]
+            m = mem[r] + alloc[i]
+            if m > peak[r]:
+                peak[r] = m
+            mem[r] = m - free[i]
+            held[r] -= free[i]
+            lists[r].append(i)
+            if end > end_max:
+                end_max = end
+            for j, comm in out[i]:
+                t = end + comm
+                if t > ready_at[j]:
+                    ready_at[j] = t
+                waiting[j] -= 1
+                if waiting[j] == 0:
+                    heapq.heappush(pending[rank[j]][0 if forward[j] else 1], (ready_at[j], key[j], j))
+        return Interleaved(self, tuple(map(tuple, lists)), end_max, np.array(peak))
 
 
 def interleave(
@@ -73,112 +228,5 @@ def interleave(
     *,
     name: str = "interleaved",
 ) -> Interleaved | None:
-    """The greedy table (module doc); ``memory_limit[r]``: bytes rank ``r`` may hold at once."""
-    proto = ScheduleTable(placement=placement, num_micro_batches=lat.fwd.shape[0], ranks=((),) * placement.num_ranks,
-                          sub_mb_parent=tuple(sub_mb_parent), name=name)
-    acts = proto.expected_actions()
-    index = {a: i for i, a in enumerate(acts)}
-    R = placement.num_ranks
-    rank = [placement.rank_of(a) for a in acts]
-    dur = [float(durations(lat, a.module, a.op)[a.unit, a.chunk]) for a in acts]
-    forward = [a.op is Op.FORWARD for a in acts]
-    key = [(int(sub_priority[a.unit] if a.is_encoder else priority[a.unit]), i) for i, a in enumerate(acts)]
-    alloc, free = [0.0] * len(acts), [0.0] * len(acts)
-    group = [proto.sub_mb_parent[a.unit] if a.is_encoder else a.unit for a in acts]
-    need = np.zeros((proto.num_micro_batches, R))  # forward memory of each micro-batch (with its images) on each rank
-    for kind, chunk, unit, made, freed in proto.buffers():
-        arr = buffer_bytes(lat, kind)
-        nbytes = float(arr[unit, chunk] if arr.ndim == 2 else arr[unit])
-        alloc[index[made]] += nbytes
-        free[index[freed]] += nbytes
-        need[group[index[made]], rank[index[made]]] += nbytes
-    out = []
-    for i, a in enumerate(acts):
-        edges = []
-        for c in proto.consumers(a):
-            j = index[c]
-            msg = Message(a, c)
-            edges.append((j, 0.0 if rank[j] == rank[i] else float(message_costs(lat, msg.kind)[msg.unit])))
-        out.append(edges)
-    waiting = [len(proto.producers(a)) for a in acts]
-    ready_at = [0.0] * len(acts)
-    limit = np.full(R, np.inf) if memory_limit is None else np.asarray(memory_limit, np.float64)
-    # per rank and kind (0 forward, 1 backward): not yet startable (by ready time), startable (by priority)
-    pending = [[[], []] for _ in range(R)]
-    avail = [[[], []] for _ in range(R)]
-    for i in range(len(acts)):
-        if waiting[i] == 0:
-            heapq.heappush(pending[rank[i]][0 if forward[i] else 1], (0.0, key[i], i))
-    t_last, mem, peak, last_fwd = [0.0] * R, [0.0] * R, [0.0] * R, [False] * R
-    reserved = np.zeros(R)  # forward memory admitted micro-batches will still allocate, per rank
-    admitted = [False] * proto.num_micro_batches
-    lists: list[list] = [[] for _ in range(R)]
-    end_max = 0.0
-
-    def allowed(i: int) -> bool:
-        g = group[i]
-        return admitted[g] or bool((np.asarray(mem) + reserved + need[g] <= limit).all())
-
-    def first_allowed(heap: list, by: int) -> tuple | None:
-        """The best entry of ``heap`` (ordered by its tuples) whose action may run, or None."""
-        if heap and allowed(heap[0][by]):
-            return heap[0]
-        return next((e for e in sorted(heap) if allowed(e[by])), None)
-
-    def candidate(r: int) -> tuple[float, int] | None:
-        """(start time, action) rank ``r`` would run next, or None if it can run nothing."""
-        t = t_last[r]
-        for q in (0, 1):
-            while pending[r][q] and pending[r][q][0][0] <= t:
-                _, k, i = heapq.heappop(pending[r][q])
-                heapq.heappush(avail[r][q], (k, i))
-        f = first_allowed(avail[r][0], 1)
-        b = avail[r][1][0] if avail[r][1] else None
-        if f is not None and b is not None:
-            return t, (b[1] if last_fwd[r] else f[1])
-        if f is not None or b is not None:
-            return t, (f or b)[1]
-        heads = [h for h in (pending[r][1][0] if pending[r][1] else None, first_allowed(pending[r][0], 2)) if h]
-        if not heads:
-            return None
-        start, _, i = min(heads)
-        return start, i
-
-    for _ in range(len(acts)):
-        best = None
-        for r in range(R):
-            c = candidate(r)
-            if c is not None and (best is None or c[0] < best[0]):
-                best = (c[0], c[1], r)
-        if best is None:
-            return None  # no micro-batch fits on its own: no table exists under this limit
-        start, i, r = best
-        q = 0 if forward[i] else 1
-        for heap in (avail[r][q], pending[r][q]):
-            at = next((n for n, e in enumerate(heap) if e[-1] == i), None)
-            if at is not None:
-                heap[at] = heap[-1]
-                heap.pop()
-                heapq.heapify(heap)
-                break
-        g = group[i]
-        if not admitted[g]:
-            admitted[g] = True
-            reserved += need[g]
-        reserved[r] -= alloc[i]
-        start = max(start, ready_at[i])
-        end = start + dur[i]
-        t_last[r], last_fwd[r] = end, forward[i]
-        mem[r] += alloc[i]
-        peak[r] = max(peak[r], mem[r])
-        mem[r] -= free[i]
-        lists[r].append(acts[i])
-        end_max = max(end_max, end)
-        for j, comm in out[i]:
-            ready_at[j] = max(ready_at[j], end + comm)
-            waiting[j] -= 1
-            if waiting[j] == 0:
-                heapq.heappush(pending[rank[j]][0 if forward[j] else 1], (ready_at[j], key[j], j))
-    table = ScheduleTable(placement=placement, num_micro_batches=proto.num_micro_batches, ranks=tuple(map(tuple, lists)),
-                          sub_mb_parent=proto.sub_mb_parent, name=name)
-    return Interleaved(table, end_max, np.array(peak))
+    """The greedy table (module doc) of one priority vector: ``Problem(...).run(...)``."""
+    return Problem(placement, sub_mb_parent, lat, name=name).run(priority, sub_priority, memory_limit)
