@@ -1,45 +1,41 @@
-"""The per-iteration planner on the separated layout (DIP): the same search as ``Planner``'s, with
-greedy interleaved tables in place of 1F1B with encoder placement.
+"""The per-iteration planner on the separated layout (DIP).
 
-Per batch, in ``pipetune`` mode: every micro-batch size is balance-packed, its images split into
-sub-microbatches (``pipetune.packing.sub_batches``) and scheduled by the dual-queue greedy
-(``pipetune.plan.interleave``) in packing order under each rank's memory (budget minus the rank's
-model states, so every candidate fits); the ``top_sizes`` fastest sizes then get the segment-order
-search: the clustered micro-batch orders of ``pipetune.plan.ordering`` (the co-located
-planner's, at most ``MAX_CLUSTERS`` clusters), each with the encoder running ``LEADS``
-micro-batches ahead of the backbone, and the fastest table wins. Fixed-size modes mean what they
-mean for ``Planner``.
+Fixed-size modes (``original``, ``balanced``) mean what they mean for ``Planner``: one packing at
+one micro-batch size, its micro-batches in packing order, scheduled by the dual-queue greedy
+(``pipetune.plan.interleave``) under each rank's memory (budget minus the rank's model states, so
+every table fits), at the layout's image sub-microbatch size ``B``.
 
-Search size, measured on DIP's 5B + 8B (H100 estimate, TP 4, PP 4, GBS 128, DataMix3, four
-batches, recomputed encoder): mean predicted iteration 2.999 / 2.998 / 2.989 / 2.987 s with 2 / 3
-/ 4 / 5 clusters and no lead, 2.955 s with leads 0-2 at any cluster count, and no gain from leads
-up to 6; search time grows about 3x per extra cluster. Hence 3 clusters and leads 0-2.
-
-Segment order by cluster permutation rather than DIP's MCTS: DIP's observation that segments of
-one micro-batch may share a priority leaves a permutation of micro-batches, which is what the
-clustered orders already cover (balanced packing makes micro-batches alike, so few clusters
-suffice), with a fixed, small number of greedy runs per size and a deterministic result.
-``benchmarks/separated.py`` compares it with random orders given the same number of greedy runs.
+``reorder`` and ``pipetune`` run the joint search of ``pipetune.plan.segment_search``: ``reorder``
+over orders and encoder leads at the fixed size and ``B``; ``pipetune`` also over every micro-batch
+size that fits and over ``B`` and ``B / 2`` per batch (the plan carries its ``B``; the runtime pads
+each sub-microbatch to it). The search spends at most ``EVALUATIONS`` greedy runs per batch
+(``CLIMB`` hill-climbing moves in each of the ``TOP_CONFIGURATIONS`` best configurations), starts
+from the previous batch's choice, and past a ``deadline`` returns the best table found so far.
+The plan's lower bound is the smallest over every configuration it considered, so its gap says how
+far the plan is from anything that search space allows (memory ignored).
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import replace
+
 import numpy as np
 
-from pipetune.cost.cost_model import MicroBatchShapes
+from pipetune.cost.cost_model import CostModel, MicroBatchShapes
 from pipetune.data.batch import BatchMeta
 from pipetune.packing.config import PackerKind, PackingConfig
 from pipetune.plan.candidate import Candidate
-from pipetune.plan.interleave import Interleaved, interleave, segment_priorities
-from pipetune.plan.ordering import candidate_orders
+from pipetune.plan.interleave import Interleaved, segment_priorities
+from pipetune.plan.mode import Mode
 from pipetune.plan.plan import IterationPlan, plan_from_table
 from pipetune.plan.planner import Planner
-from pipetune.schedule.table import ScheduleTable
-from pipetune.simulate.lower_bound import placement_lower_bound
+from pipetune.plan.segment_search import Budget, Configuration, climb, configuration, scan, sub_batch_sizes
 from pipetune.simulate.simulator import Latencies, simulate
 
-LEADS = (0, 1, 2)
-MAX_CLUSTERS = 3
+EVALUATIONS = 200
+CLIMB = 40
+TOP_CONFIGURATIONS = 2
 
 
 class SeparatedPlanner(Planner):
@@ -47,51 +43,90 @@ class SeparatedPlanner(Planner):
 
     separated = True
 
-    def _schedule(self, lat: Latencies, parent: tuple[int, ...], order, lead: int, *, limited: bool = True) -> Interleaved | None:
-        pr, sub_pr = segment_priorities(order, parent, lead)
-        limit = self.budget - self.states if limited else None
-        return interleave(self.cost.placement(), parent, lat, pr, sub_pr, limit, name=f"separated lead {lead}")
+    def __init__(self, config, model, cost: CostModel):
+        super().__init__(config, model, cost)
+        self._warm: tuple[int, int, int] | None = None  # the previous batch's (mbs, B, lead)
+
+    def _cost_for(self, B: int) -> CostModel:
+        return self.cost if B == self.cost.layout.image_sub_batch else self.cost.with_layout(replace(self.cost.layout, image_sub_batch=B))
+
+    def _packing(self, meta: BatchMeta, mbs: int, packer: PackerKind):
+        cfg = PackingConfig(packer=packer, mbs=mbs, max_seq_len=self.config.max_seq_len, seed=self.config.seed)
+        packing = cfg.build(self.model)(meta.table.lengths, meta.step)
+        return packing, MicroBatchShapes.from_packing(meta.table, packing)
 
     def _candidate(self, meta: BatchMeta, mbs: int, packer: PackerKind) -> Candidate:
-        packing = PackingConfig(packer=packer, mbs=mbs, max_seq_len=self.config.max_seq_len, seed=self.config.seed).build(self.model)(
-            meta.table.lengths, meta.step
-        )
-        costs = self.cost.stage_costs(MicroBatchShapes.from_packing(meta.table, packing))
-        lat = Latencies.from_costs(costs)
-        parent = tuple(costs.sub_batches.parent.tolist())
-        identity = np.arange(packing.num_micro_batches)
-        best = self._schedule(lat, parent, identity, 0)
-        fits = best is not None
-        best = best or self._schedule(lat, parent, identity, 0, limited=False)
-        proto = ScheduleTable(placement=self.cost.placement(), num_micro_batches=packing.num_micro_batches, ranks=(),
-                              sub_mb_parent=parent)
-        c = Candidate(mbs, packing, lat, None, best.makespan, placement_lower_bound(proto, lat), fits)
-        c.best_s, c.order, c.schedule = (best.makespan if fits else np.inf), identity, best
-        return c
+        """The packing order at lead 0 (the fixed-size modes' plan and the fallback)."""
+        packing, shapes = self._packing(meta, mbs, packer)
+        limit = self.budget - self.states
+        c = configuration(self.cost, packing, shapes, mbs, limit)
+        fits = c.base is not None
+        best = c.base or c.problem.run(*segment_priorities(c.order, c.problem.sub_mb_parent, 0))
+        out = Candidate(mbs, packing, c.lat, None, best.makespan, c.lower_bound_s, fits)
+        out.best_s, out.order, out.schedule = (best.makespan if fits else np.inf), c.order, best
+        return out
 
-    def _improve(self, c: Candidate) -> None:
-        """Segment orders (clustered micro-batch orders x encoder leads) for one packing, in place."""
-        parent = c.schedule.table.sub_mb_parent
-        for order in candidate_orders(c.lat, min(self.config.max_clusters, MAX_CLUSTERS), parent):
-            for lead in LEADS:
-                s = self._schedule(c.lat, parent, order, lead)
-                if s is not None and s.makespan < c.best_s:
-                    c.best_s, c.order, c.schedule = s.makespan, order, s
+    def _plan(self, meta: BatchMeta, deadline: float | None) -> IterationPlan:
+        mode = self.config.mode
+        if mode not in (Mode.REORDER, Mode.PIPETUNE):
+            return super()._plan(meta, deadline)
+        t0 = time.perf_counter()
+        sizes = range(1, self.max_mbs + 1) if mode is Mode.PIPETUNE else [self.fixed_mbs]
+        limit = self.budget - self.states
+        configs: list[Configuration] = []
+        for mbs in sizes:
+            if deadline is not None and time.perf_counter() > deadline and any(np.isfinite(c.best_s) for c in configs):
+                break
+            packing, shapes = self._packing(meta, mbs, PackerKind.BALANCED)
+            for B in sub_batch_sizes(self.cost.layout, mode is Mode.PIPETUNE):
+                configs.append(configuration(self._cost_for(B), packing, shapes, mbs, limit))
+        score = lambda c: c.best_s * self._factor(c.mbs)  # noqa: E731
+        warm = self._warm
+        first = lambda c: warm is not None and (c.mbs, c.image_sub_batch) == warm[:2]  # noqa: E731
+        budget = Budget(EVALUATIONS, deadline)
+        best = min(configs, key=score)
+        for c in sorted(configs, key=lambda c: c.lower_bound_s * self._factor(c.mbs)):
+            if np.isfinite(c.base_s) and c.lower_bound_s * self._factor(c.mbs) < score(best):
+                scan(c, limit, budget, first_lead=warm[2] if first(c) else 0)
+                best = min(best, c, key=score)
+        rng = np.random.default_rng((self.config.seed, meta.step))
+        for c in sorted(configs, key=lambda c: (not first(c), score(c)))[:TOP_CONFIGURATIONS]:
+            if np.isfinite(c.best_s) and c.lower_bound_s * self._factor(c.mbs) < score(best):
+                climb(c, limit, budget, rng, CLIMB)
+                best = min(best, c, key=score)
+        if not np.isfinite(best.best_s):
+            if mode is Mode.PIPETUNE:
+                raise ValueError(
+                    f"step {meta.step}: no micro-batch size in 1..{self.max_mbs} fits this batch in "
+                    f"{self.budget / 2**30:.1f} GiB per GPU (trained-encoder activations of its images); "
+                    "lower --max-seq-len, recompute the encoder or add memory"
+                )
+            best.best = best.problem.run(*segment_priorities(best.order, best.problem.sub_mb_parent, 0))
+        self.last_mbs = best.mbs
+        self._warm = (best.mbs, best.image_sub_batch, best.lead)
+        bound = min(c.lower_bound_s for c in configs)
+        return self._table_plan(meta, best.packing, best.order, best.mbs, best.image_sub_batch, best.lat, best.best,
+                                time.perf_counter() - t0, lower_bound_s=bound)
 
     def _to_plan(self, meta: BatchMeta, c: Candidate, search_s: float, *, lower_bound_s: float, fallback: bool = False) -> IterationPlan:
+        return self._table_plan(meta, c.packing, c.order, c.mbs, self.cost.layout.image_sub_batch, c.lat, c.schedule, search_s,
+                                lower_bound_s=lower_bound_s, fallback=fallback)
+
+    def _table_plan(self, meta: BatchMeta, packing, order, mbs: int, B: int, lat: Latencies, schedule: Interleaved, search_s: float, *,
+                    lower_bound_s: float, fallback: bool = False) -> IterationPlan:
         ids = meta.table.ids
         return plan_from_table(
-            c.schedule.table,
+            schedule.table,
             step=meta.step,
-            micro_batches=[ids[g] for g in c.packing.groups()],
-            order=c.order,
-            mbs=c.mbs,
+            micro_batches=[ids[g] for g in packing.groups()],
+            order=order,
+            mbs=mbs,
             max_seq_len=self.config.max_seq_len,
-            image_sub_batch=self.cost.layout.image_sub_batch,
+            image_sub_batch=B,
             mode=self.config.mode,
-            predicted_s=simulate(c.schedule.table, c.lat).makespan if c.lat.contention else c.schedule.makespan,
+            predicted_s=simulate(schedule.table, lat).makespan if lat.contention else schedule.makespan,
             lower_bound_s=lower_bound_s,
-            peak_bytes=tuple(float(x) for x in c.schedule.peak_bytes + self.states),
+            peak_bytes=tuple(float(x) for x in schedule.peak_bytes + self.states),
             estimate=self.cost.table.estimate,
             search_s=search_s,
             fallback=fallback,

@@ -276,6 +276,26 @@ def test_a_thousand_random_plans_run_on_a_strict_in_order_transport():
     assert old_failures == 50  # the old lowering fails on random plans too, not only on the hand-made case
 
 
+def test_the_separated_search_s_tables_run_on_a_strict_in_order_transport():
+    """Every plan the separated layout's search returns is a dual-queue greedy table for some
+    micro-batch order and encoder lead, under a memory limit (``pipetune.plan.segment_search``):
+    300 of them (2-5 ranks, 1-3 encoder segments, frozen and trained encoders, random orders, leads
+    0-3 and limits from one micro-batch's need up) on all three transport models, 0 failures."""
+    from test_separated import one_micro_batch_needs, random_case
+
+    from pipetune.plan.interleave import Problem, segment_priorities
+    from pipetune.plan.segment_search import LEADS
+
+    rng = np.random.default_rng(38)
+    for _ in range(300):
+        placement, parent, lat = random_case(rng)
+        problem = Problem(placement, parent, lat)
+        limit = one_micro_batch_needs(placement, parent, lat) * rng.uniform(1.0, 3.0)
+        order = rng.permutation(lat.fwd.shape[0])
+        g = problem.run(*segment_priorities(order, parent, int(rng.choice(LEADS))), limit)
+        check(g.table)
+
+
 def test_matches_torchs_add_send_recv():
     """Without encoder actions our pass is torch's ``_add_send_recv``: same compute and
     communication order on every rank (1F1B / GPipe, flat and interleaved layouts)."""
