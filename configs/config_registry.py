@@ -14,7 +14,8 @@ field can be overridden on the command line as with TorchTitan's own configs
 * ``muse_glimmer_mm_testbed``, ``muse_glimmer_heavy_vit_testbed``: the same jobs on the 2-core CPU
   testbed (``benchmarks/testbed``), which the main job and the benchmarks run;
 * ``muse_glimmer_mm_stock``: the debug job on TorchTitan's stock pipeline (``StockTrainer``), the
-  baseline pipetune is measured against.
+  baseline pipetune is measured against;
+* ``qwen3_5_debug``: TorchTitan's Qwen3.5 ``debugmodel`` (with a small vocabulary), CPU or GPU.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from torchtitan_patches.stock_trainer import StockTrainer
 from torchtitan_patches.titan.fixed_shape_loader import FixedShapeDataLoader
 from torchtitan_patches.titan.dataloader import PipeTuneTitanDataLoader
 from torchtitan_patches.titan.model_spec import muse_glimmer_spec
+from torchtitan_patches.titan.qwen3_5 import qwen3_5_spec
 from torchtitan_patches.titan.tokenizer import ByteTokenizer
 from torchtitan_patches.trainer import PipeTuneTrainer
 
@@ -58,6 +60,22 @@ def muse_glimmer_mm() -> PipeTuneTrainer.Config:
         activation_checkpoint=None,
         pipetune=PipeTuneSettings.Config(latency_table="out/titan/table.json"),
     )
+
+
+def qwen3_5_debug() -> PipeTuneTrainer.Config:
+    """TorchTitan's Qwen3.5 ``debugmodel`` (8 layers of width 256: 6 Gated DeltaNet, 2 gated full
+    attention; a 4-block ViT of width 256, 2 x 2 merger) with a 2048-token vocabulary
+    (``debugmodel_small_vocab``, 10 M parameters) on 2 pipeline stages, the ViT frozen and its
+    merger trained, images of 4 x 4 patches (64 x 64 pixels, 4 tokens). Co-located layouts only
+    (``titan.qwen3_5``). Data and table: ``python -m profiling.prepare_job --config qwen3_5_debug
+    --out out/titan_qwen``."""
+    config = muse_glimmer_mm()
+    spec = qwen3_5_spec("debugmodel_small_vocab")
+    config.model_spec = spec
+    config.loss = CrossEntropyLoss.Config(global_vocab_size=spec.model.vocab_size)
+    config.dataloader.dataset_path = "out/titan_qwen/data"
+    config.pipetune = PipeTuneSettings.Config(latency_table="out/titan_qwen/table.json", layout="even")
+    return config
 
 
 def muse_glimmer_heavy_vit() -> PipeTuneTrainer.Config:

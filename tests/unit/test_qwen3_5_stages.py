@@ -170,3 +170,19 @@ def test_moe_flavours_are_refused():
 
     with pytest.raises(ConfigError, match="MoE"):
         with_cpu_paths(model_registry("debugmodel_moe", attn_backend="varlen").model)
+
+
+def test_qwen3_5_job_is_accepted_and_what_its_mapping_lacks_is_refused():
+    from configs import config_registry
+    from torchtitan_patches.titan.job_checks import refuse_unsupported
+
+    refuse_unsupported(config_registry.qwen3_5_debug())
+    for layout in ("separated", "auto"):
+        config = config_registry.qwen3_5_debug()
+        config.pipetune = dataclasses.replace(config.pipetune, layout=layout)
+        with pytest.raises(ValueError, match=f"pipetune.layout {layout}: Qwen3.5 runs with its vision encoder on stage 0"):
+            refuse_unsupported(config)
+    config = config_registry.qwen3_5_debug()
+    config.parallelism.tensor_parallel_degree = 2
+    with pytest.raises(ValueError, match="without data or tensor parallelism"):
+        refuse_unsupported(config)

@@ -10,7 +10,8 @@ pieces do not:
   Triton kernels); otherwise the torch versions in ``model.gated_delta_cpu`` (same math, per document);
 * ``DenseMaskQwen35VisionEncoder``: TorchTitan's encoder builds a FlexAttention ``BlockMask`` with
   a compiled ``create_block_mask`` inside ``forward`` (no CPU backward, compilation fails on CPU),
-  so its ``forward`` is restated with a dense per-image mask for ``VisionMaskAttention``.
+  so its ``forward`` is restated with a dense per-image mask for ``VisionMaskAttention`` (as
+  ``VisionBlockAttention``, under the argument names TorchTitan's sharding config uses).
 
 Parameters, initialisation and the state-dict adapter stay TorchTitan's. ``parallelize_for_pipetune``
 is TorchTitan's ``parallelize_qwen3_5`` without FSDP (pipetune runs one replica per pipeline).
@@ -83,6 +84,18 @@ class CpuGatedDeltaNet(GatedDeltaNet):
         return causal_conv1d(x_BLD, conv.weight, bounds=cu_seqlens_cpu.tolist())
 
 
+class VisionBlockAttention(VisionMaskAttention):
+    """``VisionMaskAttention`` under the argument names (``q_BLNH`` ...) by which TorchTitan's
+    Qwen3.5 sharding config (``set_gqa_inner_attention_local_map``) addresses its ViT's inner attention."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(VisionMaskAttention.Config):
+        pass
+
+    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks, **kwargs):
+        return super().forward(q_BLNH, k_BLNH, v_BLNH, attention_masks=attention_masks, **kwargs)
+
+
 def patch_mask(num_patch: torch.Tensor, max_num_patch: int) -> torch.Tensor:
     """``(N, P, P)`` booleans: query and key are both real patches of image ``n`` (the dense form
     of TorchTitan's ``get_vision_block_mask_mod``)."""
@@ -131,7 +144,7 @@ def with_cpu_paths(model_config: Qwen35Model.Config) -> Qwen35Model.Config:
             dn = layer.delta_net
             layer.delta_net = CpuGatedDeltaNet.Config(**{**_init_fields(dn), "kernel": CpuGatedDeltaKernel.Config(**_init_fields(dn.kernel))})
     enc = cfg.vision_encoder
-    block = dataclasses.replace(enc.block, attn=dataclasses.replace(enc.block.attn, inner_attention=VisionMaskAttention.Config()))
+    block = dataclasses.replace(enc.block, attn=dataclasses.replace(enc.block.attn, inner_attention=VisionBlockAttention.Config()))
     cfg.vision_encoder = DenseMaskQwen35VisionEncoder.Config(**{**_init_fields(enc), "block": block})
     return cfg
 
@@ -273,13 +286,17 @@ class Qwen35Stage(nn.Module):
 class Qwen35EncoderChunk(nn.Module):
     """The whole ViT of a Qwen3.5 model part as the plan's one encoder chunk (co-located layout):
     pixels ``(N, C, H, W)`` in, the blocks' output ``(N, patches, dim)`` out, before the merger
-    (stage 0 runs it). The RoPE table and mask depend on the grid only: made once per device."""
+    (stage 0 runs it). Its parameters are the patch embedding, positions and blocks it runs (not
+    the merger the encoder module also holds). The RoPE table and mask depend on the grid only:
+    made once per device."""
 
     def __init__(self, encoder: DenseMaskQwen35VisionEncoder, *, image_grid: int):
         super().__init__()
         if not isinstance(encoder, DenseMaskQwen35VisionEncoder):
             raise TypeError(f"Qwen35EncoderChunk needs the encoder of with_cpu_paths, got {type(encoder).__name__}")
-        self.encoder, self.grid = encoder, image_grid
+        self.patch_embed, self.pos_embed, self.layers = encoder.patch_embed, encoder.pos_embed, encoder.layers
+        object.__setattr__(self, "encoder", encoder)  # unregistered: its helpers and config
+        self.grid = image_grid
         self.is_first = self.is_last = True
         self.layer_range = (0, len(encoder.layers))
         self._constants: dict = {}
