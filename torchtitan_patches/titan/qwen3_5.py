@@ -24,7 +24,9 @@ step) runs in stage 0's forward, so it trains while the ViT is frozen, as pipetu
 
 Limits: the co-located layout only (the separated layout is refused in ``titan.job_checks``), no
 data or tensor parallelism yet, dense flavours only, and every image has the job's ``image_grid``
-(``pipetune.image_grid`` patches per side), as elsewhere in pipetune today.
+(``pipetune.image_grid`` patches per side), as elsewhere in pipetune today. On a GPU the ViT keeps
+its dense masks (no FlexAttention) and every stage uploads its MRoPE positions each forward; none
+of this has run on a GPU. Planning treats the DeltaNet layers as full attention (``model_spec``).
 """
 
 from __future__ import annotations
