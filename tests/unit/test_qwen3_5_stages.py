@@ -7,6 +7,7 @@ import dataclasses
 import sys
 import types
 import warnings
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -53,14 +54,14 @@ def test_planning_shapes_of_debugmodel(spec):
 
 def _torchtitan_mrope(tokens, grid_thw, positions):
     """TorchTitan's own ``MultiModalCollator._build_mrope_positions`` (its module imports
-    torchvision, which does not load here; the collator's MRoPE code does not use it)."""
-    for name in ("torchvision", "torchvision.io", "torchvision.transforms", "torchvision.transforms.v2",
-                 "torchvision.transforms.v2.functional"):
-        sys.modules.setdefault(name, types.ModuleType(name))
-    from torchtitan.hf_datasets.multimodal.mm_collator import MultiModalCollator
+    torchvision, which does not load here; the collator's MRoPE code does not use it). The stand-in
+    modules, and every module imported beside them, are gone from ``sys.modules`` afterwards."""
+    names = ("torchvision", "torchvision.io", "torchvision.transforms", "torchvision.transforms.v2", "torchvision.transforms.v2.functional")
+    with mock.patch.dict(sys.modules, {name: types.ModuleType(name) for name in names}):
+        from torchtitan.hf_datasets.multimodal.mm_collator import MultiModalCollator
 
-    owner = types.SimpleNamespace(patch_order="block", spatial_merge_size=2)
-    return MultiModalCollator._build_mrope_positions(owner, tokens, grid_thw, None, positions, image_token_id=IMAGE_ID, video_token_id=-1)
+        owner = types.SimpleNamespace(patch_order="block", spatial_merge_size=2)
+        return MultiModalCollator._build_mrope_positions(owner, tokens, grid_thw, None, positions, image_token_id=IMAGE_ID, video_token_id=-1)
 
 
 def _packed(lengths, images):
