@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 
+from pipetune.data.images import ImageSizing
 from pipetune.config import load_model_config
 from pipetune.data import BatchStream, batch_meta, make_mix
 from pipetune.packing import FlopsModel, PackingConfig
@@ -49,7 +50,7 @@ def main() -> None:
         for gbs in (128, 1024):
             stream = BatchStream(num_rows=len(table), gbs=gbs, seed=0)
             metas = [
-                batch_meta(table, stream, s, tokens_per_image=model.tokens_per_image, max_seq_len=args.max_seq_len)
+                batch_meta(table, stream, s, images=ImageSizing.for_model(model), max_seq_len=args.max_seq_len)
                 for s in range(args.iters)
             ]
             lengths = [m.table.lengths for m in metas]
@@ -62,7 +63,7 @@ def main() -> None:
             row[f"samples_per_s_gbs{gbs}"] = throughput(balanced, lengths, 3)
 
             def with_lookup(_, step, stream=stream, table=table, balanced=balanced):
-                m = batch_meta(table, stream, step, tokens_per_image=model.tokens_per_image, max_seq_len=args.max_seq_len)
+                m = batch_meta(table, stream, step, images=ImageSizing.for_model(model), max_seq_len=args.max_seq_len)
                 balanced(m.table.lengths, step)
 
             row[f"samples_per_s_with_lookup_gbs{gbs}"] = throughput(with_lookup, lengths, 3)

@@ -30,7 +30,6 @@ from pipetune.cost import CostModel, StageLayout, analytical_table
 from pipetune.cost.variability import Spread, Variability
 from pipetune.data import BatchStream, batch_meta, make_mix
 from pipetune.plan import PlannerConfig
-from pipetune.simulate import Latencies
 from pipetune.simulate.jitter import expected_time
 
 DRAWS = (0, 8, 16)
@@ -69,7 +68,7 @@ def main() -> None:
 
     def expected(plan, meta, draws: int) -> float:
         """``plan``'s expected time on the draws the planner (seed 0) uses for this step."""
-        lat = Latencies.from_costs(cost.stage_costs(plan.shapes(meta)))
+        lat = plan.latencies(cost, meta)
         return expected_time(plan.table(), lat, table.variability, draws, (0, meta.step))
 
     print(f"13B TP4 PP4, {args.mix}, pipetune mode, {args.iters} iterations per GBS (one thread)")

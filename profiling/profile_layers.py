@@ -184,9 +184,10 @@ class _Profiler:
         if curve == "projector":
             return self._time(lambda: (self._rand(x, enc.tokens_per_image, enc.merged_dim),), lambda f: self.projector(f))
         if curve == "encoder":
+            side = enc.image_size // enc.patch_size
             return self._time(
-                lambda: (self._rand(x, enc.channels, enc.image_size, enc.image_size, grad=not enc.frozen),),
-                lambda p: self.encoder(p),
+                lambda: (self._rand(x * enc.patches_per_image, enc.patch_dim, grad=not enc.frozen),),
+                lambda p: self.encoder(p, ((side, side),) * x),
                 backward=not enc.frozen,
             )
         raise KeyError(curve)

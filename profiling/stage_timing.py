@@ -53,7 +53,7 @@ class StageTimer:
             return 0.0
         pixels = mb.pixel_values.to(self.device)
         with self._autocast():
-            return fwd_bwd_sample(self.clock, lambda: (pixels,), self.encoder, backward=False)[0]
+            return fwd_bwd_sample(self.clock, lambda: (pixels,), lambda p: self.encoder(p, mb.image_grids), backward=False)[0]
 
     def stage_seconds(self, mb: PackedMicroBatch, stage: int) -> tuple[float, float]:
         """(forward, backward) seconds of ``mb`` on ``stage``."""
@@ -63,7 +63,7 @@ class StageTimer:
         kwargs = {"positions": mb.positions[None], "masks": masks}
         if mod.is_first:
             with torch.no_grad(), self._autocast():
-                feats = self.encoder(mb.pixel_values) if self.encoder is not None and mb.num_images else None
+                feats = self.encoder(mb.pixel_values, mb.image_grids) if self.encoder is not None and mb.num_images else None
             kwargs.update(image_features=feats, image_spans=spans)
 
             def make():

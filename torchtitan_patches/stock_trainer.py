@@ -60,8 +60,7 @@ class StockTrainer(Trainer):
             encoder.requires_grad_(False)
         spec = config.model_spec
         model = planning_model_config(spec, image_grid=config.image_grid, encoder_frozen=config.freeze_vision_encoder)
-        vision = spec.model.vision_encoder
-        self.dataloader.bind(model, patch_size=vision.patch_size, patch_temporal=vision.patch_temporal)
+        self.dataloader.bind(model)
         self.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=config.comm.init_timeout_seconds))
         self.records_path = Path(config.dump_folder) / "stock" / "steps.jsonl"
 

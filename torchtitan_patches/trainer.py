@@ -169,7 +169,12 @@ class PipeTuneTrainer(Trainer):
         self.sizes_run: set[int] = set()  # micro-batch sizes this process has run (a size's first run is cold)
         if not isinstance(self.dataloader, PipeTuneTitanDataLoader):
             raise ValueError(f"PipeTuneTrainer needs dataloader = PipeTuneTitanDataLoader.Config, got {type(self.dataloader).__name__}")
-        loader = self.dataloader.bind(self.planning_model, packing_source=None, seq_multiple=self.sequence_shards)
+        loader = self.dataloader.bind(self.planning_model, packing_source=None, seq_multiple=self.sequence_shards,
+                                      pixels=bool(self.executor.encoder), square_images=self.layout.is_separated)
+        if self.rank == 0 and loader.store.skipped:
+            row, why = loader.store.skipped[0]
+            logger.warning(f"pipetune: left out {len(loader.store.skipped)} samples with unreadable images "
+                           f"(dataloader.bad_images=skip), e.g. row {row}: {why}")
         self.source = self.learner = None
         error = [None]
         if self.rank == 0:  # only rank 0 plans; a planner it cannot build stops every rank, not just rank 0
@@ -198,7 +203,7 @@ class PipeTuneTrainer(Trainer):
         dist.all_gather_object(sizes, sum(p.numel() * p.element_size() for p in part.parameters()), group=self.control)
         if self.rank == 0:
             logger.info("pipetune: parameter bytes per rank " + ", ".join(f"rank {r} {b / 2**20:.1f} MiB" for r, b in enumerate(sizes)))
-        backbone = runtime.stage(part, is_first=stage == 0, is_last=stage == pp - 1, image_grid=pt.image_grid)
+        backbone = runtime.stage(part, is_first=stage == 0, is_last=stage == pp - 1)
         enc = self.planning_model.encoder
         if self.layout.is_separated:
             ranges = self.layout.encoder_chunks
@@ -255,6 +260,9 @@ class PipeTuneTrainer(Trainer):
                 return
             self.metrics_processor.ntokens_since_last_log += sum(mb.num_tokens for mb in batch.micro_batches)
             self.metrics_processor.data_loading_times.append(time.perf_counter() - t0)
+            if batch.damaged_images:
+                logger.warning(f"pipetune: batch {batch.step} holds {batch.damaged_images} damaged images, kept as far as readable "
+                               "(dataloader.bad_images=skip)")
             yield batch
 
     def runs(self, batch: GlobalBatch, plan: IterationPlan) -> list[Run]:

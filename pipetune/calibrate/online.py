@@ -20,7 +20,7 @@ from pipetune.plan.plan import IterationPlan
 from pipetune.schedule.table import Op
 from pipetune.simulate.contention import overlap_with_others
 from pipetune.simulate.jitter import expected_time
-from pipetune.simulate.simulator import Latencies, SimResult, TimedAction, simulate
+from pipetune.simulate.simulator import SimResult, TimedAction, simulate
 
 
 def timeline_observations(timeline: list[TimedAction], plan: IterationPlan, meta: BatchMeta) -> list[Observation]:
@@ -82,7 +82,7 @@ class MeasuredStep:
 
 def simulate_plan(cost: CostModel, plan: IterationPlan, meta: BatchMeta) -> SimResult:
     """``plan`` on ``meta``'s batch, timed by ``cost``."""
-    return simulate(plan.table(), Latencies.from_costs(cost.stage_costs(plan.shapes(meta))))
+    return simulate(plan.table(), plan.latencies(cost, meta))
 
 
 def fit_steps(base: CostModel, steps: Sequence[MeasuredStep], *, anchors: Sequence[MeasuredStep] = (), jitter_draws: int = 0,
@@ -118,7 +118,7 @@ def fit_steps(base: CostModel, steps: Sequence[MeasuredStep], *, anchors: Sequen
     def predicted(step: MeasuredStep) -> float:
         if variability is None:
             return simulate_plan(cost, step.plan, step.meta).makespan
-        lat = Latencies.from_costs(cost.stage_costs(step.plan.shapes(step.meta)))
+        lat = step.plan.latencies(cost, step.meta)
         return expected_time(step.plan.table(), lat, variability, jitter_draws, step.plan.step)
 
     factor = float(np.median([step.measured_s / predicted(step) for step in steps]))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from pipetune.data.images import ImageSizing
 from pipetune.cli.common import add_batch_args, add_data_args, add_model_args, emit_json, model_from_args, table_from_args
 from pipetune.data import BatchStream, OverlongTotals, batch_meta
 from pipetune.packing import FlopsModel, PackingConfig
@@ -29,7 +30,7 @@ def run(args) -> int:
     overlong = OverlongTotals(args.overlong)
     for step in range(args.iters):
         meta = batch_meta(
-            table, stream, step, tokens_per_image=model.tokens_per_image, max_seq_len=args.max_seq_len, overlong=args.overlong
+            table, stream, step, images=ImageSizing.for_model(model), max_seq_len=args.max_seq_len, overlong=args.overlong
         )
         lengths = meta.table.lengths
         stats = packing_stats(lengths, packer(lengths, step), flops)

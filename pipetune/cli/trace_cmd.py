@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pipetune.data.images import ImageSizing
 from pipetune.cli.common import (
     add_batch_args,
     add_cost_args,
@@ -46,7 +47,7 @@ def run(args) -> int:
         data,
         BatchStream(num_rows=len(data), gbs=args.gbs, seed=args.data_seed),
         args.step,
-        tokens_per_image=model.tokens_per_image,
+        images=ImageSizing.for_model(model),
         max_seq_len=args.max_seq_len,
         overlong=args.overlong,
     )

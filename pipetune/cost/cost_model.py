@@ -15,7 +15,11 @@ and for encoder sub-microbatch ``k`` (``pipetune.packing.sub_batches``; co-locat
 The table's ``encoder`` curve is the whole encoder by image count, so a chunk's share is taken
 per layer (the patch embedding and the final merge are charged like any layer: a documented
 approximation; in the co-located layout there is one chunk and nothing is approximated). The
-projector goes with backbone stage 0.
+projector goes with backbone stage 0. Images at their own resolution (``MicroBatchShapes.
+image_tokens``) count as standard images in proportion to their tokens (``image_units``): exact
+for the projector and every per-patch part of the ViT; the ViT's attention within an image grows
+with its patches squared, so a large image is charged less attention than it costs (and a small
+one more) - a limit, small where the MLPs dominate the ViT.
 
 A trained ViT keeps its activations from each chunk's forward to its backward:
 ``vit_activation_bytes_per_image`` per image, derived from the encoder's shapes (latency tables
@@ -53,12 +57,14 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 @dataclass(frozen=True)
 class MicroBatchShapes:
-    """What the cost model needs of ``m`` micro-batches: document lengths and image counts."""
+    """What the cost model needs of ``m`` micro-batches: document lengths, image counts and
+    image tokens (None: every image is the model's standard image)."""
 
     doc_lengths: np.ndarray
     doc_mb: np.ndarray
     tokens: np.ndarray
     images: np.ndarray
+    image_tokens: np.ndarray | None = None
 
     @classmethod
     def from_packing(cls, table: SampleTable, packing: Packing) -> "MicroBatchShapes":
@@ -71,6 +77,7 @@ class MicroBatchShapes:
             doc_mb=doc_mb,
             tokens=np.bincount(doc_mb, weights=lengths, minlength=m).astype(np.int64),
             images=np.bincount(doc_mb, weights=table.num_images[order], minlength=m).astype(np.int64),
+            image_tokens=np.bincount(doc_mb, weights=table.sample_image_tokens[order], minlength=m).astype(np.int64),
         )
 
     @property
@@ -83,7 +90,8 @@ class MicroBatchShapes:
         new = np.full(self.num_micro_batches, -1, np.int64)
         new[idx] = np.arange(len(idx))
         keep = new[self.doc_mb] >= 0
-        return MicroBatchShapes(self.doc_lengths[keep], new[self.doc_mb[keep]], self.tokens[idx], self.images[idx])
+        return MicroBatchShapes(self.doc_lengths[keep], new[self.doc_mb[keep]], self.tokens[idx], self.images[idx],
+                                None if self.image_tokens is None else self.image_tokens[idx])
 
 
 @dataclass(frozen=True)
@@ -212,7 +220,7 @@ class CostModel:
             out.setdefault("rest", {})[which] = rest[:, None] * self.layers[None, :]
             for name, stage, x in (
                 ("embedding", 0, shapes.tokens),
-                ("projector", 0, shapes.images),
+                ("projector", 0, self.image_units(shapes)),
                 ("head", S - 1, shapes.tokens),
             ):
                 v, n = self._curve(name, x, which)
@@ -230,13 +238,21 @@ class CostModel:
         """The encoder's units for these micro-batches under this layout."""
         if self.layout.is_separated:
             return SubBatches.split(shapes.images, self.layout.image_sub_batch)
-        return SubBatches.one_per_micro_batch(shapes.images)
+        return SubBatches.one_per_micro_batch(shapes.images, self.image_units(shapes))
+
+    def image_units(self, shapes: MicroBatchShapes) -> np.ndarray:
+        """Images per micro-batch in the model's standard images (image tokens over the standard
+        image's): what the encoder, projector and image message entries are counted in."""
+        tpi = self.table.model.tokens_per_image
+        if shapes.image_tokens is None or tpi == 0:
+            return shapes.images
+        return shapes.image_tokens / tpi
 
     def activation_bytes(self, shapes: MicroBatchShapes) -> np.ndarray:
         """Saved activation bytes per (micro-batch, stage); no latency lookups (memory probes use it)."""
         mem = self.table.memory
         act = shapes.tokens[:, None] * (self.layers[None, :] * mem["layer_bytes_per_token"])
-        act[:, 0] += shapes.tokens * mem["embedding_bytes_per_token"] + shapes.images * mem["projector_bytes_per_image"]
+        act[:, 0] += shapes.tokens * mem["embedding_bytes_per_token"] + self.image_units(shapes) * mem["projector_bytes_per_image"]
         act[:, -1] += shapes.tokens * mem["head_bytes_per_token"]
         return act
 

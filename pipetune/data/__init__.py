@@ -1,6 +1,7 @@
 """Sample metadata, generated data mixes, storage on disk and the deterministic batch stream."""
 
 from pipetune.data.batch import BatchMeta, batch_meta
+from pipetune.data.images import ImageSizing
 from pipetune.data.mixes import MIXES, make_mix
 from pipetune.data.samples import Overlong, OverlongReport, OverlongTotals, SampleTable, apply_overlong_policy
 from pipetune.data.storage import SampleStore, open_dataset, write_dataset
@@ -10,6 +11,7 @@ __all__ = [
     "MIXES",
     "BatchMeta",
     "BatchStream",
+    "ImageSizing",
     "Overlong",
     "OverlongReport",
     "OverlongTotals",

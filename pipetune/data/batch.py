@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from pipetune.data.images import ImageSizing
 from pipetune.data.samples import Overlong, OverlongReport, SampleTable, apply_overlong_policy
 from pipetune.data.stream import BatchStream
 
@@ -39,13 +40,21 @@ def batch_meta(
     stream: BatchStream,
     step: int,
     *,
-    tokens_per_image: int,
+    images: ImageSizing | None,
     max_seq_len: int,
     overlong: Overlong | str = Overlong.TRUNCATE,
 ) -> BatchMeta:
-    """Look up batch ``step`` of ``stream`` in the data set metadata and make every sample fit."""
+    """Look up batch ``step`` of ``stream`` in the data set metadata, give its images their tokens
+    (``images``: the model's sizing; None for a model without a vision encoder) and make every
+    sample fit."""
     rows = stream.rows(step)
-    raw = table.take(rows).with_tokens_per_image(tokens_per_image)
+    raw = table.take(rows)
+    if images is None:
+        if raw.num_images.any():
+            i = int(np.argmax(raw.num_images > 0))
+            raise ValueError(f"sample id={raw.ids[i]} has {raw.num_images[i]} images but the model has no vision encoder")
+    else:
+        raw = raw.with_image_tokens(images.tokens(raw.image_sizes))
     resolved, report = apply_overlong_policy(raw, max_seq_len, overlong)
     if report.rejected_ids:
         rows = rows[np.isin(raw.ids, resolved.ids)]

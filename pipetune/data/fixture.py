@@ -3,10 +3,12 @@
 Tests and the main job need real image files and real text, not synthesized ids and pixels, and
 the machines that run them have no internet. ``write_fixture`` makes one from a seed:
 
-- ``pairs/shard-NNNNN.tar``: CC12M-style caption pairs as webdataset shards, one ``<key>.jpg``
+- ``data/``: one data set of two sources (``pipetune.data.storage``: a directory of data sets),
+  each in one of TorchTitan's formats:
+- ``data/pairs/shard-NNNNN.tar``: CC12M-style caption pairs as webdataset shards, one ``<key>.jpg``
   (JPEG bytes) and ``<key>.txt`` (caption, 5-40 words) per sample, as TorchTitan's
   ``_process_cc12_wd_sample`` reads them (``txt``, ``jpg``).
-- ``interleaved/part-NNNNN.parquet``: OBELICS-style documents as TorchTitan's
+- ``data/interleaved/part-NNNNN.parquet``: OBELICS-style documents as TorchTitan's
   ``_process_obelics_sample`` reads them: ``texts: list<string>`` and ``images: list<binary>`` of
   equal length, a null text where an image goes and a null image where text goes. Documents
   (MMC4-like, 1-8 JPEG or PNG images between paragraphs, every third one starting with an image)
@@ -49,8 +51,9 @@ from PIL import Image, ImageDraw, ImageFont
 
 from pipetune.data.storage import check_new_dir
 
-PAIRS_DIR = "pairs"
-INTERLEAVED_DIR = "interleaved"
+DATA_DIR = "data"
+PAIRS_DIR = "data/pairs"
+INTERLEAVED_DIR = "data/interleaved"
 TOKENIZER_DIR = "tokenizer"
 INFO_FILE = "fixture.json"
 PAIRS_PER_SHARD = 64

@@ -1,9 +1,11 @@
 """Sample metadata as a struct of numpy arrays, and the policy for samples that do not fit.
 
-A sample is (id, source, text tokens, images, tokens per image). Its packed sequence is its text
-with each image's tokens inserted at a text offset (``image_offsets``, ascending), each image
-bracketed by ``image_markers`` vision start/end tokens (raw text tokenized with a tokenizer that has
-them), so its length is ``text_tokens + num_images * (tokens_per_image + image_markers)``.
+A sample is (id, source, text tokens, images). Its packed sequence is its text with each image's
+tokens inserted at a text offset (``image_offsets``, ascending), each image bracketed by
+``image_markers`` vision start/end tokens (raw text tokenized with a tokenizer that has them), so
+its length is ``text_tokens + sum(image_tokens) + num_images * image_markers``. An image's token
+count follows from its pixel size and the model's encoder (``pipetune.data.images``), so it is set
+when a batch is bound to a model (``with_image_tokens``).
 Everything downstream (packing, cost, planning) sees only these arrays; tensors are built from
 them later, by the runtime.
 """
@@ -35,8 +37,10 @@ class Overlong(str, Enum):
 class SampleTable:
     """Metadata of a set of samples; row ``i`` is one sample.
 
-    ``image_offsets`` is stored flat with ``image_ptr`` (CSR): the offsets of sample ``i`` are
-    ``image_offsets[image_ptr[i]:image_ptr[i + 1]]`` and there are ``num_images[i]`` of them.
+    Per-image columns are stored flat with ``image_ptr`` (CSR): sample ``i``'s images are
+    ``image_ptr[i]:image_ptr[i + 1]`` (``num_images[i]`` of them), with their text offsets
+    (``image_offsets``), pixel sizes ``(height, width)`` (``image_sizes``; 0 where unknown: the
+    pixels are synthesized at the model's standard size) and sequence tokens (``image_tokens``).
     ``image_markers`` (0 or 2) are the positions each image takes besides its tokens (its vision
     start/end): neither label targets nor image tokens.
     """
@@ -48,7 +52,8 @@ class SampleTable:
     num_images: np.ndarray
     image_offsets: np.ndarray
     image_ptr: np.ndarray
-    tokens_per_image: np.ndarray
+    image_sizes: np.ndarray
+    image_tokens: np.ndarray
     image_markers: int = 0
 
     @classmethod
@@ -62,9 +67,12 @@ class SampleTable:
         num_images,
         image_offsets=None,
         tokens_per_image: int | np.ndarray = 0,
+        image_sizes=None,
+        image_tokens=None,
         image_markers: int = 0,
     ) -> "SampleTable":
-        """Build from per-sample lists. ``image_offsets`` defaults to every image before the text."""
+        """Build from per-sample lists. ``image_offsets`` defaults to every image before the text;
+        ``image_tokens`` (flat, per image) to ``tokens_per_image`` (one per sample, or for all)."""
         ids = np.asarray(ids, dtype=np.int64)
         n = len(ids)
         num_images = np.asarray(num_images, dtype=np.int64)
@@ -77,7 +85,9 @@ class SampleTable:
             flat = np.concatenate([np.asarray(o, dtype=np.int64) for o in image_offsets]) if n else np.zeros(0, np.int64)
         ptr = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(num_images, out=ptr[1:])
-        tpi = np.broadcast_to(np.asarray(tokens_per_image, dtype=np.int64), (n,)).copy()
+        if image_tokens is None:
+            image_tokens = np.repeat(np.broadcast_to(np.asarray(tokens_per_image, dtype=np.int64), (n,)), num_images)
+        sizes = np.zeros((ptr[-1], 2), np.int64) if image_sizes is None else np.asarray(image_sizes, np.int64).reshape(-1, 2)
         table = cls(
             ids=ids,
             source=np.asarray(source, dtype=np.int16),
@@ -86,7 +96,8 @@ class SampleTable:
             num_images=num_images,
             image_offsets=flat,
             image_ptr=ptr,
-            tokens_per_image=tpi,
+            image_sizes=sizes,
+            image_tokens=np.asarray(image_tokens, dtype=np.int64),
             image_markers=image_markers,
         )
         table.validate()
@@ -96,9 +107,19 @@ class SampleTable:
         return len(self.ids)
 
     @property
+    def image_owner(self) -> np.ndarray:
+        """The sample (row) of every image."""
+        return np.repeat(np.arange(len(self)), self.num_images)
+
+    @property
+    def sample_image_tokens(self) -> np.ndarray:
+        """Image tokens of each sample (without markers)."""
+        return np.bincount(self.image_owner, weights=self.image_tokens, minlength=len(self)).astype(np.int64)
+
+    @property
     def lengths(self) -> np.ndarray:
         """Packed sequence length of each sample (text + image tokens and their markers)."""
-        return self.text_tokens + self.num_images * (self.tokens_per_image + self.image_markers)
+        return self.text_tokens + self.sample_image_tokens + self.num_images * self.image_markers
 
     @property
     def label_tokens(self) -> np.ndarray:
@@ -114,11 +135,12 @@ class SampleTable:
     def validate(self) -> None:
         """Reject degenerate rows with a message naming the first bad sample."""
         n = len(self.ids)
-        for name in ("source", "text_tokens", "num_images", "tokens_per_image"):
+        for name in ("source", "text_tokens", "num_images"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"sample table: column {name} has {len(getattr(self, name))} rows, ids has {n}")
-        if len(self.image_offsets) != self.image_ptr[-1]:
-            raise ValueError("sample table: image_offsets does not match num_images")
+        for name in ("image_offsets", "image_sizes", "image_tokens"):
+            if len(getattr(self, name)) != self.image_ptr[-1]:
+                raise ValueError(f"sample table: {name} has {len(getattr(self, name))} entries for {self.image_ptr[-1]} images")
         checks = [
             (self.text_tokens <= 0, "has no text tokens (text_tokens={v}); every sample needs text to train on", self.text_tokens),
         ]
@@ -145,7 +167,7 @@ class SampleTable:
         """SHA-256 of everything the batch stream and packing read from the rows (ids, sources, lengths, images)."""
         h = hashlib.sha256()
         h.update("\0".join(self.source_names).encode())
-        for a in (self.ids, self.source, self.text_tokens, self.num_images, self.image_offsets):
+        for a in (self.ids, self.source, self.text_tokens, self.num_images, self.image_offsets, self.image_sizes):
             h.update(np.ascontiguousarray(a, dtype=np.int64).tobytes())
             h.update(b"|")
         if self.image_markers:
@@ -167,19 +189,17 @@ class SampleTable:
             num_images=counts,
             image_offsets=self.image_offsets[gather],
             image_ptr=ptr,
-            tokens_per_image=self.tokens_per_image[idx],
+            image_sizes=self.image_sizes[gather],
+            image_tokens=self.image_tokens[gather],
             image_markers=self.image_markers,
         )
 
-    def with_tokens_per_image(self, tokens_per_image: int) -> "SampleTable":
-        """Image token count is the model's (encoder resolution), not the data's."""
-        if tokens_per_image <= 0 and self.num_images.any():
-            i = int(np.argmax(self.num_images > 0))
-            raise ValueError(
-                f"sample id={self.ids[i]} has {self.num_images[i]} images but the model has no vision encoder "
-                f"(tokens_per_image={tokens_per_image})"
-            )
-        return SampleTable(**{**self.__dict__, "tokens_per_image": np.full(len(self), tokens_per_image, np.int64)})
+    def with_image_tokens(self, image_tokens: np.ndarray) -> "SampleTable":
+        """The table with every image's sequence tokens set (the model's encoder decides them)."""
+        image_tokens = np.asarray(image_tokens, dtype=np.int64)
+        if len(image_tokens) != len(self.image_offsets):
+            raise ValueError(f"sample table: {len(image_tokens)} image token counts for {len(self.image_offsets)} images")
+        return SampleTable(**{**self.__dict__, "image_tokens": image_tokens})
 
 
 @dataclass(frozen=True)
@@ -260,8 +280,8 @@ def apply_overlong_policy(table: SampleTable, max_seq_len: int, policy: Overlong
     if policy is Overlong.ERROR:
         i = over[0]
         raise ValueError(
-            f"sample id={table.ids[i]} is {lengths[i]} tokens ({table.text_tokens[i]} text + "
-            f"{table.num_images[i]} images x {table.tokens_per_image[i] + table.image_markers}), longer than max_seq_len={max_seq_len} "
+            f"sample id={table.ids[i]} is {lengths[i]} tokens ({table.text_tokens[i]} text + {table.num_images[i]} images of "
+            f"{lengths[i] - table.text_tokens[i]} tokens), longer than max_seq_len={max_seq_len} "
             f"({len(over)} such samples in this batch; set the overlong policy to truncate or reject)"
         )
     if policy is Overlong.REJECT:
@@ -276,6 +296,7 @@ def apply_overlong_policy(table: SampleTable, max_seq_len: int, policy: Overlong
     # No text token fits (frames or images first fill max_seq_len): nothing to learn from, rejected.
     textless = over[text[over] == 0]
     keep = np.setdiff1d(np.arange(len(table)), textless)
+    kept_images = np.concatenate([np.arange(table.image_ptr[i], table.image_ptr[i] + nimg[i]) for i in keep] + [np.zeros(0, np.int64)])
     out = SampleTable.build(
         ids=table.ids[keep],
         source=table.source[keep],
@@ -283,7 +304,8 @@ def apply_overlong_policy(table: SampleTable, max_seq_len: int, policy: Overlong
         text_tokens=text[keep],
         num_images=nimg[keep],
         image_offsets=[table.offsets_of(i)[: nimg[i]] for i in keep],
-        tokens_per_image=table.tokens_per_image[keep],
+        image_sizes=table.image_sizes[kept_images],
+        image_tokens=table.image_tokens[kept_images],
         image_markers=table.image_markers,
     )
     cut = int(lengths.sum() - out.lengths.sum())
@@ -299,7 +321,7 @@ def apply_overlong_policy(table: SampleTable, max_seq_len: int, policy: Overlong
 def _truncate_one(table: SampleTable, i: int, max_seq_len: int) -> tuple[int, int]:
     """Longest prefix of sample ``i`` within ``max_seq_len``, never splitting an image: (text tokens
     kept, images kept); 0 text tokens when the images before its first text token fill the budget."""
-    tpi = int(table.tokens_per_image[i]) + table.image_markers
+    sizes = table.image_tokens[table.image_ptr[i] : table.image_ptr[i + 1]] + table.image_markers
     offsets = table.offsets_of(i).tolist()
     room, prev = max_seq_len, 0
     for j, off in enumerate(offsets):
@@ -307,10 +329,10 @@ def _truncate_one(table: SampleTable, i: int, max_seq_len: int) -> tuple[int, in
             kept = (prev + room, j)
             break
         room -= off - prev
-        if tpi > room:
+        if sizes[j] > room:
             kept = (off, j)
             break
-        room -= tpi
+        room -= int(sizes[j])
         prev = off
     else:
         kept = (prev + min(int(table.text_tokens[i]) - prev, room), len(offsets))

@@ -1,8 +1,13 @@
 """Data sets on local disk: generated mixes and users' own data, read through one code path.
 
 Accepted inputs for ``--data``: a directory written by ``datasets.Dataset.save_to_disk`` (what
-``pipetune data make`` writes), a ``.jsonl``/``.json``/``.parquet`` file, or a directory of such
-files. One row is one sample:
+``pipetune data make`` writes), a ``.jsonl``/``.json``/``.parquet`` file, a directory of such
+files, a directory of webdataset ``.tar`` shards, or a directory of such data sets (one per
+subdirectory, e.g. caption pairs beside interleaved documents: ``MixedStore``). Rows are in
+pipetune's own columns (below)
+or in one of TorchTitan's multimodal sample formats, interleaved ``texts``/``images`` documents or
+``txt``/``jpg`` image-caption pairs (``pipetune.data.formats``). In pipetune's columns one row is
+one sample:
 
 | column          | type        | meaning                                                             |
 |-----------------|-------------|---------------------------------------------------------------------|
@@ -11,16 +16,19 @@ files. One row is one sample:
 | ``input_ids``   | list[int]   | pre-tokenized text (preferred for real data)                        |
 | ``text``        | str         | raw text; ``<image>`` marks where each image goes (see below)       |
 | ``text_tokens`` | int         | length only; token ids are synthesized from the id (generated data) |
-| ``images``      | list[str]   | image files, relative to the data file's directory                  |
+| ``images``      | list        | image files, relative to the data file's directory, or their bytes |
 | ``num_images``  | int         | image count when there are no files (pixels are synthesized)        |
 | ``image_offsets`` | list[int] | text offset of each image (default: all images before the text)    |
 
 A row needs one of ``input_ids``, ``text`` or ``text_tokens``; all rows of a file have the same columns.
 Raw ``text`` is tokenized with the job's tokenizer (default pipetune's byte tokenizer) with its
 BOS/EOS, and its images bracketed by its vision start/end tokens (``pipetune.data.text``).
-Loading never drops a row: a bad row (a missing or null value, a non-integral number where an
-integer belongs, a value beyond int64) is an error that names the file, the row (counted from 0
-over the data set's rows) and the column; an unreadable file is an error naming the file.
+Loading never drops a row silently: a bad row (a missing or null value, a non-integral number
+where an integer belongs, a value beyond int64) is an error that names the file, the row (counted
+from 0 over the data set's rows) and the column; an unreadable file is an error naming the file.
+Image sizes are read from their headers when the data set is opened; a row with an unreadable
+image is an error or, under ``BadImages.SKIP``, left out and listed in ``SampleStore.skipped``
+(``pipetune.data.image_files``).
 """
 
 from __future__ import annotations
@@ -33,6 +41,8 @@ from pathlib import Path
 
 import numpy as np
 
+from pipetune.data.formats import PAIR_IMAGE_KEYS, FormatError, RowFormat, image_ref, raw_images, texts_and_images
+from pipetune.data.image_files import BadImages, image_sizes
 from pipetune.data.samples import SampleTable
 from pipetune.data.text import BYTE_TOKENIZER, IMAGE_PLACEHOLDER, TextTokenizer
 
@@ -48,6 +58,8 @@ class SampleStore:
     model's). ``content_seed`` seeds the synthesized token ids and pixels of rows without content.
     ``origin`` is the path it was opened from; ``digest`` fingerprints its metadata and content
     seed (``SampleTable.digest``), so a checkpoint can tell whether it was made on these rows.
+    ``skipped`` lists the rows left out for an unreadable image (row of the data set as stored,
+    reason); ``dataset`` holds the others, in order.
     """
 
     table: SampleTable
@@ -58,6 +70,8 @@ class SampleStore:
     has_token_ids: bool
     has_image_files: bool
     tokenizer: TextTokenizer = BYTE_TOKENIZER
+    format: RowFormat = RowFormat.PIPETUNE
+    skipped: tuple[tuple[int, str], ...] = ()
 
     def __len__(self) -> int:
         return len(self.table)
@@ -89,13 +103,80 @@ class SampleStore:
                 "fits the model or store pre-tokenized `input_ids` instead"
             )
 
-    def rows(self, indices) -> list[dict]:
-        """Content columns of the given rows (empty dicts when the data set is metadata-only)."""
-        cols = [c for c in ("input_ids", "text", "images") if c in self.dataset.column_names]
+    def rows(self, indices, *, images: bool = True) -> list[dict]:
+        """Content of the given rows (empty dicts when the data set is metadata-only): ``input_ids``
+        or ``text`` (with placeholders), and ``images`` (file names or bytes) unless ``images`` is
+        False (a rank that runs no encoder reads no image bytes)."""
+        indices = [int(i) for i in indices]
+        if self.format is not RowFormat.PIPETUNE:
+            texts, refs = texts_and_images(self.format, self.dataset[indices])
+            return [{"text": t, **({"images": r} if images else {})} for t, r in zip(texts, refs)]
+        cols = [c for c in ("input_ids", "text") + (("images",) if images else ()) if c in self.dataset.column_names]
         if not cols:
             return [{} for _ in indices]
-        sub = self.dataset.select_columns(cols)[list(int(i) for i in indices)]
+        sub = self.dataset.select_columns(cols)[indices]
         return [{c: sub[c][k] for c in cols} for k in range(len(indices))]
+
+
+@dataclass(frozen=True)
+class MixedStore(SampleStore):
+    """A directory of data sets read as one: rows in source order (``parts``), each part's rows
+    under its directory's name as the source (``dir/source`` where a part has several). Sample ids
+    are row numbers over all parts (parts' own ids may collide). Every part needs content
+    (tokens or text): synthesized content has one seed per data set."""
+
+    parts: tuple[SampleStore, ...] = ()
+
+    @classmethod
+    def of(cls, path: Path, parts: list[SampleStore]) -> "MixedStore":
+        names, codes = [], []
+        for part in parts:
+            if not part.has_token_ids:
+                raise ValueError(f"{part.origin}: a directory of data sets needs text or token ids in every data set; this "
+                                 "one holds lengths only (generated data): use it on its own")
+            own = part.table.source_names
+            mine = [part.path.name if len(own) == 1 else f"{part.path.name}/{n}" for n in own]
+            codes.append(np.array([len(names) + k for k in range(len(own))])[part.table.source])
+            names += mine
+        tables = [p.table for p in parts]
+        sizes = np.concatenate([t.image_sizes for t in tables])
+        table = SampleTable.build(
+            ids=np.arange(sum(len(t) for t in tables)), source=np.concatenate(codes), source_names=tuple(names),
+            text_tokens=np.concatenate([t.text_tokens for t in tables]), num_images=np.concatenate([t.num_images for t in tables]),
+            image_offsets=[t.offsets_of(i) for t in tables for i in range(len(t))], image_sizes=sizes,
+            image_markers=max(t.image_markers for t in tables),
+        )
+        if len({t.image_markers for t in tables if t.num_images.any()}) > 1:
+            raise ValueError(f"{path}: its data sets disagree on vision markers (raw text and pre-tokenized rows); keep one kind")
+        first = parts[0]
+        return cls(table=table, dataset=None, path=path, origin=path.resolve(), content_seed=first.content_seed, has_token_ids=True,
+                   has_image_files=any(p.has_image_files for p in parts), tokenizer=first.tokenizer,
+                   skipped=tuple((r, f"{p.path.name}: {why}") for p in parts for r, why in p.skipped), parts=tuple(parts))
+
+    @property
+    def digest(self) -> str:
+        return ":".join([self.table.digest()] + [p.digest for p in self.parts])
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        for part in self.parts:
+            part.check_token_ids(vocab_size)
+
+    def rows(self, indices, *, images: bool = True) -> list[dict]:
+        """As ``SampleStore.rows``; image file names come absolute (each part has its directory)."""
+        ends = np.cumsum([len(p) for p in self.parts])
+        indices = np.asarray([int(i) for i in indices], dtype=np.int64)
+        owner = np.searchsorted(ends, indices, side="right")
+        out: list[dict] = [{} for _ in indices]
+        for k, part in enumerate(self.parts):
+            mine = np.flatnonzero(owner == k)
+            if not len(mine):
+                continue
+            local = indices[mine] - (ends[k] - len(part))
+            for j, row in zip(mine, part.rows(local, images=images)):
+                if "images" in row:
+                    row["images"] = [str(part.path / r) if isinstance(r, str) else r for r in row["images"]]
+                out[j] = row
+        return out
 
 
 def check_new_dir(out: str | Path) -> Path:
@@ -148,31 +229,41 @@ def write_dataset(table: SampleTable, out: str | Path, info: dict) -> Path:
     return out
 
 
-def open_dataset(path: str | Path, *, tokenizer: TextTokenizer = BYTE_TOKENIZER) -> SampleStore:
-    """Open any accepted input (see module doc) and derive the metadata of every row; raw ``text``
-    is tokenized with ``tokenizer``."""
+def open_dataset(path: str | Path, *, tokenizer: TextTokenizer = BYTE_TOKENIZER,
+                 bad_images: BadImages | str = BadImages.ERROR) -> SampleStore:
+    """Open any accepted input (see module doc) and derive the metadata of every row; raw text is
+    tokenized with ``tokenizer``; rows with an unreadable image are handled by ``bad_images``."""
     import pyarrow as pa
 
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"data set {path} does not exist (make one with `pipetune data make`)")
+    if sources := _sources(path):
+        return MixedStore.of(path, [open_dataset(p, tokenizer=tokenizer, bad_images=bad_images) for p in sources])
     info = _read_info(path)
     ds, files = _load(path)
     if len(ds) == 0:
         raise ValueError(f"{path}: the data set has no rows")
+    ds = raw_images(ds)
+    fmt = RowFormat.of(ds.column_names)
+    base = path if path.is_dir() else path.parent
     try:
-        table = _metadata(ds, path, tokenizer)
+        table, skipped = _metadata(ds, path, base, tokenizer, fmt, BadImages(bad_images))
     except (pa.ArrowException, OSError) as e:  # a damaged file found while reading its columns
         raise ValueError(f"{path}: cannot read the data set's rows ({_first_line(e)}); {_REMAKE}") from None
+    if skipped:
+        ds = ds.select(np.setdiff1d(np.arange(len(ds)), [r for r, _ in skipped]))
     return SampleStore(
         table=table,
         dataset=ds,
-        path=path if path.is_dir() else path.parent,
+        path=base,
         origin=path.resolve(),
         content_seed=int(info.get("seed", 0)),
-        has_token_ids=bool({"input_ids", "text"} & set(ds.column_names)),
-        has_image_files="images" in ds.column_names,
+        has_token_ids=fmt is not RowFormat.PIPETUNE or bool({"input_ids", "text"} & set(ds.column_names)),
+        has_image_files=fmt is not RowFormat.PIPETUNE or "images" in ds.column_names,
         tokenizer=tokenizer,
+        format=fmt,
+        skipped=tuple(skipped),
     )
 
 
@@ -197,6 +288,19 @@ def _read_info(path: Path) -> dict:
     return info
 
 
+_READERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".tar": "webdataset"}
+
+
+def _sources(path: Path) -> list[Path]:
+    """The data sets of a directory of data sets (its subdirectories), or none when ``path`` is a
+    data set itself."""
+    if not path.is_dir() or (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
+        return []
+    if any(p.is_file() and p.suffix in _READERS and p.name != INFO_FILE for p in path.iterdir()):
+        return []
+    return sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
 def _load(path: Path):
     """Open the data set with HF ``datasets``; any failure becomes a message naming the file."""
     import datasets
@@ -210,13 +314,16 @@ def _load(path: Path):
             ds = ds["train"] if "train" in ds else next(iter(ds.values()))
         return ds, [path]
     files = [path] if path.is_file() else sorted(
-        p for p in path.iterdir() if p.suffix in (".jsonl", ".json", ".parquet") and p.name != INFO_FILE
+        p for p in path.iterdir() if p.suffix in _READERS and p.name != INFO_FILE
     )
     if not files:
-        raise ValueError(f"{path}: no HF data set, .jsonl, .json or .parquet files found")
-    kinds = {"parquet" if f.suffix == ".parquet" else "json" for f in files}
+        raise ValueError(f"{path}: no HF data set, .jsonl, .json, .parquet or webdataset .tar files found")
+    kinds = {_READERS.get(f.suffix) for f in files}
+    if None in kinds:
+        raise ValueError(f"{path}: {files[0].name} is none of the accepted inputs (a save_to_disk directory, .jsonl, .json, "
+                         ".parquet, or webdataset .tar shards)")
     if len(kinds) > 1:
-        raise ValueError(f"{path}: mixes parquet and json files; keep one format per directory")
+        raise ValueError(f"{path}: mixes {' and '.join(sorted(kinds))} files; keep one format per directory")
     kind = kinds.pop()
     for f in files:
         if f.stat().st_size == 0:
@@ -320,58 +427,88 @@ def _list_column(ds, path: Path, column: str, *, nullable: bool = False) -> tupl
     return lengths, _ints(flat, path, column, owner=np.repeat(np.arange(len(lengths)), lengths))
 
 
-def _metadata(ds, path: Path, tokenizer: TextTokenizer) -> SampleTable:
+def _image_refs(ds, path: Path, fmt: RowFormat) -> tuple[list[str] | None, list[list]]:
+    """Raw text with placeholders (None: pipetune's columns without ``text`` or not in this
+    format's view) and every row's image references."""
     import pyarrow as pa
 
+    n = len(ds)
+    if fmt is not RowFormat.PIPETUNE:
+        texts, refs = [], []
+        cols = [c for c in ds.column_names if c in ("texts", "images", "txt") or c == _pair_key(ds)]
+        for start in range(0, n, 4096):
+            try:
+                t, r = texts_and_images(fmt, ds.select_columns(cols)[start:start + 4096], start)
+            except FormatError as e:
+                raise ValueError(f"{_where(path, e.row, e.column)}: {e}") from None
+            texts += t
+            refs += r
+        return texts, refs
+    if "images" not in ds.column_names:
+        return None, [[] for _ in range(n)]
+    image_type = ds.data.column("images").type
+    if not (pa.types.is_list(image_type) or pa.types.is_large_list(image_type) or pa.types.is_null(image_type)):
+        raise ValueError(f"{_where(path, 0, 'images')}: holds {image_type} values; it needs a list of image file names")
+    return None, [[image_ref(v) for v in (x or [])] for x in ds["images"]]
+
+
+def _pair_key(ds) -> str | None:
+    return next((k for k in PAIR_IMAGE_KEYS if k in ds.column_names), None)
+
+
+def _metadata(ds, path: Path, base: Path, tokenizer: TextTokenizer, fmt: RowFormat,
+              bad_images: BadImages) -> tuple[SampleTable, list[tuple[int, str]]]:
     cols = set(ds.column_names)
     n = len(ds)
-    if not cols & set(TEXT_COLUMNS):
-        raise ValueError(f"{path}: rows need one of the columns {TEXT_COLUMNS}; found {sorted(cols)}")
+    if fmt is RowFormat.PIPETUNE and not cols & set(TEXT_COLUMNS):
+        raise ValueError(f"{path}: rows need one of the columns {TEXT_COLUMNS}, or TorchTitan's 'texts' and 'images' "
+                         f"(interleaved documents) or 'txt' and 'jpg' (image-caption pairs); found {sorted(cols)}")
     ids = _int_column(ds, path, "id") if "id" in cols else np.arange(n, dtype=np.int64)
     if len(np.unique(ids)) != n:
         uniq, counts = np.unique(ids, return_counts=True)
         raise ValueError(f"{path}: sample id {uniq[np.argmax(counts > 1)]} appears more than once; ids must be unique")
     if "source" in cols:
         _null_check(ds.data.column("source"), path, "source")
-    sources = ds["source"] if "source" in cols else ["user"] * n
+    sources = ds["source"] if "source" in cols else [fmt.value if fmt is not RowFormat.PIPETUNE else "user"] * n
     names, codes = np.unique(np.asarray(sources, dtype=object).astype(str), return_inverse=True)
 
-    if "input_ids" in cols:
-        text_tokens, _ = _list_column(ds, path, "input_ids")
-    elif "text" in cols:
+    texts, refs = _image_refs(ds, path, fmt)
+    text_column = "texts" if fmt is RowFormat.INTERLEAVED else "txt" if fmt is RowFormat.PAIRS else "text"
+    if texts is None and "input_ids" not in cols and "text" in cols:
         _null_check(ds.data.column("text"), path, "text")
         text_type = ds.data.column("text").type
-        if not (pa.types.is_string(text_type) or pa.types.is_large_string(text_type)):
+        if not (pa_string(text_type)):
             raise ValueError(f"{_where(path, 0, 'text')}: holds {text_type} values; it needs strings")
-        pieces = [tokenizer.split(t) for t in ds["text"]]
+        texts = ds["text"]
+    if "input_ids" in cols:
+        text_tokens, _ = _list_column(ds, path, "input_ids")
+    elif texts is not None:
+        pieces = [tokenizer.split(t) for t in texts]
         text_tokens = np.fromiter((p.num_tokens for p in pieces), np.int64, n)
         for i, p in enumerate(pieces):
             if clash := set(tokenizer.not_text).intersection(p.token_ids):
                 raise ValueError(
-                    f"{_where(path, i, 'text')}: sample id={ids[i]} encodes to the image or vision marker id(s) "
+                    f"{_where(path, i, text_column)}: sample id={ids[i]} encodes to the image or vision marker id(s) "
                     f"{sorted(clash)} of {tokenizer.name}, which only the loader writes; remove those special-token "
                     f"strings from the text (mark images with {IMAGE_PLACEHOLDER})"
                 )
     else:
         text_tokens = _int_column(ds, path, "text_tokens")
 
-    if "images" in cols:
-        image_type = ds.data.column("images").type
-        if not (pa.types.is_list(image_type) or pa.types.is_large_list(image_type) or pa.types.is_null(image_type)):
-            raise ValueError(f"{_where(path, 0, 'images')}: holds {image_type} values; it needs a list of image file names")
-        num_images = np.fromiter((len(x or []) for x in ds["images"]), np.int64, n)
+    if refs and any(refs) or "images" in cols:
+        num_images = np.fromiter((len(r) for r in refs), np.int64, n)
     elif "num_images" in cols:
         num_images = _int_column(ds, path, "num_images")
     else:
         num_images = np.zeros(n, np.int64)
 
-    if "text" in cols and "input_ids" not in cols:
+    if texts is not None and "input_ids" not in cols:
         placed = np.fromiter((len(p.image_offsets) for p in pieces), np.int64, n)
         mismatch = (placed > 0) & (placed != num_images) & ("images" in cols or "num_images" in cols)
         if mismatch.any():
             i = int(np.argmax(mismatch))
             raise ValueError(
-                f"{_where(path, i, 'text')}: sample id={ids[i]} has {placed[i]} {IMAGE_PLACEHOLDER} placeholders but "
+                f"{_where(path, i, text_column)}: sample id={ids[i]} has {placed[i]} {IMAGE_PLACEHOLDER} placeholders but "
                 f"{num_images[i]} images; give one {IMAGE_PLACEHOLDER} per image"
             )
         num_images = np.where(placed > 0, placed, num_images)
@@ -386,15 +523,35 @@ def _metadata(ds, path: Path, tokenizer: TextTokenizer) -> SampleTable:
         offsets = np.split(flat, np.cumsum(counts)[:-1]) if n else []
     else:
         offsets = None
+
+    sizes, unreadable = image_sizes(refs, base)
+    skipped: list[tuple[int, str]] = []
+    if unreadable:
+        row, why = next(iter(unreadable.items()))
+        if bad_images is BadImages.ERROR:
+            raise ValueError(f"{_where(path, row, 'images' if fmt is not RowFormat.PAIRS else _pair_key(ds))}: sample "
+                             f"id={ids[row]}: {why} ({len(unreadable)} rows with unreadable images in all); repair or "
+                             "remove the image, or skip such rows (bad_images=skip)")
+        skipped = sorted(unreadable.items())
     try:
-        return SampleTable.build(
+        table = SampleTable.build(
             ids=ids,
             source=codes,
             source_names=tuple(str(x) for x in names),
             text_tokens=text_tokens,
             num_images=num_images,
             image_offsets=offsets,
-            image_markers=tokenizer.image_markers if "text" in cols and "input_ids" not in cols else 0,
+            image_sizes=sizes if len(sizes) else None,  # None: synthesized pixels at the standard size
+            image_markers=tokenizer.image_markers if texts is not None and "input_ids" not in cols else 0,
         )
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from e
+    if skipped:
+        table = table.take(np.setdiff1d(np.arange(n), [r for r, _ in skipped]))
+    return table, skipped
+
+
+def pa_string(t) -> bool:
+    import pyarrow as pa
+
+    return pa.types.is_string(t) or pa.types.is_large_string(t)

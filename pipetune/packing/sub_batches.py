@@ -5,7 +5,8 @@ Sub-microbatch ``k`` holds images ``first[k] .. first[k] + images[k] - 1`` of mi
 micro-batch, so each belongs to exactly one micro-batch.
 
 * co-located layout (``size == 0``): one sub-microbatch per micro-batch, all its images (possibly
-  none), run at that size;
+  none), run at that size; images at their own resolution are charged in standard images
+  (``units``: image tokens over the standard image's);
 * separated layout (``size = B``): each micro-batch's ``N`` images split into ``ceil(N / B)``
   sub-microbatches of ``B`` images, the last one holding the rest; the runtime pads it to ``B``
   images so the encoder always runs one shape, so the cost model charges ``B`` for each
@@ -25,11 +26,12 @@ class SubBatches:
     first: np.ndarray
     images: np.ndarray
     size: int = 0
+    units: np.ndarray | None = None
 
     @classmethod
-    def one_per_micro_batch(cls, images_per_mb: np.ndarray) -> "SubBatches":
+    def one_per_micro_batch(cls, images_per_mb: np.ndarray, units: np.ndarray | None = None) -> "SubBatches":
         images = np.asarray(images_per_mb, np.int64)
-        return cls(np.arange(len(images)), np.zeros(len(images), np.int64), images, 0)
+        return cls(np.arange(len(images)), np.zeros(len(images), np.int64), images, 0, units)
 
     @classmethod
     def split(cls, images_per_mb: np.ndarray, size: int) -> "SubBatches":
@@ -48,8 +50,10 @@ class SubBatches:
 
     @property
     def charged(self) -> np.ndarray:
-        """Images the encoder runs per sub-microbatch (padded to ``size`` when fixed)."""
-        return self.images if self.size == 0 else np.full(self.count, self.size, np.int64)
+        """Standard images the encoder runs per sub-microbatch (padded to ``size`` when fixed)."""
+        if self.size:
+            return np.full(self.count, self.size, np.int64)
+        return self.images if self.units is None else self.units
 
     def as_tuples(self) -> tuple[tuple[int, int, int], ...]:
         """``(micro-batch, first image, images)`` per sub-microbatch, as ``IterationPlan.image_ranges`` lists them."""

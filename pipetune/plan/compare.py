@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipetune.data.images import ImageSizing
 from pipetune.config.model import ModelConfig
 from pipetune.cost.cost_model import CostModel
 from pipetune.data.batch import BatchMeta, batch_meta
@@ -73,7 +74,7 @@ def compare_modes(
     static = static_planners(model, cost, max_seq_len=max_seq_len, memory_bytes=memory_bytes, seed=seed) if best_static else {}
     rows = {m: [] for m in [*planners, *static]}
     for step in range(iters):
-        meta = batch_meta(data, stream, step, tokens_per_image=model.tokens_per_image, max_seq_len=max_seq_len, overlong=overlong)
+        meta = batch_meta(data, stream, step, images=ImageSizing.for_model(model), max_seq_len=max_seq_len, overlong=overlong)
         for m, planner in [*planners.items(), *static.items()]:
             rows[m].append(planner.plan(meta))
     out = {m: _summary(m, rows[m]) for m in planners}

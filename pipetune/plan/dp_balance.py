@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from pipetune.data.images import ImageSizing
 from pipetune.config.model import ModelConfig
 from pipetune.data.batch import BatchMeta
 from pipetune.packing.flops import FlopsModel
@@ -71,7 +72,9 @@ class DPSplit:
 
 def sample_flops(model: ModelConfig, meta: BatchMeta) -> np.ndarray:
     f = FlopsModel(model)
-    return f.sequence_flops(meta.table.lengths) + f.encoder_flops(meta.table.num_images)
+    tpi = model.tokens_per_image
+    standard_images = meta.table.sample_image_tokens / tpi if tpi else meta.table.num_images  # images at their own size
+    return f.sequence_flops(meta.table.lengths) + f.encoder_flops(standard_images)
 
 
 def replica_meta(meta: BatchMeta, idx: np.ndarray) -> BatchMeta:
@@ -194,7 +197,7 @@ def compare_dp(model: ModelConfig, planner, data, *, dp: int, gbs: int, max_seq_
     stream = BatchStream(num_rows=len(data), gbs=gbs, seed=seed)
     rows = {"balanced": [], "round_robin": []}
     for step in range(warmup + iters):
-        meta = batch_meta(data, stream, step, tokens_per_image=model.tokens_per_image, max_seq_len=max_seq_len, overlong=overlong)
+        meta = batch_meta(data, stream, step, images=ImageSizing.for_model(model), max_seq_len=max_seq_len, overlong=overlong)
         for name in rows:
             t0 = time.perf_counter()
             split = split_and_plan(meta, dp, model, planner.plan, balanced=name == "balanced")

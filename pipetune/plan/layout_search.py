@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipetune.data.images import ImageSizing
 from pipetune.config.model import ModelConfig
 from pipetune.cost.cost_model import CostModel, MicroBatchShapes, rank_work
 from pipetune.cost.memory import max_micro_batch_size
@@ -206,7 +207,7 @@ def sample_batches(data, model: ModelConfig, *, gbs: int, max_seq_len: int, coun
     fitted to the very iterations it is then evaluated on."""
     stream = BatchStream(num_rows=len(data), gbs=gbs, seed=seed + 7919)
     return [
-        batch_meta(data, stream, step, tokens_per_image=model.tokens_per_image, max_seq_len=max_seq_len, overlong=overlong)
+        batch_meta(data, stream, step, images=ImageSizing.for_model(model), max_seq_len=max_seq_len, overlong=overlong)
         for step in range(count)
     ]
 

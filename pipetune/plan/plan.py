@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, replace
 
-from pipetune.cost.cost_model import MicroBatchShapes
+from pipetune.cost.cost_model import CostModel, MicroBatchShapes
 from pipetune.data.batch import BatchMeta
 from pipetune.packing.groups import Packing
 from pipetune.plan.mode import Mode
 from pipetune.schedule.schedules import Schedule, place_encoders, serial
 from pipetune.schedule.table import Action, Placed, Placement, ScheduleError, ScheduleTable
+from pipetune.simulate.simulator import Latencies
 
 PLAN_FORMAT = "pipetune.iteration_plan"
 PLAN_VERSION = 2
@@ -75,6 +76,13 @@ class IterationPlan(Placed):
         row = {int(s): k for k, s in enumerate(meta.table.ids)}
         packing = Packing.from_groups([[row[s] for s in mb] for mb in self.micro_batches], self.mbs * self.max_seq_len)
         return MicroBatchShapes.from_packing(meta.table, packing)
+
+    def latencies(self, cost: CostModel, meta: BatchMeta) -> Latencies:
+        """Every action's time under ``cost``, at this plan's image sub-microbatch size (the
+        separated planner picks it per batch; ``cost``'s layout holds one)."""
+        if self.separated and self.image_sub_batch != cost.layout.image_sub_batch:
+            cost = cost.with_layout(replace(cost.layout, image_sub_batch=self.image_sub_batch))
+        return Latencies.from_costs(cost.stage_costs(self.shapes(meta)))
 
     def table(self) -> ScheduleTable:
         return ScheduleTable(

@@ -244,9 +244,9 @@ def separated_plan(model, data, opts, gbs: int = 12):
                                  image_sub_batch=opts.get("sub_batch", 2), trained=not model.encoder.frozen, max_seq_len=MAX_SEQ_LEN)
 
 
-def noise_images(pixels: torch.Tensor, size: int) -> torch.Tensor:
+def noise_images(patches: torch.Tensor, rows: int) -> torch.Tensor:
     """Padding with large random images instead of zeros (to show that padding reaches nothing)."""
-    return torch.cat([pixels, 100 * torch.randn(size - pixels.shape[0], *pixels.shape[1:])])
+    return torch.cat([patches, 100 * torch.randn(rows - patches.shape[0], patches.shape[1])])
 
 
 def separated_grads(rank, world, data, opts):

@@ -18,6 +18,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from image_sizing import square_images
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB_TIMEOUT_S = 10
@@ -200,7 +201,7 @@ def _channel_worker(scenario: str, rank: int, port: int) -> None:
     stream = BatchStream(num_rows=len(data), gbs=8, seed=0)
 
     def meta(step):
-        return batch_meta(data, stream, step, tokens_per_image=16, max_seq_len=1 << 20)
+        return batch_meta(data, stream, step, images=square_images(16), max_seq_len=1 << 20)
 
     def planner(m):
         return ReplicaPlans(m.step, (build_plan(step=m.step, micro_batches=[m.table.ids.tolist()], order=[0], num_stages=2,

@@ -16,7 +16,8 @@ from torchtitan_patches.data.micro_batch import IMAGE_TOKEN_ID
 from torchtitan_patches.model.packed_attention import varlen_metadata
 from torchtitan_patches.model.vlm import token_loss_sum
 from torchtitan_patches.titan.model_spec import planning_model_config
-from torchtitan_patches.titan.qwen3_5 import block_patches, image_starts, mrope_positions
+from torchtitan_patches.titan.qwen3_5 import block_order, mrope_positions
+from torchtitan_patches.titan.stages import collated_images
 
 WORKER = Path(__file__).with_name("titan_grad_worker.py")
 CONFIG = "qwen3_5_debug"
@@ -43,7 +44,6 @@ def _unsplit_gradients(weights: dict, batch, *, trained: bool) -> dict:
     from torchtitan.distributed import utils as dist_utils
 
     config = getattr(config_registry, CONFIG)()
-    grid = config.pipetune.image_grid
     with torch.device("meta"):
         model = config.model_spec.model.build()
     model.to_empty(device="cpu")
@@ -56,10 +56,14 @@ def _unsplit_gradients(weights: dict, batch, *, trained: bool) -> dict:
     try:
         for mb in batch.micro_batches:
             bounds = mb.cu_seqlens.tolist()
-            mrope = torch.from_numpy(mrope_positions(bounds, image_starts(mb.image_spans, (grid // 2) ** 2), (grid // 2, grid // 2)))[None]
+            images = [(span.start, (span.grid[0] // 2, span.grid[1] // 2)) for span in mb.image_spans]
+            mrope = torch.from_numpy(mrope_positions(bounds, images))[None]
             kwargs = {}
             if mb.num_images:
-                kwargs = {"pixel_values": block_patches(mb.pixel_values, 16, 2, 2), "grid_thw": torch.tensor([[1, grid, grid]] * mb.num_images)}
+                patches, grid_thw = collated_images(mb)  # the loader's raster order; Qwen's merger wants block order
+                blocks = torch.stack([torch.nn.functional.pad(block_order(p[:h * w], (h, w), 2)[0], (0, 0, 0, len(p) - h * w))
+                                      for p, (_, h, w) in zip(patches, grid_thw.tolist())])
+                kwargs = {"pixel_values": blocks, "grid_thw": grid_thw}
             masks = varlen_metadata(mb.cu_seqlens)
             logits = model(mb.tokens[None], attention_masks={"quadratic_attention": masks, "deltanet": masks}, positions=mb.positions[None],
                            mrope_positions=mrope, special_tokens={"image_id": IMAGE_TOKEN_ID, "video_id": -1}, **kwargs)

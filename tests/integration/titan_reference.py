@@ -7,7 +7,7 @@ import torch
 from torchtitan_patches.data.micro_batch import IMAGE_TOKEN_ID
 from torchtitan_patches.model.packed_attention import varlen_metadata
 from torchtitan_patches.model.vlm import token_loss_sum
-from torchtitan_patches.titan.stages import patchify
+from torchtitan_patches.titan.stages import collated_images
 
 
 def unsplit_step(model, batch) -> float:
@@ -18,7 +18,7 @@ def unsplit_step(model, batch) -> float:
     for mb in batch.micro_batches:
         kwargs = {}
         if mb.num_images:
-            patches, grid = patchify(mb.pixel_values, enc.patch_size, enc.patch_temporal)
+            patches, grid = collated_images(mb)
             kwargs = {"pixel_values": patches, "grid_thw": grid, "special_tokens": {"image_id": IMAGE_TOKEN_ID}}
         logits = model(mb.tokens[None], mb.positions[None], varlen_metadata(mb.cu_seqlens), **kwargs)
         loss = token_loss_sum(logits, mb.labels[None]) / batch.num_label_tokens

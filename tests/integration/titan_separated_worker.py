@@ -65,7 +65,7 @@ def main() -> None:
     part = _split_module(whole, fqns[rank])
     local = local_encoder_chunks(rank, world, CHUNKS)
     keep_encoder_chunks(part.vision_encoder, CHUNKS, local)
-    stage = TitanStage(part, is_first=rank == 0, is_last=rank == world - 1, image_grid=GRID)
+    stage = TitanStage(part, is_first=rank == 0, is_last=rank == world - 1)
     ex = PlanExecutor({rank: stage}, encoder_chunks(part, CHUNKS, local, image_grid=GRID), dim=model.backbone.dim, rank=rank,
                       image_shapes=ImageShapes.of(model.encoder), strict_order=True)
 

@@ -15,6 +15,7 @@ from pipetune.simulate import Latencies, TimedAction, compile_schedule, evaluate
 from pipetune.simulate.contention import concurrent_time, overlap_with_others
 from pipetune.calibrate.online import MeasuredStep, OnlineCalibrator, fit_steps, simulate_plan, with_overhead
 from pipetune.calibrate.pairs import TUNED_TWINS_MIN, PairCalibrator, size_overhead, twin_contention
+from image_sizing import square_images
 
 
 def brute(start, end, rank, dt=1e-3):
@@ -48,7 +49,7 @@ def job():
     cost = CostModel(analytical_table(model, load_hardware("a100"), tp=4), StageLayout.even(32, 2))
     data = make_mix("datamix2", 3000, 0)
     stream = BatchStream(num_rows=len(data), gbs=32)
-    metas = [batch_meta(data, stream, s, tokens_per_image=576, max_seq_len=4096) for s in range(10)]
+    metas = [batch_meta(data, stream, s, images=square_images(576), max_seq_len=4096) for s in range(10)]
     return model, cost, metas
 
 

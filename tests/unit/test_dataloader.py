@@ -184,7 +184,7 @@ def _state_after(cfg, model, steps=2, **build):
         (dict(packing=PackingConfig(mbs=2, max_seq_len=512)), ["mbs"]),
         (dict(packing=PackingConfig(mbs=1, max_seq_len=512, seed=4)), ["packing_seed"]),
         ("dp", ["dp_rank", "dp_size"]),
-        ("model", ["tokens_per_image"]),
+        ("model", ["image_sizing"]),
         ("copy", ["data"]),
         ("more_rows", ["data", "rows", "data_digest"]),
     ],
@@ -242,7 +242,7 @@ def test_overlong_samples_are_counted_and_the_count_matches_the_tensors(datamix2
     cfg = loader_config(datamix2_dir, gbs=32, max_seq_len=256, packing=PackingConfig(mbs=2, max_seq_len=256),
                         overlong=policy, max_steps=12)
     loader = cfg.build(tiny)
-    full = loader.store.table.with_tokens_per_image(tiny.tokens_per_image)
+    full = loader.store.table.with_image_tokens(loader.sizing.tokens(loader.store.table.image_sizes))
     yielded_tokens = yielded_samples = raw_tokens = shortened = 0
     for batch in loader:
         rows = loader.stream.rows(batch.step)

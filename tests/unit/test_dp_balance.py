@@ -14,6 +14,7 @@ from pipetune.data.stream import BatchStream
 from pipetune.plan.dp_balance import compare_dp, even_split, lpt_split, split_and_plan
 from pipetune.plan.mode import Mode
 from pipetune.plan.planner_config import PlannerConfig
+from pipetune.data.images import ImageSizing
 
 MODEL = load_model_config("7b")
 COST = CostModel(analytical_table(MODEL, load_hardware("a100"), tp=4), StageLayout.even(32, 4))
@@ -25,7 +26,7 @@ def planner(mode=Mode.BALANCED):
 
 
 def meta_of(gbs, step=0, overlong="truncate"):
-    return batch_meta(DATA, BatchStream(num_rows=len(DATA), gbs=gbs), step, tokens_per_image=MODEL.tokens_per_image,
+    return batch_meta(DATA, BatchStream(num_rows=len(DATA), gbs=gbs), step, images=ImageSizing.for_model(MODEL),
                       max_seq_len=4096, overlong=overlong)
 
 

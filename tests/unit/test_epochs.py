@@ -10,6 +10,7 @@ from pipetune.data import BatchStream, SampleTable, batch_meta, make_mix, write_
 from pipetune.packing import PackingConfig
 from torchtitan_patches.data import DataLoaderConfig, FixedPacking
 from torchtitan_patches.data.loader import groups_from_ids
+from pipetune.data.images import ImageSizing
 
 
 def stream_positions(stream: BatchStream, steps: int) -> np.ndarray:
@@ -93,7 +94,7 @@ def test_readme_setting_crosses_the_first_epoch_through_the_loader_path(tiny, mo
         for packer in ("balanced", "original"):
             source = FixedPacking(PackingConfig(packer=packer, mbs=2, max_seq_len=max_seq_len), model)
             for step in range(776, 787):
-                meta = batch_meta(table, stream, step, tokens_per_image=model.tokens_per_image, max_seq_len=max_seq_len)
+                meta = batch_meta(table, stream, step, images=ImageSizing.for_model(model), max_seq_len=max_seq_len)
                 groups = groups_from_ids(meta, source(meta))  # the loader's check: each sample exactly once
                 assert sum(len(g) for g in groups) == len(meta.table) == 128
 

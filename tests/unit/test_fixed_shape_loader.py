@@ -28,7 +28,7 @@ def test_rows_are_torchtitans_packing_of_a_flushed_buffer(seed):
 
 def _loader(data, tiny, **kw) -> FixedShapeDataLoader:
     loader = FixedShapeDataLoader(FixedShapeDataLoader.Config(dataset_path=str(data), gbs=8, **kw), seq_len=SEQ, local_batch_size=1)
-    loader.bind(tiny, patch_size=2, patch_temporal=1)
+    loader.bind(tiny)
     return loader
 
 
@@ -50,6 +50,7 @@ def test_streamed_steps_hold_fixed_shapes_and_count_their_real_tokens(datamix2_d
             assert (inputs["pixel_values"] is None) == (images == 0)
             if images:  # image tokens = images x tokens per image; one patch grid per image
                 assert images == inputs["grid_thw"].shape[0] * tiny.tokens_per_image == inputs["pixel_values"].shape[0] * tiny.tokens_per_image
+                assert inputs["pixel_values"].shape[1:] == (tiny.encoder.patches_per_image, tiny.encoder.patch_dim)
             pad = inputs["input"] == PAD_TOKEN_ID
             assert (labels[pad] == IGNORE_INDEX).all()
             n += int((~pad).sum())

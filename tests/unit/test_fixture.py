@@ -16,8 +16,8 @@ from torchtitan.components.tokenizer import HuggingFaceTokenizer, MultiModalToke
 from torchtitan.models.muse_glimmer.config_registry import MUSE_GLIMMER_SPECIAL_TOKENS
 
 from pipetune.cli.main import main
-from pipetune.data.fixture import (BAD_IMAGES, BAD_PAIRS, BAD_ROWS, INFO_FILE, SPECIAL_TOKENS, write_bad_images,
-                                   write_fixture)
+from pipetune.data.fixture import (BAD_IMAGES, BAD_PAIRS, BAD_ROWS, INFO_FILE, INTERLEAVED_DIR, PAIRS_DIR, SPECIAL_TOKENS,
+                                   write_bad_images, write_fixture)
 from torchtitan_patches.titan.model_spec import muse_glimmer_spec, planning_model_config
 from torchtitan_patches.titan.tokenizer import text_tokenizer
 
@@ -38,7 +38,7 @@ def _files(root: Path) -> dict[str, bytes]:
 def _pairs(root: Path) -> list[tuple[str, bytes, str]]:
     """(key, jpg bytes, caption) of every pair, in shard order."""
     out = []
-    for shard in sorted((root / "pairs").glob("*.tar")):
+    for shard in sorted((root / PAIRS_DIR).glob("*.tar")):
         with tarfile.open(shard) as tar:
             members = {m.name: tar.extractfile(m).read() for m in tar}
         keys = sorted({name.split(".")[0] for name in members})
@@ -48,7 +48,7 @@ def _pairs(root: Path) -> list[tuple[str, bytes, str]]:
 
 def _rows(root: Path) -> list[tuple[list, list]]:
     rows = []
-    for part in sorted((root / "interleaved").glob("*.parquet")):
+    for part in sorted((root / INTERLEAVED_DIR).glob("*.parquet")):
         t = pq.read_table(part)
         rows += list(zip(t.column("texts").to_pylist(), t.column("images").to_pylist()))
     return rows
@@ -62,7 +62,7 @@ def test_same_seed_same_bytes(fixture_dir, tmp_path):
 
 
 def test_pairs_read_back_as_webdataset(fixture_dir, tmp_path):
-    shards = sorted(str(p) for p in (fixture_dir / "pairs").glob("shard-*.tar"))
+    shards = sorted(str(p) for p in (fixture_dir / PAIRS_DIR).glob("shard-*.tar"))
     assert len(shards) == 2
     ds = datasets.load_dataset("webdataset", data_files={"train": shards}, split="train", cache_dir=str(tmp_path))
     assert len(ds) == COUNTS["pairs"] and {"__key__", "jpg", "txt"} <= set(ds.column_names)
@@ -73,7 +73,7 @@ def test_pairs_read_back_as_webdataset(fixture_dir, tmp_path):
 
 
 def test_interleaved_documents_read_back_and_round_trip(fixture_dir, tmp_path):
-    parts = sorted(str(p) for p in (fixture_dir / "interleaved").glob("part-*.parquet"))
+    parts = sorted(str(p) for p in (fixture_dir / INTERLEAVED_DIR).glob("part-*.parquet"))
     ds = datasets.load_dataset("parquet", data_files={"train": parts}, split="train", cache_dir=str(tmp_path / "c"))
     assert ds.features == datasets.Features({"texts": datasets.List(datasets.Value("string")),
                                              "images": datasets.List(datasets.Value("binary"))})

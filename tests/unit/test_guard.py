@@ -7,6 +7,7 @@ import pytest
 
 from pipetune.calibrate.correction import FamilyCorrection
 from pipetune.plan.guard import Guard, GuardConfig, GuardState, PlanKind
+from pipetune.data.images import ImageSizing
 
 
 def run(guard: Guard, steps: int | range, *, seed: int, slow: range = range(0), slowdown: float = 1.5, noise: float = 0.06,
@@ -136,7 +137,7 @@ def test_the_planner_compares_sizes_through_the_correction(tiny, datamix2_dir):
     data = open_dataset(datamix2_dir).table
     cost = CostModel(analytical_table(tiny, load_hardware("h100"), tp=1), StageLayout.even(tiny.backbone.n_layers, 2))
     planner = PlannerConfig(mode=Mode.PIPETUNE, max_seq_len=512, memory_bytes=16 * 2**30, max_mbs=4).build(tiny, cost)
-    meta = batch_meta(data, BatchStream(num_rows=len(data), gbs=32, seed=0), 0, tokens_per_image=tiny.tokens_per_image, max_seq_len=512)
+    meta = batch_meta(data, BatchStream(num_rows=len(data), gbs=32, seed=0), 0, images=ImageSizing.for_model(tiny), max_seq_len=512)
     plain = planner.plan(meta)
     planner.set_correction({plain.mbs: 100.0})
     penalised = planner.plan(meta)

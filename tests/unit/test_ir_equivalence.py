@@ -29,6 +29,7 @@ from pipetune.plan.plan import build_plan
 from pipetune.schedule import Action, Module, Op, Placement, ScheduleTable
 from pipetune.schedule.lowering import Compute, Message, Post, lower_all
 from pipetune.simulate import Latencies, compile_schedule, evaluate, simulate
+from pipetune.data.images import ImageSizing
 
 REFERENCE = json.loads((Path(__file__).parent / "data" / "colocated_reference.json").read_text())
 
@@ -146,7 +147,7 @@ def test_planner_makes_the_same_plans_as_before():
         planner = PlannerConfig(mode=mode, max_seq_len=seq, memory_bytes=h.memory_bytes).build(model, cost)
         trained = not model.encoder.frozen
         for c in cases:
-            plan = planner.plan(batch_meta(data, stream, c["step"], tokens_per_image=model.tokens_per_image, max_seq_len=seq))
+            plan = planner.plan(batch_meta(data, stream, c["step"], images=ImageSizing.for_model(model), max_seq_len=seq))
             where = (name, mix, mode, c["step"])
             assert plan.mbs == c["mbs"] and [list(mb) for mb in plan.micro_batches] == c["micro_batches"], where
             assert plan.predicted_s == pytest.approx(c["predicted_s"], rel=1e-12), where
@@ -158,7 +159,7 @@ def test_planner_makes_the_same_plans_as_before():
                 # rounds differently: orders of equal predicted time may then tie-break the other
                 # way. The old choice must simulate to the same time under the new IR.
                 assert trained, where
-                meta = batch_meta(data, stream, c["step"], tokens_per_image=model.tokens_per_image, max_seq_len=seq)
+                meta = batch_meta(data, stream, c["step"], images=ImageSizing.for_model(model), max_seq_len=seq)
                 old_plan = build_plan(step=c["step"], micro_batches=c["micro_batches"], order=c["order"], num_stages=4, encoder=True,
                                       encoder_trained=True, mbs=c["mbs"], max_seq_len=seq)
                 lat = Latencies.from_costs(cost.stage_costs(old_plan.shapes(meta)))

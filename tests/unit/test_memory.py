@@ -12,6 +12,7 @@ from pipetune.data.stream import BatchStream
 from pipetune.packing.flops import FlopsModel
 from pipetune.plan.mode import Mode
 from pipetune.plan.planner_config import PlannerConfig
+from pipetune.data.images import ImageSizing
 
 
 def _heavy(recompute=False):
@@ -59,7 +60,7 @@ def test_heavy_trained_encoder_plans_never_exceed_budget():
     fixed = PlannerConfig(mode=Mode.BALANCED, max_seq_len=4096, memory_bytes=50 * 2**30, mbs=planner.max_mbs).build(model, cost)
     over = 0
     for step in range(3):
-        meta = batch_meta(data, stream, step, tokens_per_image=model.tokens_per_image, max_seq_len=4096)
+        meta = batch_meta(data, stream, step, images=ImageSizing.for_model(model), max_seq_len=4096)
         plan = planner.plan(meta)
         assert max(plan.peak_bytes) <= planner.budget
         over += max(fixed.plan(meta).peak_bytes) > planner.budget

@@ -15,6 +15,8 @@ from pipetune.plan.guard import Guard
 from pipetune.calibrate.online import MeasuredStep, OnlineCalibrator, fit_steps, held_out_times, simulate_plan, timeline_observations
 from pipetune.plan.plan_source import PlanSource, StepKind
 from pipetune.plan.replicas import ReplicaPlanner
+from image_sizing import square_images
+from pipetune.data.images import ImageSizing
 
 
 def bend(curve: Curve, k: float) -> Curve:
@@ -35,7 +37,7 @@ def setup():
     truth = CostModel(replace(base.table, curves=curves, overhead={"bwd_s": 2e-3}), layout)
     data = make_mix("datamix2", 3000, 0)
     stream = BatchStream(num_rows=len(data), gbs=32)
-    metas = [batch_meta(data, stream, s, tokens_per_image=576, max_seq_len=4096) for s in range(8)]
+    metas = [batch_meta(data, stream, s, images=square_images(576), max_seq_len=4096) for s in range(8)]
     # a new planner per test: calibration tests swap its cost model
     return base, truth, metas, lambda: PlannerConfig(max_seq_len=4096, memory_bytes=80e9, max_mbs=4).build(model, base)
 
@@ -167,7 +169,7 @@ def test_makespan_factor_measured_against_the_expected_time():
 
     steps, penalty = [], []
     for s in range(12):
-        meta = batch_meta(data, stream, s, tokens_per_image=576, max_seq_len=4096)
+        meta = batch_meta(data, stream, s, images=square_images(576), max_seq_len=4096)
         cfg = PlannerConfig(mode="balanced", mbs=1 + s % 4, max_seq_len=4096, memory_bytes=80e9, max_mbs=4)
         plan = cfg.build(model, base).plan(meta)
         lat = Latencies.from_costs(base.stage_costs(plan.shapes(meta)))
@@ -199,7 +201,7 @@ def test_separated_plans_calibrate_encoder_chunks_forward_and_backward():
     truth = CostModel(replace(base.table, scales={"encoder": 1.3}), layout, recompute_encoder=True)
     data = make_mix("datamix3", 3000, 0)
     stream = BatchStream(num_rows=len(data), gbs=32)
-    metas = [batch_meta(data, stream, s, tokens_per_image=model.tokens_per_image, max_seq_len=4096) for s in range(2)]
+    metas = [batch_meta(data, stream, s, images=ImageSizing.for_model(model), max_seq_len=4096) for s in range(2)]
     planner = PlannerConfig(max_seq_len=4096, memory_bytes=80e9).build(model, base)
     steps = []
     for meta in metas:

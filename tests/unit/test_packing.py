@@ -6,6 +6,7 @@ import pytest
 from pipetune.data import BatchStream, batch_meta, make_mix
 from pipetune.packing import FlopsModel, PackingConfig, pack_balanced, pack_original
 from pipetune.packing.report import packing_stats
+from image_sizing import square_images
 
 
 def brute_force_min_max(weights, m):
@@ -86,7 +87,7 @@ def test_balanced_imbalance_beats_original_at_gbs128(mix, model13b):
         pk = PackingConfig(packer=packer, mbs=2, max_seq_len=8192).build(model13b)
         vals = []
         for step in range(30):
-            meta = batch_meta(table, stream, step, tokens_per_image=576, max_seq_len=8192)
+            meta = batch_meta(table, stream, step, images=square_images(576), max_seq_len=8192)
             vals.append(packing_stats(meta.table.lengths, pk(meta.table.lengths, step), flops)["imbalance"])
         imb[packer] = float(np.mean(vals))
     assert imb["balanced"] < imb["original"]

@@ -15,6 +15,7 @@ from pipetune.plan.async_planner import AsyncPlanner
 from pipetune.plan.replicas import ReplicaPlanner
 from pipetune.schedule import Schedule, one_f_one_b
 from pipetune.simulate import Latencies, simulate
+from image_sizing import square_images
 
 A100 = load_hardware("a100")
 
@@ -29,7 +30,7 @@ def setup13b():
 def metas(mix, gbs=128, n=6, seed=0, max_seq_len=8192, overlong="truncate"):
     table = make_mix(mix, 20_000, seed)
     stream = BatchStream(num_rows=len(table), gbs=gbs, seed=seed)
-    return [batch_meta(table, stream, s, tokens_per_image=576, max_seq_len=max_seq_len, overlong=overlong) for s in range(n)]
+    return [batch_meta(table, stream, s, images=square_images(576), max_seq_len=max_seq_len, overlong=overlong) for s in range(n)]
 
 
 def planner(setup, **kw):

@@ -17,6 +17,7 @@ from pipetune.data.samples import OverlongReport, SampleTable
 from pipetune.plan import PlannerConfig
 from pipetune.simulate import Latencies, simulate
 from pipetune.simulate.jitter import expected_time
+from image_sizing import square_images
 
 A100 = load_hardware("a100")
 
@@ -32,7 +33,7 @@ def setup13b():
     table = analytical_table(model, A100, tp=4)
     data = make_mix("datamix3", 20_000, 0)
     stream = BatchStream(num_rows=len(data), gbs=64, seed=0)
-    metas = [batch_meta(data, stream, s, tokens_per_image=576, max_seq_len=8192) for s in range(3)]
+    metas = [batch_meta(data, stream, s, images=square_images(576), max_seq_len=8192) for s in range(3)]
     return model, table, metas
 
 

@@ -76,10 +76,10 @@ def test_spatial_merge_packs_each_2x2_block_of_patches_into_one_token(tiny):
     plain = VisionEncoder(tiny.encoder)
     merged = VisionEncoder(replace(tiny.encoder, merge=2))
     merged.load_state_dict(plain.state_dict())
-    pixels = torch.randn(3, 3, tiny.encoder.image_size, tiny.encoder.image_size)
     side = tiny.encoder.image_size // tiny.encoder.patch_size
-    patches = plain(pixels).view(3, side, side, -1)
-    tokens = merged(pixels)
+    rows, grids = torch.randn(3 * side * side, tiny.encoder.patch_dim), ((side, side),) * 3
+    patches = plain(rows, grids).view(3, side, side, -1)
+    tokens = merged(rows, grids).view(3, merged.config.tokens_per_image, -1)
     assert tokens.shape == (3, merged.config.tokens_per_image, merged.config.merged_dim) == (3, side * side // 4, 4 * tiny.encoder.dim)
     for i, j in [(0, 0), (0, 1), (1, 0), (side // 2 - 1, side // 2 - 1)]:
         block = torch.cat([patches[:, 2 * i + a, 2 * j + b] for a in (0, 1) for b in (0, 1)], dim=-1)
@@ -92,6 +92,7 @@ def test_encoder_chunks_built_alone_equal_the_whole_encoder(tiny):
     as the whole encoder's layers, embedding and norm, and run one after the other the same output."""
     from dataclasses import replace
 
+    from torchtitan_patches.data.micro_batch import patchify
     from torchtitan_patches.model.vlm import build_encoder_chunks
 
     model = replace(tiny, encoder=replace(tiny.encoder, n_layers=5, merge=2))
@@ -104,11 +105,18 @@ def test_encoder_chunks_built_alone_equal_the_whole_encoder(tiny):
             assert torch.equal(p, ref[whole_model_names(chunk)[name]]), name
     assert sum(len(list(c.parameters())) for c in chunks.values()) == len(ref)
     assert [(c.is_first, c.is_last) for c in chunks.values()] == [(True, False), (False, False), (False, True)]
-    x = torch.randn(3, 3, model.encoder.image_size, model.encoder.image_size)
+    e = model.encoder
+    pixels = torch.randn(3, 3, e.image_size, e.image_size)
+    x = torch.cat([torch.from_numpy(patchify(im.numpy(), e.patch_size, 1)) for im in pixels])  # the loader's layout
+    grids = ((e.image_size // e.patch_size,) * 2,) * 3
     y = x
     for c in range(3):
-        y = chunks[c](y)
-    torch.testing.assert_close(y, whole(x))
-    assert y.shape == (3, model.encoder.tokens_per_image, model.encoder.merged_dim)
+        y = chunks[c](y, grids)
+    torch.testing.assert_close(y, whole(x, grids))
+    assert y.shape == (3 * e.tokens_per_image, e.merged_dim)
+    # the linear patch embedding of patch rows is the stride-patch_size convolution of the pixels
+    conv = whole.patch_embed(pixels).flatten(2).transpose(1, 2)
+    torch.testing.assert_close(torch.nn.functional.linear(x.view(3, e.patches_per_image, -1), whole.patch_embed.weight.flatten(1),
+                                                          whole.patch_embed.bias), conv)
     with pytest.raises(ValueError, match="do not tile the encoder's 5 layers"):
         build_encoder_chunks(model, [(0, 2), (3, 5)], [0])

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from pipetune.data import Overlong, OverlongTotals, SampleTable, apply_overlong_policy
+from pipetune.data import BatchStream, Overlong, OverlongTotals, SampleTable, apply_overlong_policy, batch_meta
 
 
 def table(text, images, offsets=None, tpi=10):
@@ -68,7 +68,7 @@ def test_reject_counts_and_removes():
 
 def test_error_policy_names_the_sample_and_its_shape():
     t = table([5, 50], [0, 1], [[], [3]])
-    with pytest.raises(ValueError, match=r"sample id=101 is 60 tokens \(50 text \+ 1 images x 10\), longer than max_seq_len=20"):
+    with pytest.raises(ValueError, match=r"sample id=101 is 60 tokens \(50 text \+ 1 images of 10 tokens\), longer than max_seq_len=20"):
         apply_overlong_policy(t, 20, "error")
 
 
@@ -88,8 +88,9 @@ def test_degenerate_samples_are_named(kwargs, message):
 
 def test_images_without_an_encoder_are_an_error():
     t = table([3, 4], [0, 2])
+    stream = BatchStream(num_rows=2, gbs=2, seed=0, shuffle=False)
     with pytest.raises(ValueError, match="sample id=101 has 2 images but the model has no vision encoder"):
-        t.with_tokens_per_image(0)
+        batch_meta(t, stream, 0, images=None, max_seq_len=100)
 
 
 def test_take_keeps_image_offsets_aligned():

@@ -23,6 +23,7 @@ from pipetune.schedule.lowering import lower_all
 from pipetune.simulate import Latencies, compile_schedule, simulate
 from pipetune.simulate.simulator import buffer_bytes
 from test_lowering_fifo import check
+from pipetune.data.images import ImageSizing
 
 H100 = load_hardware("h100")
 
@@ -136,7 +137,7 @@ def heavy():
     cost = CostModel(analytical_table(model, H100, tp=4), StageLayout.even(32, 4), recompute_encoder=True)
     data = make_mix("datamix3", 4000, 0)
     stream = BatchStream(num_rows=len(data), gbs=64, seed=0)
-    metas = [batch_meta(data, stream, s, tokens_per_image=model.tokens_per_image, max_seq_len=4096) for s in range(2)]
+    metas = [batch_meta(data, stream, s, images=ImageSizing.for_model(model), max_seq_len=4096) for s in range(2)]
     layout = StageLayout.even(32, 4).separated(model.encoder.n_layers, 1, 8)
     return model, cost.with_layout(layout), metas
 

@@ -23,6 +23,9 @@ def _write_jsonl(path, rows):
 
 
 def test_user_jsonl_with_token_ids_and_image_files(tmp_path):
+    from PIL import Image
+
+    Image.new("RGB", (30, 20)).save(tmp_path / "a.png")
     f = _write_jsonl(tmp_path / "d.jsonl", [
         {"id": 7, "source": "mine", "input_ids": [5, 6, 7, 8], "images": ["a.png"], "image_offsets": [2]},
         {"id": 9, "source": "mine", "input_ids": [1, 2], "images": [], "image_offsets": []},
@@ -30,7 +33,7 @@ def test_user_jsonl_with_token_ids_and_image_files(tmp_path):
     store = open_dataset(f)
     assert store.table.ids.tolist() == [7, 9]
     assert store.table.text_tokens.tolist() == [4, 2] and store.table.num_images.tolist() == [1, 0]
-    assert store.table.offsets_of(0).tolist() == [2]
+    assert store.table.offsets_of(0).tolist() == [2] and store.table.image_sizes.tolist() == [[20, 30]]
     assert store.has_token_ids and store.has_image_files
     assert store.rows([1])[0]["input_ids"] == [1, 2]
 
@@ -70,7 +73,7 @@ def test_missing_and_empty_inputs(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         open_dataset(tmp_path / "nothing")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match="no HF data set, .jsonl, .json or .parquet files"):
+    with pytest.raises(ValueError, match="no HF data set, .jsonl, .json, .parquet or webdataset .tar files"):
         open_dataset(tmp_path / "empty")
 
 

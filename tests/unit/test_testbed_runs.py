@@ -12,6 +12,7 @@ from pipetune.calibrate.online import simulate_plan
 from pipetune.data import BatchStream, batch_meta, make_mix
 from pipetune.plan import Mode, PlannerConfig
 from pipetune.simulate.contention import concurrent_time
+from image_sizing import square_images
 
 
 @pytest.fixture(scope="module")
@@ -19,9 +20,9 @@ def plans():
     model = load_model_config("7b")
     cost = CostModel(analytical_table(model, load_hardware("a100"), tp=4), StageLayout.even(32, 2))
     data = make_mix("datamix2", 2000, 0)
-    meta = batch_meta(data, BatchStream(num_rows=len(data), gbs=16), 0, tokens_per_image=576, max_seq_len=4096)
+    meta = batch_meta(data, BatchStream(num_rows=len(data), gbs=16), 0, images=square_images(576), max_seq_len=4096)
     make = {mode: PlannerConfig(mode=mode, max_seq_len=4096, memory_bytes=80e9, max_mbs=2).build(model, cost) for mode in Mode}
-    small = batch_meta(data, BatchStream(num_rows=len(data), gbs=2), 0, tokens_per_image=576, max_seq_len=4096)
+    small = batch_meta(data, BatchStream(num_rows=len(data), gbs=2), 0, images=square_images(576), max_seq_len=4096)
     one = PlannerConfig(mode=Mode.ORIGINAL, max_seq_len=4096, memory_bytes=80e9, mbs=4, max_mbs=4).build(model, cost).plan(small)
     return cost, meta, {mode: p.plan(meta) for mode, p in make.items()}, one
 

@@ -16,7 +16,7 @@ from pipetune.packing.flops import FlopsModel
 from pipetune.plan.layout_search import LayoutSearch, sample_batches
 from configs import config_registry
 from torchtitan_patches.titan.model_spec import planning_model_config
-from torchtitan_patches.titan.stages import patchify
+from torchtitan_patches.data.micro_batch import patchify
 
 FLOPS_ONLY = HardwareSpec(
     name="flops-only", peak_flops=2e10, hbm_bytes_per_s=1e15, memory_bytes=16e9, gemm_efficiency=1.0, attention_fwd_efficiency=1.0,
@@ -41,7 +41,9 @@ def test_planning_shapes_are_what_the_built_vision_encoder_outputs():
     vit.to_empty(device="cpu")
     with torch.no_grad():
         vit.init_states(buffer_device=torch.device("cpu"))
-    patches, grid = patchify(torch.randn(2, enc.channels, enc.image_size, enc.image_size), enc.patch_size, enc.patch_temporal)
+    pixels = torch.randn(2, enc.channels, enc.image_size, enc.image_size).numpy()
+    patches = torch.from_numpy(np.stack([patchify(im, enc.patch_size, enc.patch_temporal) for im in pixels]))
+    grid = torch.tensor([[1, config.pipetune.image_grid, config.pipetune.image_grid]] * 2)
     assert patches.shape == (2, enc.patches_per_image, enc.patch_dim)
     out = vit(patches, grid_thw=grid)
     # the 2 x 2 merge: patches_per_image / 4 tokens per image, each of width dim * 4 (the projector's input)

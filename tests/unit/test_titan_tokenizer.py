@@ -105,7 +105,7 @@ def test_every_sample_holds_its_images_tokens_bracketed_and_unlabelled(rows, hf_
 
     stock = FixedShapeDataLoader(FixedShapeDataLoader.Config(dataset_path=str(rows), gbs=len(TEXTS), rows_per_step=1),
                                  tokenizer=hf_tokenizer, seq_len=256, local_batch_size=1)
-    stock.bind(model, patch_size=8, patch_temporal=1)
+    stock.bind(model)
     inputs, labels = next(iter(stock))
     assert inputs["special_tokens"] == {"image_id": tok.image}
     assert int((inputs["input"] == tok.image).sum()) == inputs["grid_thw"].shape[0] * tpi

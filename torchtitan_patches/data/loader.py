@@ -26,6 +26,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from pipetune.config.model import ModelConfig
 from pipetune.data.batch import BatchMeta, batch_meta
+from pipetune.data.image_files import BadImages
+from pipetune.data.images import ImageSizing
 from pipetune.data.samples import Overlong, OverlongTotals
 from pipetune.data.storage import SampleStore, open_dataset
 from pipetune.data.stream import BatchStream
@@ -137,16 +139,17 @@ class _PackedBatches(torch.utils.data.Dataset):
 
     def __getitems__(self, spec: BatchSpec) -> GlobalBatch:
         table = spec.meta.table
-        rows = self._store.rows(spec.meta.rows)
+        rows = self._store.rows(spec.meta.rows, images=self._content.pixels)
         contents = [sample_content(table, k, rows[k], self._content) for k in range(len(table))]
-        mbs = [build_micro_batch(table, g, [contents[k] for k in g.tolist()], self._content) for g in spec.groups]
+        mbs = [build_micro_batch(table, g, [contents[k][:2] for k in g.tolist()], self._content) for g in spec.groups]
         built = sum(m.num_label_tokens for m in mbs), sum(int(m.cu_seqlens[len(g)]) for m, g in zip(mbs, spec.groups))
         planned = int(table.label_tokens.sum()), int(table.lengths.sum())
         if built != planned:
             raise ValueError(f"step {spec.meta.step}: the built micro-batches hold {built[0]} label tokens in {built[1]} tokens, the "
                              f"metadata says {planned[0]} in {planned[1]}; the data set's text_tokens do not match its content "
                              f"(rows {spec.meta.rows[:5].tolist()} ...)")
-        return GlobalBatch(step=spec.meta.step, micro_batches=mbs, num_label_tokens=spec.global_label_tokens, overlong=spec.meta.overlong)
+        return GlobalBatch(step=spec.meta.step, micro_batches=mbs, num_label_tokens=spec.global_label_tokens, overlong=spec.meta.overlong,
+                           damaged_images=sum(c[2] for c in contents))
 
 
 def _unwrap(batch):
@@ -160,6 +163,10 @@ class DataLoaderConfig:
     ``data`` is any accepted data set path (see ``pipetune.data.storage``). ``packing`` is the
     fixed packing used when no planner supplies one. ``overlong`` is the policy for samples longer
     than ``max_seq_len`` (as in ``pipetune pack``); the loader counts them in ``truncation``.
+    Images are resized into ``[min_pixels, max_pixels]`` keeping their aspect ratio (default: one
+    merged patch to the encoder's standard image; ``keep_aspect=False``: every image to the standard
+    square), see ``pipetune.data.images``; ``bad_images`` says what happens to unreadable ones
+    (``pipetune.data.image_files``).
     Limits: one global batch per step. With ``dp_size > 1`` every data-parallel rank reads the
     same global batch and yields the share its packing source names (the planner's split, see
     ``pipetune.plan.replicas``); the loss normaliser stays the global batch's label tokens.
@@ -177,9 +184,14 @@ class DataLoaderConfig:
     max_steps: int | None = None
     seq_multiple: int = 1
     """Micro-batch lengths are padded to a multiple of this (``ContentSpec.seq_multiple``)."""
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    keep_aspect: bool = True
+    bad_images: BadImages = BadImages.ERROR
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "overlong", Overlong(self.overlong))
+        object.__setattr__(self, "bad_images", BadImages(self.bad_images))
         if self.seq_multiple < 1:
             raise ValueError(f"seq_multiple must be >= 1, got {self.seq_multiple}")
 
@@ -191,9 +203,18 @@ class DataLoaderConfig:
         dp_rank: int = 0,
         dp_size: int = 1,
         tokenizer: TextTokenizer = BYTE_TOKENIZER,
+        pixels: bool = True,
     ) -> "PipeTuneDataLoader":
-        """``tokenizer`` tokenizes raw ``text`` rows and gives the image and padding ids."""
-        return PipeTuneDataLoader(self, model, open_dataset(self.data, tokenizer=tokenizer), packing_source, dp_rank, dp_size)
+        """``tokenizer`` tokenizes raw ``text`` rows and gives the image and padding ids;
+        ``pixels=False`` for a rank that runs no encoder chunk (its batches carry no pixels)."""
+        store = open_dataset(self.data, tokenizer=tokenizer, bad_images=self.bad_images)
+        return PipeTuneDataLoader(self, model, store, packing_source, dp_rank, dp_size, pixels=pixels)
+
+    def sizing(self, model: ModelConfig) -> ImageSizing | None:
+        """How ``model``'s encoder sees this loader's images (None without an encoder)."""
+        if model.encoder is None:
+            return None
+        return ImageSizing.of(model.encoder, min_pixels=self.min_pixels, max_pixels=self.max_pixels, keep_aspect=self.keep_aspect)
 
 
 class PipeTuneDataLoader(StatefulDataLoader):
@@ -213,6 +234,8 @@ class PipeTuneDataLoader(StatefulDataLoader):
         packing_source: PackingSource | None = None,
         dp_rank: int = 0,
         dp_size: int = 1,
+        *,
+        pixels: bool = True,
     ):
         if config.packing.max_seq_len != config.max_seq_len:
             raise ValueError(
@@ -230,14 +253,18 @@ class PipeTuneDataLoader(StatefulDataLoader):
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.packing_source = packing_source or FixedPacking(config.packing, model)
         enc = model.encoder
+        self.sizing = config.sizing(model)
         content = ContentSpec(
             vocab_size=model.backbone.vocab_size,
-            image_size=enc.image_size if enc else 1,
+            sizing=self.sizing,
             channels=enc.channels if enc else 1,
+            patch_temporal=enc.patch_temporal if enc else 1,
             content_seed=store.content_seed,
             data_dir=store.path,
             tokenizer=store.tokenizer,
             seq_multiple=config.seq_multiple,
+            pixels=pixels,
+            bad_images=config.bad_images,
         )
         self._sampler = _StepSampler(self.meta, lambda meta: self.packing_source(meta), config.max_steps, replicas=dp_size)
         self._next_step = 0
@@ -259,7 +286,7 @@ class PipeTuneDataLoader(StatefulDataLoader):
             self.store.table,
             self.stream,
             step,
-            tokens_per_image=self.model.tokens_per_image,
+            images=self.sizing,
             max_seq_len=self.config.max_seq_len,
             overlong=self.config.overlong,
         )
@@ -295,7 +322,7 @@ class PipeTuneDataLoader(StatefulDataLoader):
             "packer": packing.packer.value,
             "mbs": packing.mbs,
             "packing_seed": packing.seed,
-            "tokens_per_image": self.model.tokens_per_image,
+            "image_sizing": repr(self.sizing),
             "dp_rank": self.dp_rank,
             "dp_size": self.dp_size,
         }

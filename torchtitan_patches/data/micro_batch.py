@@ -1,13 +1,25 @@
-"""Tensors of packed micro-batches, built from sample metadata plus content (real or synthesized)."""
+"""Tensors of packed micro-batches, built from sample metadata plus content (real or synthesized).
+
+Images are decoded with Pillow (torchvision, which TorchTitan's ``process_image`` uses, does not
+load beside the CPU torch build here), resized to their patch grid (``pipetune.data.images``:
+aspect kept, pixel budget) with bicubic filtering, normalised to [-1, 1] (TorchTitan's mean and std
+of 0.5) and cut into patches in Qwen-VL's layout, which Muse Glimmer's ``conv1`` reads: ``patch_
+temporal`` copies of a still image, each patch flattened channel-major, patches in raster order.
+A micro-batch holds its images' patches flat, ``(sum of patches, patch_dim)``, images sorted by
+grid so that images of one grid form one batched encoder call.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from pipetune.data.image_files import BadImages, describe
+from pipetune.data.images import ImageSizing
 from pipetune.data.samples import OverlongReport, SampleTable
 from pipetune.data.text import BYTE_OFFSET, BYTE_TOKENIZER, TextTokenizer
 
@@ -18,14 +30,26 @@ PAD_TOKEN_ID = BYTE_TOKENIZER.pad
 generated text never uses. A job's own tokenizer brings its own (``ContentSpec.tokenizer``)."""
 
 
+class ImageSpan(NamedTuple):
+    """One image's run of tokens in a packed sequence, and its patch grid ``(h, w)``."""
+
+    start: int
+    length: int
+    grid: tuple[int, int]
+
+
 @dataclass
 class PackedMicroBatch:
     """One packed sequence of several documents (batch dimension 1, as varlen attention wants).
 
-    ``image_token_index`` lists, image by image, the positions of each image's tokens in the
-    sequence (which hold the tokenizer's image id); stage 0 scatters the projected image features
-    there. ``labels`` are next-token targets within each document (``-100`` where nothing is to be
-    predicted: where the next token is an image token, a vision marker or padding).
+    ``pixel_values`` are the images' patches ``(sum of patches, patch_dim)``, image by image in
+    the order of ``image_grids`` (patches per side ``(h, w)`` of each, known on the host);
+    ``image_token_index`` lists, in the same image order, the positions of each image's tokens in
+    the sequence (which hold the tokenizer's image id); stage 0 scatters the projected image
+    features there. ``labels`` are next-token targets within each document (``-100`` where nothing
+    is to be predicted: where the next token is an image token, a vision marker or padding).
+    ``pixel_values`` is empty (no rows) where the batch was built without pixels (a rank that runs
+    no encoder); everything else is the same on every rank.
     """
 
     tokens: torch.Tensor
@@ -35,6 +59,7 @@ class PackedMicroBatch:
     pixel_values: torch.Tensor
     image_token_index: torch.Tensor
     sample_ids: torch.Tensor
+    image_grids: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -42,26 +67,46 @@ class PackedMicroBatch:
 
     @property
     def num_images(self) -> int:
-        return int(self.pixel_values.shape[0])
+        return len(self.image_grids)
+
+    def patch_rows(self, first: int, n: int) -> slice:
+        """The rows of ``pixel_values`` that hold images ``first .. first + n - 1``."""
+        sizes = [h * w for h, w in self.image_grids]
+        start = sum(sizes[:first])
+        return slice(start, start + sum(sizes[first:first + n]))
 
     @property
     def num_label_tokens(self) -> int:
         return int((self.labels != IGNORE_INDEX).sum())
 
     @property
-    def image_spans(self) -> tuple[tuple[int, int], ...]:
-        """``(start, length)`` of every run of consecutive image-token positions, in order: where
-        stage 0 writes the image features, read on the host before a step (a device-side search
-        for them, as TorchTitan's ``_vision_spans`` does, syncs the device every forward)."""
+    def image_spans(self) -> tuple[ImageSpan, ...]:
+        """Each image's tokens in the sequence, in feature order: where stage 0 writes the image
+        features, read on the host before a step (a device-side search for them, as TorchTitan's
+        ``_vision_spans`` does, syncs the device every forward)."""
         idx = self.image_token_index.numpy()
-        runs = np.split(idx, np.flatnonzero(np.diff(idx) != 1) + 1) if idx.size else []
-        return tuple((int(r[0]), len(r)) for r in runs)
+        if not len(idx):
+            return ()
+        per_token = sum(h * w for h, w in self.image_grids) // len(idx)  # patches per token: the encoder's merge, squared
+        spans, at = [], 0
+        for h, w in self.image_grids:
+            spans.append(ImageSpan(int(idx[at]), h * w // per_token, (h, w)))
+            at += h * w // per_token
+        return tuple(spans)
 
     def to(self, device) -> "PackedMicroBatch":
-        return PackedMicroBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        return PackedMicroBatch(**{f.name: _to(getattr(self, f.name), device) for f in fields(self)})
 
     def equal(self, other: "PackedMicroBatch") -> bool:
-        return all(torch.equal(getattr(self, f.name), getattr(other, f.name)) for f in fields(self))
+        return all(_same(getattr(self, f.name), getattr(other, f.name)) for f in fields(self))
+
+
+def _to(value, device):
+    return value.to(device) if isinstance(value, torch.Tensor) else value
+
+
+def _same(a, b) -> bool:
+    return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
 
 
 @dataclass
@@ -78,6 +123,9 @@ class GlobalBatch:
     micro_batches: list[PackedMicroBatch]
     num_label_tokens: int
     overlong: OverlongReport
+    damaged_images: int = 0
+    """Images whose data was cut short after a readable header, kept as far as readable
+    (``decode_image``, under ``BadImages.SKIP``)."""
 
     @property
     def sample_ids(self) -> list[list[int]]:
@@ -86,18 +134,27 @@ class GlobalBatch:
 
 @dataclass(frozen=True, kw_only=True)
 class ContentSpec:
-    """What the tensors need beyond metadata: vocabulary, image shape, where content comes from and
-    the tokenizer of raw text and special ids (it must be the one the metadata used)."""
+    """What the tensors need beyond metadata: vocabulary, image sizing and patch layout, where
+    content comes from and the tokenizer of raw text and special ids (it must be the one the
+    metadata used). ``pixels=False`` builds batches without pixels (ranks that run no encoder)."""
 
     vocab_size: int
-    image_size: int
+    sizing: ImageSizing | None
     channels: int
     content_seed: int
+    patch_temporal: int = 1
     data_dir: Path | None = None
     tokenizer: TextTokenizer = BYTE_TOKENIZER
     seq_multiple: int = 1
     """Every micro-batch's length is a multiple of this (tensor parallelism with sequence
     parallelism splits the sequence over its ranks): a padding document makes up the rest."""
+    pixels: bool = True
+    bad_images: BadImages = BadImages.ERROR
+
+    @property
+    def patch_dim(self) -> int:
+        p = self.sizing.patch_size if self.sizing else 1
+        return self.channels * self.patch_temporal * p * p
 
 
 def synthetic_tokens(seed: int, sample_id: int, n: int, vocab_size: int) -> np.ndarray:
@@ -115,17 +172,50 @@ def synthetic_pixels(seed: int, sample_id: int, n: int, channels: int, size: int
     return rng.standard_normal((n, channels, size, size), dtype=np.float32)
 
 
-def _load_image(path: Path, channels: int, size: int) -> np.ndarray:
-    from PIL import Image
+def patchify(image: np.ndarray, patch: int, temporal: int) -> np.ndarray:
+    """``(C, H, W)`` -> ``(H / patch * W / patch, C * temporal * patch ** 2)`` patches."""
+    c, h, w = image.shape
+    x = image.reshape(c, h // patch, patch, w // patch, patch).transpose(1, 3, 0, 2, 4)
+    x = np.broadcast_to(x[:, :, :, None], (h // patch, w // patch, c, temporal, patch, patch))
+    return np.ascontiguousarray(x).reshape(-1, c * temporal * patch * patch)
 
-    with Image.open(path) as im:
-        im = im.convert("RGB" if channels == 3 else "L").resize((size, size))
-        arr = np.asarray(im, dtype=np.float32) / 127.5 - 1.0
-    return arr.reshape(size, size, channels).transpose(2, 0, 1)
+
+def decode_image(ref, base: Path, height: int, width: int, channels: int, policy: BadImages) -> tuple[np.ndarray, bool]:
+    """Pixels ``(C, height, width)`` in [-1, 1] of an image (file name under ``base``, or bytes),
+    and whether its data was damaged. The header was read when the data set was opened; data cut
+    short after it is an error naming the image under ``BadImages.ERROR``, else the readable part
+    is kept (Pillow fills the rest) and the image counted as damaged: every rank has planned with
+    this sample, so leaving it out here would break the plan."""
+    import io
+
+    from PIL import Image, ImageFile
+
+    src = base / ref if isinstance(ref, str) else io.BytesIO(ref)
+    damaged = False
+    try:
+        with Image.open(src) as im:
+            im.load()
+            rgb = im.convert("RGB" if channels == 3 else "L")
+    except (OSError, SyntaxError) as e:
+        if policy is BadImages.ERROR:
+            raise ValueError(f"{describe(ref, base)}: cannot decode the image ({type(e).__name__}: {e}); repair or remove it, "
+                             "or keep what can be read of damaged images (bad_images=skip)") from None
+        ImageFile.LOAD_TRUNCATED_IMAGES = True
+        try:
+            with Image.open(base / ref if isinstance(ref, str) else io.BytesIO(ref)) as im:
+                rgb = im.convert("RGB" if channels == 3 else "L")
+        finally:
+            ImageFile.LOAD_TRUNCATED_IMAGES = False
+        damaged = True
+    if rgb.size != (width, height):
+        rgb = rgb.resize((width, height), Image.Resampling.BICUBIC)
+    arr = np.asarray(rgb, dtype=np.float32) / 127.5 - 1.0
+    return arr.reshape(height, width, channels).transpose(2, 0, 1), damaged
 
 
-def sample_content(table: SampleTable, k: int, row: dict, spec: ContentSpec) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids (kept prefix after truncation) and pixels of batch row ``k``."""
+def sample_content(table: SampleTable, k: int, row: dict, spec: ContentSpec) -> tuple[np.ndarray, list[np.ndarray], int]:
+    """Token ids (kept prefix after truncation), the patches of each image of batch row ``k``
+    (none when ``spec.pixels`` is False) and how many of its images were damaged."""
     sid = int(table.ids[k])
     n_text, n_img = int(table.text_tokens[k]), int(table.num_images[k])
     if "input_ids" in row:
@@ -139,38 +229,48 @@ def sample_content(table: SampleTable, k: int, row: dict, spec: ContentSpec) -> 
     if len(ids) < n_text:
         raise ValueError(f"sample id={sid}: its content has {len(ids)} text tokens, the metadata look-ahead counted {n_text}; "
                          "tokenize the metadata and the content with the same tokenizer")
+    if not spec.pixels or n_img == 0:
+        return ids, [], 0
+    patch = spec.sizing.patch_size
+    grids = spec.sizing.grids(table.image_sizes[table.image_ptr[k]:table.image_ptr[k + 1]])
     if row.get("images"):
         if spec.data_dir is None:
             raise ValueError(f"sample id={sid} refers to image files but the data set has no directory")
-        pixels = np.stack([_load_image(spec.data_dir / p, spec.channels, spec.image_size) for p in row["images"][:n_img]])
+        decoded = [decode_image(ref, spec.data_dir, gh * patch, gw * patch, spec.channels, spec.bad_images)
+                   for ref, (gh, gw) in zip(row["images"][:n_img], grids.tolist())]
+        images, damaged = [im for im, _ in decoded], sum(d for _, d in decoded)
     else:
-        pixels = synthetic_pixels(spec.content_seed, sid, n_img, spec.channels, spec.image_size)
-    return ids, pixels
+        side = spec.sizing.standard_grid * patch
+        images, damaged = list(synthetic_pixels(spec.content_seed, sid, n_img, spec.channels, side)), 0
+    return ids, [patchify(im, patch, spec.patch_temporal) for im in images], damaged
 
 
-def build_micro_batch(table: SampleTable, group: np.ndarray, contents: list[tuple[np.ndarray, np.ndarray]], spec: ContentSpec) -> PackedMicroBatch:
+def build_micro_batch(table: SampleTable, group: np.ndarray, contents: list[tuple[np.ndarray, list[np.ndarray]]],
+                      spec: ContentSpec) -> PackedMicroBatch:
     """Concatenate the documents of ``group`` (rows of ``table``), images (with their markers, if
-    the table has them) at their text offsets."""
+    the table has them) at their text offsets; the images' patches sorted by grid."""
     tok = spec.tokenizer
     marked = table.image_markers > 0
-    tokens, labels, positions, image_index, pixels, doc_lens = [], [], [], [], [], []
+    tokens, labels, positions, doc_lens = [], [], [], []
+    images = []  # (grid, token positions, patches) per image, in sequence order
     start = 0
-    for k, (ids, pix) in zip(group.tolist(), contents):
-        tpi = int(table.tokens_per_image[k])
-        block = np.full(tpi + table.image_markers, tok.image, np.int64)
-        if marked:
-            block[0], block[-1] = tok.vision_start, tok.vision_end
+    for k, (ids, patches) in zip(group.tolist(), contents):
+        lo, hi = table.image_ptr[k], table.image_ptr[k + 1]
+        grids = spec.sizing.grids(table.image_sizes[lo:hi]).tolist() if hi > lo else []
         offsets = table.offsets_of(k)
         pieces, is_text = [], []
-        prev = 0
+        prev = before = 0  # text tokens and image positions before the current one
         for j, off in enumerate(offsets.tolist()):
+            n = int(table.image_tokens[lo + j])
+            block = np.full(n + table.image_markers, tok.image, np.int64)
+            if marked:
+                block[0], block[-1] = tok.vision_start, tok.vision_end
             pieces.append(ids[prev:off])
             is_text.append(np.ones(off - prev, bool))
-            # off text tokens and j image blocks precede it
-            image_index.append(start + off + j * len(block) + int(marked) + np.arange(tpi))
+            images.append((tuple(grids[j]), start + off + before + int(marked) + np.arange(n), patches[j] if patches else None))
             pieces.append(block)
             is_text.append(np.zeros(len(block), bool))
-            prev = off
+            prev, before = off, before + len(block)
         pieces.append(ids[prev:])
         is_text.append(np.ones(len(ids) - prev, bool))
         doc = np.concatenate(pieces)
@@ -181,7 +281,6 @@ def build_micro_batch(table: SampleTable, group: np.ndarray, contents: list[tupl
         tokens.append(doc)
         labels.append(lab)
         positions.append(np.arange(len(doc)))
-        pixels.append(pix)
         doc_lens.append(len(doc))
         start += len(doc)
     pad = -start % spec.seq_multiple
@@ -192,13 +291,15 @@ def build_micro_batch(table: SampleTable, group: np.ndarray, contents: list[tupl
         doc_lens.append(pad)
     cu = np.zeros(len(doc_lens) + 1, np.int32)
     np.cumsum(doc_lens, out=cu[1:])
-    c, s = spec.channels, spec.image_size
+    images.sort(key=lambda im: im[0])  # stable: sequence order within a grid
+    patches = [p for _, _, p in images if p is not None]
     return PackedMicroBatch(
         tokens=torch.from_numpy(np.concatenate(tokens)),
         labels=torch.from_numpy(np.concatenate(labels)),
         positions=torch.from_numpy(np.concatenate(positions)),
         cu_seqlens=torch.from_numpy(cu),
-        pixel_values=torch.from_numpy(np.concatenate(pixels) if pixels else np.zeros((0, c, s, s), np.float32)),
-        image_token_index=torch.from_numpy(np.concatenate(image_index) if image_index else np.zeros(0, np.int64)),
+        pixel_values=torch.from_numpy(np.concatenate(patches) if patches else np.zeros((0, spec.patch_dim), np.float32)),
+        image_token_index=torch.from_numpy(np.concatenate([t for _, t, _ in images]) if images else np.zeros(0, np.int64)),
         sample_ids=torch.from_numpy(table.ids[group].copy()),
+        image_grids=tuple(g for g, _, _ in images),
     )

@@ -8,10 +8,13 @@ stages are built beside it: a pipelined run and the single-process reference (``
 whole backbone as one stage) start from identical weights.
 The ViT is its own module: PipeTune co-locates it with stage 0 and may run it early (encoder
 pre-computation); DIP cuts it into chunks of its own, contiguous layer ranges spread over all ranks
-(``build_encoder_chunks``; seeded per piece too, so any cut holds the reference's weights). Its
-output, per image, is ``(tokens_per_image, merged_dim)`` features (after the optional spatial
-merge of ``merge`` x ``merge`` neighbouring patches) that stage 0 projects and scatters into the
-sequence; between chunks it hands on ``(patches_per_image, dim)`` hidden states per image.
+(``build_encoder_chunks``; seeded per piece too, so any cut holds the reference's weights). It
+takes images as flat patch rows with their grids (the loader's layout) and gives, per image,
+``tokens_per_image`` rows of ``merged_dim`` features (after the optional spatial merge of
+``merge`` x ``merge`` neighbouring patches) that stage 0 projects and scatters into the sequence;
+between chunks it hands on ``patches_per_image`` rows of width ``dim`` per image. Its learned
+positions are one table for the standard image, so every image must have the standard grid
+(the profiler's and the tests' model; TorchTitan's VLMs take images at their own resolution).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from torchtitan.models.common.attention import VarlenMetadata
 from torchtitan.models.common.nn_modules import LayerNorm, RMSNorm
 
 from pipetune.config.model import EncoderConfig, ModelConfig
-from torchtitan_patches.data.micro_batch import IGNORE_INDEX
+from torchtitan_patches.data.micro_batch import IGNORE_INDEX, ImageSpan
 from torchtitan_patches.model.blocks import decoder_layer_config, no_rope, vit_layer_config
 
 _SMALL = {"weight": partial(nn.init.normal_, std=0.02), "bias": nn.init.zeros_}
@@ -48,10 +51,11 @@ class VisionEncoder(nn.Module):
     ``merge`` x ``merge`` pixel shuffle of neighbouring patches into one token each (identity at 1).
 
     ``layers = (lo, hi)`` builds one chunk of it (DIP's separated layout): ViT layers ``lo .. hi-1``;
-    the first chunk (``lo == 0``) also embeds patches and positions and takes pixels ``(N, C, H, W)``,
-    the last (``hi == n_layers``) also applies the final norm and the merge and returns features
-    ``(N, tokens_per_image, merged_dim)``; other boundaries carry ``(N, patches_per_image, dim)``.
-    Default: the whole encoder."""
+    the first chunk (``lo == 0``) also embeds patches (a linear map of each patch's pixels, the
+    ``patch_size`` stride convolution) and positions and takes patch rows ``(N * patches,
+    patch_dim)``; the last (``hi == n_layers``) also applies the final norm and the merge and
+    returns features ``(N * tokens_per_image, merged_dim)``; other boundaries carry ``(N *
+    patches_per_image, dim)``. Default: the whole encoder."""
 
     def __init__(self, e: EncoderConfig, tp: int = 1, layers: tuple[int, int] | None = None):
         super().__init__()
@@ -61,7 +65,9 @@ class VisionEncoder(nn.Module):
         self.config = e
         self.first_layer, self.layer_range = lo, (lo, hi)
         self.is_first, self.is_last = lo == 0, hi == e.n_layers
-        self.patch_embed = nn.Conv2d(e.channels, e.dim, kernel_size=e.patch_size, stride=e.patch_size) if self.is_first else None
+        # channels x patch_temporal input planes: the stride convolution of a patch row's ``patch_temporal`` frames
+        self.patch_embed = (nn.Conv2d(e.channels * e.patch_temporal, e.dim, kernel_size=e.patch_size, stride=e.patch_size)
+                            if self.is_first else None)
         self.pos_embed = nn.Parameter(torch.empty(e.patches_per_image, e.dim)) if self.is_first else None
         self.layers = nn.ModuleList(vit_layer_config(e, tp).build() for _ in range(lo, hi))
         self.post_norm = LayerNorm.Config(normalized_shape=e.dim, eps=e.norm_eps).build() if self.is_last else None
@@ -80,20 +86,27 @@ class VisionEncoder(nn.Module):
         if self.is_last:
             _seeded_init(seed, "encoder.post_norm", self.post_norm.init_states, dev)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def prepare(self, grids, device) -> None:
+        """Nothing to build ahead of a step: the positions are a parameter table, attention has no mask."""
+
+    def forward(self, x: torch.Tensor, grids: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        e = self.config
+        side = e.image_size // e.patch_size
+        if any(g != (side, side) for g in grids):
+            raise ValueError(f"this encoder's learned positions cover the {side} x {side} patch grid only; got image grids "
+                             f"{sorted(set(grids))}: resize images to the standard size (dataloader keep_aspect=False)")
+        n = len(grids)
+        x = x.view(n, e.patches_per_image, -1)
         if self.is_first:
-            x = self.patch_embed(x).flatten(2).transpose(1, 2) + self.pos_embed
+            x = F.linear(x, self.patch_embed.weight.flatten(1), self.patch_embed.bias) + self.pos_embed
         for layer in self.layers:
             x = layer(x, rope_cache=x.new_zeros(1), rope_apply=no_rope, attention_mask=None)
         if not self.is_last:
-            return x
+            return x.flatten(0, 1)
         x = self.post_norm(x)
-        m = self.config.merge
-        if m == 1:
-            return x
-        n, side = x.shape[0], self.config.image_size // self.config.patch_size
+        m = e.merge
         x = x.view(n, side // m, m, side // m, m, -1).permute(0, 1, 3, 2, 4, 5)
-        return x.reshape(n, self.config.tokens_per_image, self.config.merged_dim)
+        return x.reshape(n * e.tokens_per_image, e.merged_dim)
 
 
 class Projector(nn.Module):
@@ -115,13 +128,13 @@ class Projector(nn.Module):
         return self.fc2(F.gelu(self.fc1(features)))
 
 
-def scatter_spans(x: torch.Tensor, features: torch.Tensor, spans: tuple[tuple[int, int], ...]) -> torch.Tensor:
+def scatter_spans(x: torch.Tensor, features: torch.Tensor, spans: tuple[ImageSpan, ...]) -> torch.Tensor:
     """``x`` ``(1, L, dim)`` with ``features`` ``(n, dim)`` written, in order, over the token
     ``spans`` (``(start, length)``, host ints: no device search for the image tokens)."""
-    if sum(n for _, n in spans) != features.shape[0]:
-        raise ValueError(f"the image token spans hold {sum(n for _, n in spans)} positions for {features.shape[0]} image feature tokens")
+    if sum(n for _, n, _ in spans) != features.shape[0]:
+        raise ValueError(f"the image token spans hold {sum(n for _, n, _ in spans)} positions for {features.shape[0]} image feature tokens")
     at = 0
-    for start, n in spans:
+    for start, n, _ in spans:
         x[0, start:start + n] = features[at:at + n]
         at += n
     return x
@@ -175,14 +188,14 @@ class BackboneStage(nn.Module):
         positions: torch.Tensor,
         masks: VarlenMetadata,
         image_features: torch.Tensor | None = None,
-        image_spans: tuple[tuple[int, int], ...] = (),
+        image_spans: tuple[ImageSpan, ...] = (),
     ) -> torch.Tensor:
         if self.is_first:
             x = self.tok_embeddings(x)
             if image_features is not None and image_features.shape[0] > 0:
                 if self.projector is None:
                     raise ValueError("image features given to a text-only model")
-                projected = self.projector(image_features.flatten(0, 1)).to(x.dtype)
+                projected = self.projector(image_features).to(x.dtype)
                 x = scatter_spans(x, projected, image_spans)
         for layer in self.layers:
             x = layer(x, masks, positions)

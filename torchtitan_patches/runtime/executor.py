@@ -14,9 +14,12 @@ length, the order is arbitrary, and a rank may hold chunks of two modules whose 
   every sub-microbatch of its micro-batch) besides its tokens, and its backward sends several;
 * every rank holds the whole ``GlobalBatch`` (each PP rank runs the same dataloader, as in
   TorchTitan), so the shape of every message is known and no shape inference runs, ever: backbone
-  activations ``(1, tokens of the micro-batch / sequence_shards, dim)``; encoder activations ``(B, *hidden)``
-  (``ImageShapes``: per image, e.g. patches x encoder width); image features ``(images of the
-  sub-microbatch, *features)``; gradients as their activations;
+  activations ``(1, tokens of the micro-batch / sequence_shards, dim)``; encoder activations, the
+  images' patch rows flat, ``(B * patches, encoder width)`` (``ImageShapes``: per image, e.g.
+  patches x encoder width); image features ``(tokens of the sub-microbatch's images, merged
+  width)``; gradients as their activations. Encoder chunks take and give images flat with their
+  grids (host tuples): images at their own resolution in the co-located layout; the separated
+  layout's messages have one shape per image, so its images must all be the standard one;
 * fixed-shape encoder units: the last sub-microbatch of a micro-batch (fewer than ``B`` images)
   is padded with zero images (``pad_images``) so every encoder chunk runs one shape; images are
   independent in the encoder (attention within an image), and the last chunk drops the padding
@@ -97,15 +100,18 @@ class PlanMismatchError(PlanError):
 
 @dataclass(frozen=True)
 class ImageShapes:
-    """Per image, the encoder's messages: ``hidden`` between encoder chunks (patches, encoder
-    width) and ``features`` from the last chunk to backbone stage 0 (tokens, merged width)."""
+    """Per standard image (``grid`` patches per side), the encoder's messages: ``hidden`` between
+    encoder chunks (patches, encoder width) and ``features`` from the last chunk to backbone
+    stage 0 (tokens, merged width)."""
 
-    hidden: tuple[int, ...]
-    features: tuple[int, ...]
+    hidden: tuple[int, int]
+    features: tuple[int, int]
+    grid: tuple[int, int]
 
     @classmethod
     def of(cls, e: EncoderConfig) -> "ImageShapes":
-        return cls((e.patches_per_image, e.dim), (e.tokens_per_image, e.merged_dim))
+        side = e.image_size // e.patch_size
+        return cls((e.patches_per_image, e.dim), (e.tokens_per_image, e.merged_dim), (side, side))
 
 
 @dataclass
@@ -147,9 +153,10 @@ def content_digest(mb: PackedMicroBatch) -> str:
     return h.hexdigest()
 
 
-def pad_images(pixels: torch.Tensor, size: int) -> torch.Tensor:
-    """``pixels`` ``(n, ...)`` followed by ``size - n`` zero images: a fixed-shape encoder unit."""
-    return torch.cat([pixels, pixels.new_zeros(size - pixels.shape[0], *pixels.shape[1:])])
+def pad_images(patches: torch.Tensor, rows: int) -> torch.Tensor:
+    """Image patch rows ``(n, patch_dim)`` followed by zero rows up to ``rows``: zero images that
+    make a fixed-shape encoder unit."""
+    return torch.cat([patches, patches.new_zeros(rows - patches.shape[0], patches.shape[1])])
 
 
 class PlanExecutor:
@@ -273,6 +280,10 @@ class PlanExecutor:
         if batch.sample_ids != [list(mb) for mb in plan.micro_batches]:
             raise PlanMismatchError(f"rank {self.rank}: batch {batch.step} was not packed as plan {plan.step} says")
         self._check_runnable(plan)
+        if plan.separated and any(g != self.image_shapes.grid for mb in batch.micro_batches for g in mb.image_grids):
+            raise PlanError(f"step {plan.step}: a separated plan's encoder messages have one shape per image, but batch {batch.step} "
+                            f"holds images at their own resolution; resize every image to the standard "
+                            f"{self.image_shapes.grid} patch grid (dataloader keep_aspect=False) or use a co-located layout")
         uneven = [j for j, mb in enumerate(batch.micro_batches) if mb.num_tokens % self.sequence_shards]
         if uneven:
             raise PlanError(f"step {plan.step}: micro-batch {uneven[0]} has {batch.micro_batches[uneven[0]].num_tokens} tokens, not a "
@@ -330,6 +341,10 @@ class PlanExecutor:
         and the attention metadata built from the host's lengths (no device synchronisation)."""
         first, last = 0 in self.stages, plan.num_stages - 1 in self.stages
         pixels = plan.encoder and 0 in self.encoder
+        if plan.encoder:
+            grids = {g for mb in batch.micro_batches for g in mb.image_grids}
+            for chunk in self.encoder.values():
+                chunk.prepare(grids, self.device)
         out = []
         for mb in batch.micro_batches:
             # image spans on every stage: a model whose positions depend on the images (Qwen's MRoPE) needs them
@@ -349,9 +364,11 @@ class PlanExecutor:
             case MessageKind.ACTIVATION:
                 return (1, st.batch.micro_batches[m.unit].num_tokens // self.sequence_shards, self.dim)
             case MessageKind.ENCODER_ACTIVATION:
-                return (st.plan.image_sub_batch, *self.image_shapes.hidden)
+                patches, width = self.image_shapes.hidden
+                return (st.plan.image_sub_batch * patches, width)
             case MessageKind.FEATURES:
-                return (st.images[m.unit][2], *self.image_shapes.features)
+                tokens, width = self.image_shapes.features
+                return (st.images[m.unit][2] * tokens, width)
 
     def _post(self, st: "_StepState", post: Post) -> None:
         """Every transfer of ``post`` as its own operation, in order: one work per message (never
@@ -399,17 +416,21 @@ class PlanExecutor:
         trained = st.plan.placement.encoder_trained
         j, first, n = st.images[k]
         B = st.plan.image_sub_batch
+        mb = st.batch.micro_batches[j]
+        grids = mb.image_grids[first:first + n]
+        if B > n:
+            grids += (self.image_shapes.grid,) * (B - n)
         if chunk.is_first:
-            x = st.dev[j]["pixel_values"][first:first + n]
-            x = pad_images(x, B) if n < B else x
+            x = st.dev[j]["pixel_values"][mb.patch_rows(first, n)]
+            x = pad_images(x, B * self.image_shapes.hidden[0]) if n < B else x
         else:
             (x,) = self._take(st, a).values()
             x = x.requires_grad_(trained)
         y = None
         if x.shape[0]:  # a co-located micro-batch without images
             with torch.set_grad_enabled(trained), self._autocast():
-                y = chunk(x.float())  # fp32 residual stream, as in the unsplit encoder
-            y = y[:n] if chunk.is_last else y
+                y = chunk(x.float(), grids)  # fp32 residual stream, as in the unsplit encoder
+            y = y[:n * self.image_shapes.features[0]] if chunk.is_last and n < B else y
         if trained:
             st.saved[a] = (x, y)
         self._give(st, a, y.detach() if y is not None else None)

@@ -29,7 +29,7 @@ def reference_step(encoder: VisionEncoder | None, whole: BackboneStage, batch: G
         with cast:
             if encoder is not None and mb.num_images:
                 with torch.set_grad_enabled(any(p.requires_grad for p in encoder.parameters())):
-                    feats = encoder(mb.pixel_values)
+                    feats = encoder(mb.pixel_values, mb.image_grids)
             logits = whole(mb.tokens[None], positions=mb.positions[None], masks=varlen_metadata(mb.cu_seqlens.cpu(), device),
                            image_features=feats, image_spans=mb.image_spans)
         loss = token_loss_sum(logits, mb.labels[None]) / batch.num_label_tokens

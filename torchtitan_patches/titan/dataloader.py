@@ -32,6 +32,7 @@ from torchtitan.components.dataloader import BaseDataLoader
 
 from pipetune.config.model import ModelConfig
 from pipetune.data import Overlong
+from pipetune.data.image_files import BadImages
 from pipetune.packing import PackingConfig
 from torchtitan_patches.data.loader import DataLoaderConfig, PackingSource, PipeTuneDataLoader
 from torchtitan_patches.titan.tokenizer import text_tokenizer
@@ -53,13 +54,34 @@ class PipeTuneTitanDataLoader(BaseDataLoader):
         num_workers: int = 0
         """Worker processes that build the tensors."""
 
+        min_pixels: int = 0
+        """Images smaller than this many pixels are upscaled (0: one merged patch of the encoder)."""
+
+        max_pixels: int = 0
+        """Images larger than this many pixels are downscaled, keeping their aspect ratio, as
+        TorchTitan's ``resize_to_pixel_budget`` does (0: the encoder's standard image,
+        ``pipetune.image_grid`` patches per side)."""
+
+        keep_aspect: bool = True
+        """Images keep their aspect ratio and size within the pixel budget; off: every image is
+        resized to the standard square. The separated layout always resizes to the square (its
+        encoder messages have one shape)."""
+
+        bad_images: str = "error"
+        """An image that cannot be read: ``error`` names it and stops before training; ``skip``
+        leaves its sample out (counted in the log) and keeps what can be read of damaged ones."""
+
         def data_loader_config(self, seq_len: int) -> DataLoaderConfig:
             """pipetune's loader settings for rows of up to ``seq_len`` tokens."""
             if not self.dataset_path:
                 raise ValueError("dataloader.dataset_path is empty: give the data set directory (e.g. from `pipetune data make`)")
+            if self.bad_images not in {b.value for b in BadImages}:
+                raise ValueError(f"dataloader.bad_images={self.bad_images!r}: use one of {[b.value for b in BadImages]}")
             return DataLoaderConfig(data=self.dataset_path, gbs=self.gbs, max_seq_len=seq_len, seed=self.seed,
                                     overlong=Overlong(self.overlong), num_workers=self.num_workers,
-                                    packing=PackingConfig(max_seq_len=seq_len))
+                                    packing=PackingConfig(max_seq_len=seq_len), min_pixels=self.min_pixels or None,
+                                    max_pixels=self.max_pixels or None, keep_aspect=self.keep_aspect,
+                                    bad_images=BadImages(self.bad_images))
 
     def __init__(self, config: Config, *, dp_world_size: int = 1, dp_rank: int = 0, tokenizer=None, seq_len: int,
                  local_batch_size: int = 1, **kwargs):
@@ -74,16 +96,20 @@ class PipeTuneTitanDataLoader(BaseDataLoader):
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
         self.inner: PipeTuneDataLoader | None = None
 
-    def bind(self, model: ModelConfig, packing_source: PackingSource, *, seq_multiple: int = 1) -> PipeTuneDataLoader:
+    def bind(self, model: ModelConfig, packing_source: PackingSource, *, seq_multiple: int = 1, pixels: bool = True,
+             square_images: bool = False) -> PipeTuneDataLoader:
         """Build the wrapped loader for ``model``'s shapes, packed by ``packing_source``, its
-        micro-batches padded to a multiple of ``seq_multiple`` tokens (sequence parallelism)."""
+        micro-batches padded to a multiple of ``seq_multiple`` tokens (sequence parallelism);
+        ``pixels=False`` on a rank that runs no encoder chunk (it reads and decodes no image);
+        ``square_images`` resizes every image to the standard square (the separated layout)."""
         if self.tokenizer is not None and self.tokenizer.get_vocab_size() > model.backbone.vocab_size:
             raise ValueError(
                 f"the job's tokenizer has {self.tokenizer.get_vocab_size()} ids but the model's vocabulary is "
                 f"{model.backbone.vocab_size}; use a tokenizer that fits the model")
-        config = dataclasses.replace(self.loader_config, seq_multiple=seq_multiple)
+        config = dataclasses.replace(self.loader_config, seq_multiple=seq_multiple,
+                                     keep_aspect=self.loader_config.keep_aspect and not square_images)
         self.inner = config.build(model, packing_source=packing_source, tokenizer=text_tokenizer(self.tokenizer),
-                                  dp_rank=self.dp_rank, dp_size=self.dp_world_size)
+                                  dp_rank=self.dp_rank, dp_size=self.dp_world_size, pixels=pixels)
         return self.inner
 
     def _bound(self) -> PipeTuneDataLoader:

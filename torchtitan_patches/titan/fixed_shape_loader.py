@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torchtitan.components.dataloader import BaseDataLoader
 
 from pipetune.config.model import ModelConfig
@@ -44,7 +45,7 @@ from pipetune.packing import PackingConfig
 from torchtitan_patches.data.loader import DataLoaderConfig, PipeTuneDataLoader
 from torchtitan_patches.data.micro_batch import IGNORE_INDEX, PackedMicroBatch
 from torchtitan_patches.titan.dataloader import PipeTuneTitanDataLoader
-from torchtitan_patches.titan.stages import patchify
+from torchtitan_patches.titan.stages import collated_images
 from torchtitan_patches.titan.tokenizer import text_tokenizer
 
 
@@ -103,13 +104,11 @@ class FixedShapeDataLoader(BaseDataLoader):
         self.config, self.tokenizer, self.seq_len, self.rows_per_micro_batch = config, tokenizer, seq_len, local_batch_size
         self.inner: PipeTuneDataLoader | None = None
         self.model: ModelConfig | None = None
-        self.patch = (0, 0)
         self.real_tokens: list[int] = []
 
-    def bind(self, model: ModelConfig, *, patch_size: int, patch_temporal: int) -> PipeTuneDataLoader:
-        """Build the wrapped loader for ``model``'s planning shapes; images are cut into the vision
-        encoder's patches (``patch_size``, ``patch_temporal``)."""
-        self.model, self.patch = model, (patch_size, patch_temporal)
+    def bind(self, model: ModelConfig) -> PipeTuneDataLoader:
+        """Build the wrapped loader for ``model``'s planning shapes (its encoder's patches)."""
+        self.model = model
         self.inner = self.loader_config.build(model, packing_source=ScanAndPick(self.seq_len), tokenizer=text_tokenizer(self.tokenizer))
         return self.inner
 
@@ -145,14 +144,17 @@ class FixedShapeDataLoader(BaseDataLoader):
         images = None
         if mb is not None:
             tokens[:n], labels[:n], positions[:n] = mb.tokens, mb.labels, mb.positions
-            images = mb.pixel_values if mb.num_images else None
+            images = mb if mb.num_images else None
         return {"input": tokens, "labels": labels, "positions": positions, "images": images, "real": n}
 
     def _micro_batch(self, rows: list[dict]) -> tuple[dict, torch.Tensor]:
         images = [r["images"] for r in rows if r["images"] is not None]
         patches = grid = None
         if images:
-            patches, grid = patchify(torch.cat(images), *self.patch)
+            pairs = [collated_images(mb) for mb in images]
+            longest = max(p.shape[1] for p, _ in pairs)
+            patches = torch.cat([F.pad(p, (0, 0, 0, longest - p.shape[1])) for p, _ in pairs])
+            grid = torch.cat([g for _, g in pairs])
         stack = lambda key: torch.stack([r[key] for r in rows])  # noqa: E731
         return ({"input": stack("input"), "positions": stack("positions"), "pixel_values": patches, "grid_thw": grid,
                  "special_tokens": {"image_id": self._bound().store.tokenizer.image}}, stack("labels"))

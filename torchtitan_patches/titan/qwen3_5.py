@@ -23,8 +23,8 @@ tokens). ``Qwen35EncoderChunk`` runs the ViT blocks on stage 0's images; the mer
 step) runs in stage 0's forward, so it trains while the ViT is frozen, as pipetune's projector does.
 
 Limits: the co-located layout only (the separated layout is refused in ``titan.job_checks``), no
-data or tensor parallelism yet, dense flavours only, and every image has the job's ``image_grid``
-(``pipetune.image_grid`` patches per side), as elsewhere in pipetune today. On a GPU the ViT keeps
+data or tensor parallelism yet, dense flavours only. Images come at their own resolution (the
+loader's patch grids; ``block_order`` puts each image's patches in the merger's order). On a GPU the ViT keeps
 its dense masks (no FlexAttention) and every stage uploads its MRoPE positions each forward; none
 of this has run on a GPU. Planning treats the DeltaNet layers as full attention (``model_spec``).
 """
@@ -43,7 +43,6 @@ from torch.distributed.tensor import DTensor
 from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.full_dtensor import validate_config
 from torchtitan.models.common.attention import VarlenAttention, VarlenMetadata
-from torchtitan.models.common.multimodal import scatter_vision_embeds
 from torchtitan.models.common.rope import CosSinRoPE
 from torchtitan.models.qwen3_5 import model_registry, parallelize_qwen3_5, qwen3_5_configs
 from torchtitan.models.qwen3_5.model import GatedDeltaKernel, GatedDeltaNet, Qwen35Model
@@ -52,7 +51,10 @@ from torchtitan.protocols.model_spec import ModelSpec
 
 from pipetune.config.model import ConfigError
 from torchtitan_patches.model.gated_delta_cpu import causal_conv1d, gated_delta_rule
+from torchtitan_patches.data.micro_batch import ImageSpan
+from torchtitan_patches.model.vlm import scatter_spans
 from torchtitan_patches.titan.document_attention import DocumentAttention, VisionMaskAttention
+from torchtitan_patches.titan.stages import grid_runs
 
 
 class CpuGatedDeltaKernel(GatedDeltaKernel):
@@ -202,72 +204,55 @@ def qwen3_5_spec(flavor: str = "debugmodel") -> ModelSpec:
     return dataclasses.replace(spec, model=with_cpu_paths(spec.model), parallelize_fn=parallelize_for_pipetune)
 
 
-def block_patches(pixels: torch.Tensor, patch_size: int, temporal: int, merge: int) -> torch.Tensor:
-    """``(N, C, H, W)`` still images -> ``(N, P, C * temporal * patch**2)`` patches in Qwen's block
-    order (each ``merge x merge`` group contiguous, a patch channel-first ``(c, pt, ph, pw)``), the
-    layout of TorchTitan's ``vision_to_patches(patch_order="block")`` (not importable here: its
-    module imports torchvision), with the frame repeated ``temporal`` times as it pads a still image."""
-    x = pixels[:, None].expand(-1, temporal, -1, -1, -1)
-    return einops.rearrange(x, "b pt c (bh m ph) (bw n pw) -> b (bh bw m n) (c pt ph pw)", ph=patch_size, pw=patch_size,
-                            m=merge, n=merge)
+def block_order(rows: torch.Tensor, grid: tuple[int, int], merge: int) -> torch.Tensor:
+    """``(n * h * w, patch_dim)`` patch rows of ``n`` images of ``grid`` in raster order (the
+    loader's) -> ``(n, h * w, patch_dim)`` in Qwen's block order (each ``merge x merge`` group
+    contiguous), the layout of TorchTitan's ``vision_to_patches(patch_order="block")``, which the
+    merger expects (not importable here: its module imports torchvision). A patch is channel-first
+    ``(c, pt, ph, pw)`` in both."""
+    h, w = grid
+    return einops.rearrange(rows, "(b bh m bw n) d -> b (bh bw m n) d", bh=h // merge, m=merge, bw=w // merge, n=merge)
 
 
-def image_starts(image_spans, tokens_per_image: int) -> list[int]:
-    """Where each image's tokens start, from runs of image tokens (adjacent images form one run)."""
-    starts = []
-    for start, n in image_spans:
-        if n % tokens_per_image:
-            raise ValueError(f"a run of {n} image tokens at {start} is not a whole number of images of {tokens_per_image} tokens")
-        starts += range(start, start + n, tokens_per_image)
-    return starts
-
-
-def mrope_positions(bounds, starts, grid: tuple[int, int]) -> np.ndarray:
+def mrope_positions(bounds, images: list[tuple[int, tuple[int, int]]]) -> np.ndarray:
     """``(T, 3)`` temporal/height/width positions of packed documents (``bounds``: cumulative
     lengths), Qwen-VL's rule per document as TorchTitan's ``MultiModalCollator`` builds it: text
-    counts on from the largest position so far on all three axes; an image of ``grid`` merged
-    tokens (rows, columns; ``starts``: where each image's tokens begin) sits at the next position
-    plus its (0, row, column). Every document starts again from 0."""
-    rows, cols = grid
+    counts on from the largest position so far on all three axes; an image of ``(rows, columns)``
+    merged tokens (``images``: where each image's tokens begin, and its merged grid) sits at the
+    next position plus its (0, row, column). Every document starts again from 0."""
     T = int(bounds[-1])
     out = np.empty((T, 3), dtype=np.int64)
-    r, c = np.divmod(np.arange(rows * cols), cols)
-    image = np.stack([np.zeros_like(r), r, c], 1)
-    starts = iter(sorted(starts))
-    s = next(starts, None)
+    images = iter(sorted(images))
+    s, grid = next(images, (None, None))
     for a, b in zip(bounds[:-1], bounds[1:]):
         cursor, offset = a, 0
         while s is not None and s < b:
+            rows, cols = grid
+            r, c = np.divmod(np.arange(rows * cols), cols)
             out[cursor:s] = (offset + np.arange(s - cursor))[:, None]
             offset += s - cursor
-            out[s:s + rows * cols] = offset + image
+            out[s:s + rows * cols] = offset + np.stack([np.zeros_like(r), r, c], 1)
             offset += max(rows, cols)
-            cursor, s = s + rows * cols, next(starts, None)
+            cursor = s + rows * cols
+            s, grid = next(images, (None, None))
         out[cursor:b] = (offset + np.arange(b - cursor))[:, None]
     return out
 
 
 class Qwen35Stage(nn.Module):
-    """A Qwen3.5 model part with the executor's stage interface (see module doc). ``image_grid``:
-    patches per image side."""
+    """A Qwen3.5 model part with the executor's stage interface (see module doc)."""
 
-    def __init__(self, part: Qwen35Model, *, is_first: bool, is_last: bool, image_grid: int = 0):
+    def __init__(self, part: Qwen35Model, *, is_first: bool, is_last: bool):
         super().__init__()
         self.part = part
         self.is_first, self.is_last = is_first, is_last
-        merge = part.spatial_merge_size
-        if image_grid % merge:
-            raise ConfigError(f"pipetune.image_grid={image_grid} is not a multiple of the encoder's spatial_merge_size={merge}")
-        self.grid = (image_grid // merge, image_grid // merge)
 
     def forward(self, x, *, positions, masks: VarlenMetadata, image_features: torch.Tensor | None = None,
-                image_spans: tuple[tuple[int, int], ...] = ()):
-        n_tokens = self.grid[0] * self.grid[1]
-        starts = image_starts(image_spans, n_tokens)
-        bounds = masks.cu_seq_q_host
-        mrope = torch.from_numpy(mrope_positions(bounds, starts, self.grid))[None].to(positions.device, non_blocking=True)
+                image_spans: tuple[ImageSpan, ...] = ()):
+        part, merge = self.part, self.part.spatial_merge_size
+        images = [(span.start, (span.grid[0] // merge, span.grid[1] // merge)) for span in image_spans]
+        mrope = torch.from_numpy(mrope_positions(masks.cu_seq_q_host, images))[None].to(positions.device, non_blocking=True)
         kwargs = {"attention_masks": {"quadratic_attention": masks, "deltanet": masks}, "positions": positions, "mrope_positions": mrope}
-        part = self.part
         if part.tok_embeddings is None:
             return part(x, **kwargs)
 
@@ -275,8 +260,7 @@ class Qwen35Stage(nn.Module):
             x = part.tok_embeddings(tokens)
             if image_features is None:
                 return x
-            merged = part.vision_encoder.merger(image_features)
-            return scatter_vision_embeds(x, vision_embeds=merged, vision_positions=[(i, 0, s, n_tokens) for i, s in enumerate(starts)])
+            return scatter_spans(x, part.vision_encoder.merger(image_features[None])[0], image_spans)
 
         part._prepare_multimodal_embeds = embed
         try:
@@ -287,10 +271,11 @@ class Qwen35Stage(nn.Module):
 
 class Qwen35EncoderChunk(nn.Module):
     """The whole ViT of a Qwen3.5 model part as the plan's one encoder chunk (co-located layout):
-    pixels ``(N, C, H, W)`` in, the blocks' output ``(N, patches, dim)`` out, before the merger
-    (stage 0 runs it). Its parameters are the patch embedding, positions and blocks it runs (not
-    the merger the encoder module also holds). The RoPE table and mask depend on the grid only:
-    made once per device."""
+    the loader's patch rows and each image's grid in, the blocks' output in block order ``(patches,
+    dim)`` out, before the merger (stage 0 runs it). Its parameters are the patch embedding,
+    positions and blocks it runs (not the merger the encoder module also holds). Images of one
+    grid run as one batch; the RoPE table and mask depend on the grid only: made once per grid and
+    device (``prepare``)."""
 
     def __init__(self, encoder: DenseMaskQwen35VisionEncoder, *, image_grid: int):
         super().__init__()
@@ -298,27 +283,40 @@ class Qwen35EncoderChunk(nn.Module):
             raise TypeError(f"Qwen35EncoderChunk needs the encoder of with_cpu_paths, got {type(encoder).__name__}")
         self.patch_embed, self.pos_embed, self.layers = encoder.patch_embed, encoder.pos_embed, encoder.layers
         object.__setattr__(self, "encoder", encoder)  # unregistered: its helpers and config
-        self.grid = image_grid
         self.is_first = self.is_last = True
         self.layer_range = (0, len(encoder.layers))
         self._constants: dict = {}
+        device = next(encoder.parameters()).device
+        if device.type != "meta":  # made now, not in a training step's first forward
+            self.prepare([(image_grid, image_grid)], device)
 
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        enc, g, n = self.encoder, self.grid, pixels.shape[0]
+    def prepare(self, grids, device) -> None:
+        """Build the geometry of images of these grids on ``device`` (before a step's actions)."""
+        for g in set(grids):
+            self._geometry(g, device)
+
+    def forward(self, x: torch.Tensor, grids: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        enc = self.encoder
         cfg = enc.config
-        patches = block_patches(pixels, cfg.patch_size, cfg.temporal_patch_size, enc.spatial_merge_size)
-        x = enc.patch_embed(patches.to(enc.patch_embed.weight.dtype))
-        pos = _compute_learned_pos_embeds(enc.pos_embed, [[1, g, g]], g * g, enc.num_grid_per_side, enc.spatial_merge_size, cfg.dim)
-        rope, mask = self._geometry(x.device)
-        return enc.blocks(x + pos, rope.expand(n, *rope.shape[1:]), mask.expand(n, *mask.shape[1:]))
+        out, at = [], 0
+        for (gh, gw), n in grid_runs(grids):
+            P = gh * gw
+            patches = block_order(x[at:at + n * P], (gh, gw), enc.spatial_merge_size)
+            at += n * P
+            h = enc.patch_embed(patches.to(enc.patch_embed.weight.dtype))
+            pos = _compute_learned_pos_embeds(enc.pos_embed, [[1, gh, gw]], P, enc.num_grid_per_side, enc.spatial_merge_size, cfg.dim)
+            rope, mask = self._geometry((gh, gw), x.device)
+            out.append(enc.blocks(h + pos, rope.expand(n, *rope.shape[1:]), mask.expand(n, *mask.shape[1:])).flatten(0, 1))
+        return out[0] if len(out) == 1 else torch.cat(out)
 
-    def _geometry(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        key = str(device)
+    def _geometry(self, grid: tuple[int, int], device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (grid, str(device))
         if key not in self._constants:
-            enc, g = self.encoder, self.grid
-            freq = enc.rotary_pos_emb(g)
-            rope = _compute_2d_rope_cache(freq, [[1, g, g]], g * g, enc.spatial_merge_size, enc.config.dim // enc.config.num_heads)
-            self._constants[key] = rope, torch.ones(1, g * g, g * g, dtype=torch.bool, device=device)
+            enc = self.encoder
+            gh, gw = grid
+            freq = enc.rotary_pos_emb(max(gh, gw))
+            rope = _compute_2d_rope_cache(freq, [[1, gh, gw]], gh * gw, enc.spatial_merge_size, enc.config.dim // enc.config.num_heads)
+            self._constants[key] = rope, torch.ones(1, gh * gw, gh * gw, dtype=torch.bool, device=device)
         return self._constants[key]
 
 

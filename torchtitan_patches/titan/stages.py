@@ -22,46 +22,56 @@ last). Parameter names stay those of the whole model, so checkpoints and optimiz
 TorchTitan's fqns. Muse Glimmer's encoder ``forward`` runs all phases at once (embedding, window
 permutation, all blocks, un-permutation, norm, pixel shuffle), so a partial chunk runs them
 itself, through the encoder's own helpers: the first chunk embeds and permutes, every chunk
-rebuilds the 2D RoPE table and masks of its images (a function of the patch grid, no
-parameters), the last un-permutes, normalises and merges. Between chunks an image is its
-``(patches, latent_dim)`` hidden state in the window-permuted order. A chunk holding the whole
-encoder (the co-located layout) runs the same way: the encoder's own ``forward`` reads its grids
-on the host and rebuilds masks and permutations every call (device syncs), the chunk keeps them.
+uses the 2D RoPE table and masks of its images' grids (a function of the grid, no parameters),
+the last un-permutes, normalises and merges. Between chunks an image is its patches' hidden
+states in the window-permuted order. A chunk holding the whole encoder (the co-located layout)
+runs the same way: the encoder's own ``forward`` reads its grids on the host and rebuilds masks
+and permutations every call (device syncs); the chunk builds them once per grid and device, before
+the step's first action (``prepare``).
 
-Images arrive as pixels ``(N, C, H, W)`` and are cut into the encoder's patches here:
-``patch_temporal`` copies of a still image, each patch flattened channel-major, patches in raster
-order (Qwen-VL's layout, which Muse Glimmer's ``conv1`` reads), with ``grid_thw = (1, H / patch,
-W / patch)``. pipetune plans with one image size (``image_grid`` patches per side).
+Images arrive as the loader's patch rows (Qwen-VL's layout, which Muse Glimmer's ``conv1``
+reads) with their grids on the host, sorted by grid: images of one grid run as one batch (the
+encoder's own ``forward`` pads every image to the largest and masks, which costs the largest
+image's attention for every image).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torchtitan.models.common import ComplexRoPE
 from torchtitan.models.muse_glimmer.vision_encoder import MuseGlimmerVisionEncoder, _vision_token_permute, reorder_patch_vector
 
-from torchtitan_patches.data.micro_batch import IMAGE_TOKEN_ID
+from torchtitan_patches.data.micro_batch import IMAGE_TOKEN_ID, ImageSpan, PackedMicroBatch
+
+Grid = tuple[int, int]
+_UNREAD_GRID = torch.ones(1, 3, dtype=torch.long)
 
 
-def patch_rows(pixels: torch.Tensor, patch_size: int, temporal: int) -> torch.Tensor:
-    """``(N, C, H, W)`` -> ``(N, P, C * temporal * patch**2)`` patches."""
-    n, c, h, w = pixels.shape
-    gh, gw = h // patch_size, w // patch_size
-    x = pixels.reshape(n, c, gh, patch_size, gw, patch_size).permute(0, 2, 4, 1, 3, 5)
-    x = x[:, :, :, :, None].expand(n, gh, gw, c, temporal, patch_size, patch_size)
-    return x.reshape(n, gh * gw, c * temporal * patch_size * patch_size)
+def collated_images(mb: PackedMicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mb``'s images as TorchTitan's collator hands them to the unsplit model's own forward (the
+    stock loader's batches, the tests' reference): in sequence order (the model scatters features
+    over the image tokens in order), patches zero-padded to the largest image ``(N, P, patch_dim)``,
+    and ``grid_thw`` ``(N, 3)`` on the host."""
+    sizes = [h * w for h, w in mb.image_grids]
+    order = np.argsort([span.start for span in mb.image_spans], kind="stable")
+    rows = torch.split(mb.pixel_values, sizes)
+    longest = max(sizes)
+    patches = torch.stack([F.pad(rows[i], (0, 0, 0, longest - sizes[i])) for i in order])
+    return patches, torch.tensor([[1, *mb.image_grids[i]] for i in order], dtype=torch.long)
 
 
-def patchify(pixels: torch.Tensor, patch_size: int, temporal: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Patches and ``(N, 3)`` grids (on the host), the input TorchTitan's data pipeline gives the
-    encoder's own ``forward`` (the stock loader's batches, the tests' unsplit reference)."""
-    n, _, h, w = pixels.shape
-    return patch_rows(pixels, patch_size, temporal), _grids(n, h // patch_size, w // patch_size)
-
-
-def _grids(n: int, gh: int, gw: int) -> torch.Tensor:
-    return torch.tensor([[1, gh, gw]] * n, dtype=torch.long)
+def grid_runs(grids: tuple[Grid, ...]) -> list[tuple[Grid, int]]:
+    """``(grid, count)`` of every run of consecutive images with the same grid."""
+    runs: list[tuple[Grid, int]] = []
+    for g in grids:
+        if runs and runs[-1][0] == g:
+            runs[-1] = (g, runs[-1][1] + 1)
+        else:
+            runs.append((g, 1))
+    return runs
 
 
 def keep_encoder_chunks(encoder: MuseGlimmerVisionEncoder, chunk_ranges, local) -> None:
@@ -84,10 +94,11 @@ def keep_encoder_chunks(encoder: MuseGlimmerVisionEncoder, chunk_ranges, local) 
 
 class TitanEncoderChunk(nn.Module):
     """Blocks ``layers = (lo, hi)`` of a Muse Glimmer vision encoder of ``num_layers`` blocks, as an
-    encoder chunk of the plan: pixels ``(N, C, H, W)`` in on the first chunk, else hidden states
-    ``(N, patches, latent_dim)``; features ``(N, tokens per image, output_dim)`` out of the last
-    chunk, else hidden states. ``encoder`` may hold other chunks' blocks too (a rank's model part
-    holds all of its chunks); the chunk runs its own."""
+    encoder chunk of the plan: images flat, patch rows ``(patches, patch_dim)`` in on the first
+    chunk, else hidden states ``(patches, latent_dim)``; features ``(tokens, output_dim)`` out of
+    the last chunk, else hidden states; ``grids`` gives each image's patch grid, in row order.
+    ``encoder`` may hold other chunks' blocks too (a rank's model part holds all of its chunks);
+    the chunk runs its own."""
 
     def __init__(self, encoder: MuseGlimmerVisionEncoder, layers: tuple[int, int], *, num_layers: int, image_grid: int):
         super().__init__()
@@ -98,28 +109,43 @@ class TitanEncoderChunk(nn.Module):
         self.encoder = encoder
         self.layer_range = (lo, hi)
         self.is_first, self.is_last = lo == 0, hi == num_layers
-        self.num_layers, self.grid = num_layers, image_grid
+        self.num_layers = num_layers
         self._constants: dict = {}
         device = encoder.rope_freq.inv_freq.device
         if device.type != "meta":  # made now, not in a training step's first forward (building them syncs the device)
-            self._geometry(1, device)
+            self.prepare([(image_grid, image_grid)], device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        enc, n, g = self.encoder, x.shape[0], self.grid
-        perm, inv, rope, masks = self._geometry(n, x.device)
+    def prepare(self, grids, device) -> None:
+        """Build the geometry of images of these grids on ``device`` (host work and uploads that
+        the action loop must not do)."""
+        for g in set(grids):
+            self._geometry(g, 1, device)
+
+    def forward(self, x: torch.Tensor, grids: tuple[Grid, ...]) -> torch.Tensor:
+        out, at = [], 0
+        for (gh, gw), n in grid_runs(grids):
+            rows = n * gh * gw
+            out.append(self._run(x[at:at + rows].view(n, gh * gw, -1), (gh, gw)))
+            at += rows
+        return out[0] if len(out) == 1 else torch.cat(out)
+
+    def _run(self, x: torch.Tensor, grid: Grid) -> torch.Tensor:
+        """``n`` images of one grid, ``(n, patches, width)`` -> flat rows out."""
+        enc, n = self.encoder, x.shape[0]
+        gh, gw = grid
+        perm, inv, rope, masks = self._geometry(grid, n, x.device)
         if self.is_first:
-            patches = patch_rows(x, enc.patch_size, enc.patch_temporal)
-            patches = reorder_patch_vector(patches.to(enc.conv1_linear.weight.dtype), patch_size=enc.patch_size,
-                                           patch_temporal=enc.patch_temporal)
+            dtype = enc.conv1_linear.weight.dtype
+            patches = reorder_patch_vector(x.to(dtype), patch_size=enc.patch_size, patch_temporal=enc.patch_temporal)
             x = enc.conv1_linear(patches)
-            x = enc.ln_pre(x + enc._get_pos_emb(g, g, x.device).to(enc.conv1_linear.weight.dtype))  # as the encoder's forward adds it
+            x = enc.ln_pre(x + enc._get_pos_emb(gh, gw, x.device).to(dtype))  # as the encoder's forward adds it
             x = _vision_token_permute(x, perm) if perm is not None else x
         for i in range(*self.layer_range):
             x = enc.layers[str(i)](x, rope_cache=rope, rope_apply=ComplexRoPE.apply_rotary_emb, attention_mask=masks[self._global(i)])
         if not self.is_last:
-            return x
+            return x.flatten(0, 1)
         x = enc.ln_post(_vision_token_permute(x, inv) if inv is not None else x)
-        return torch.stack([enc._pixel_shuffle_downsample(x[i], g, g) for i in range(n)])
+        return torch.cat([enc._pixel_shuffle_downsample(x[i], gh, gw) for i in range(n)])
 
     def _global(self, i: int) -> int:
         """1 when block ``i`` attends over the whole image (the last block and every
@@ -127,21 +153,22 @@ class TitanEncoderChunk(nn.Module):
         decides from the number of blocks, which a pruned encoder no longer holds), else 0."""
         return int(i == self.num_layers - 1 or (i + 1) % self.encoder.sparse_attention_factor == 0)
 
-    def _geometry(self, n: int, device) -> tuple:
+    def _geometry(self, grid: Grid, n: int, device) -> tuple:
         """Window permutation and its inverse (None without windows), RoPE table (in the permuted
-        order) and (windowed, global) masks for ``n`` images of the grid, made by the encoder's own
-        helpers as its ``forward`` makes them. Every image has the same grid, so they are made once
-        per device for one image (the encoder's ``forward`` reads its grids on the host every call)
-        and expanded to ``n`` (views: no copy, no device work)."""
-        key = str(device)
+        order) and (windowed, global) masks for ``n`` images of ``grid``, made by the encoder's own
+        helpers as its ``forward`` makes them: once per grid and device for one image (``prepare``;
+        the encoder's ``forward`` reads its grids on the host every call) and expanded to ``n``
+        (views: no copy, no device work)."""
+        key = (grid, str(device))
         if key not in self._constants:
-            enc, g = self.encoder, self.grid
-            P = g * g
-            rope = enc._make_2d_rope(g, g, device)[None, :, None]
+            enc = self.encoder
+            gh, gw = grid
+            P = gh * gw
+            rope = enc._make_2d_rope(gh, gw, device)[None, :, None]
             perm = inv = None
             win_id = torch.full((1, P), -1, device=device, dtype=torch.int32)
             if enc.sparse_attention_factor > 1:
-                perm, inv, win_id = enc._compute_sparse_perm_winid([[1, g, g]], P, device)
+                perm, inv, win_id = enc._compute_sparse_perm_winid([[1, gh, gw]], P, device)
                 rope = _vision_token_permute(rope, perm)
             full, sparse = enc._build_padded_masks(torch.full((1,), P, device=device), win_id, P, device)
             self._constants[key] = perm, inv, rope, (sparse, full)
@@ -158,26 +185,24 @@ def encoder_chunks(part: nn.Module, chunk_ranges, local, *, image_grid: int) -> 
 
 
 class TitanStage(nn.Module):
-    """One TorchTitan model part with the executor's stage interface (``image_grid``: patches per
-    image side, for the ``grid_thw`` the model's forward requires beside the features)."""
+    """One TorchTitan model part with the executor's stage interface."""
 
-    def __init__(self, part: nn.Module, *, is_first: bool, is_last: bool, image_grid: int = 0):
+    def __init__(self, part: nn.Module, *, is_first: bool, is_last: bool):
         super().__init__()
         self.part = part
         self.is_first, self.is_last = is_first, is_last
-        self._grid_row = _grids(1, image_grid, image_grid)  # on the host: the features' hook below never reads it
 
-    def forward(self, x, *, positions, masks, image_features: torch.Tensor | None = None, image_spans: tuple[tuple[int, int], ...] = ()):
+    def forward(self, x, *, positions, masks, image_features: torch.Tensor | None = None, image_spans: tuple[ImageSpan, ...] = ()):
         if image_features is None:
             return self.part(x, positions, masks)
         part = self.part
         # the model's own hooks, for this call: features through the adapter only (the encoder ran
         # as its own actions), and the image tokens' spans as the host knows them (no device search)
-        part._get_vision_features = lambda pixel_values, grid_thw: part.vision_adapter(pixel_values.flatten(0, 1)).unsqueeze(0)
-        part._vision_spans = lambda vision_mask: [(0, start, n) for start, n in image_spans]
+        part._get_vision_features = lambda pixel_values, grid_thw: part.vision_adapter(pixel_values).unsqueeze(0)
+        part._vision_spans = lambda vision_mask: [(0, start, n) for start, n, _ in image_spans]
         try:
             return part(x, positions, masks, pixel_values=image_features,
-                        grid_thw=self._grid_row.expand(image_features.shape[0], 3),
+                        grid_thw=_UNREAD_GRID,  # the model's forward requires one; the features' hook above never reads it
                         special_tokens={"image_id": IMAGE_TOKEN_ID})
         finally:
             del part._get_vision_features, part._vision_spans
