@@ -66,7 +66,7 @@ from pathlib import Path
 import numpy as np
 from scipy.stats import spearmanr
 
-from titan_jobs import prepare, read_records, run_job
+from titan_jobs import corpus, prepare, read_records, run_job
 
 os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
@@ -96,7 +96,7 @@ def run_jobs(mix: str, work: Path, table: Path, args) -> None:
         out.mkdir(parents=True, exist_ok=True)
         shutil.copy(table, out / "table.json")
     prepare(out, "muse_glimmer_mm", "--mix", mix, "--samples", str(args.samples))
-    common = {"dataloader.dataset_path": out / "data", "pipetune.latency_table": out / "table.json", "debug.seed": 0,
+    common = {**corpus(out, generated=True), "pipetune.latency_table": out / "table.json", "debug.seed": 0,
               "dataloader.gbs": args.gbs, "training.seq_len": args.seq_len, "pipetune.calibration.online_window": args.online_window,
               "pipetune.calibration.steps": args.calibrate_steps, "training.steps": args.calibrate_steps + args.steps,
               "testbed.tuned_twin_every": args.tuned_twin_every}

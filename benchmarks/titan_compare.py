@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from titan_jobs import job_arguments, prepare, run_job
+from titan_jobs import corpus, job_arguments, prepare, run_job
 
 
 def run_mode(job: str, out: Path, args) -> list[StepTime]:
@@ -38,7 +38,7 @@ def run_mode(job: str, out: Path, args) -> list[StepTime]:
     mode, _, mbs = job.partition("@")
     prefix = f"{mode}{mbs}" + (f"_dp{args.dp}" if args.dp > 1 else "")
     dump = out / f"{prefix}_{len(list(out.glob(f'{prefix}_*')))}"
-    overrides = {"dataloader.dataset_path": out / "data", "pipetune.latency_table": out / "table.json", "pipetune.mode": mode,
+    overrides = {**corpus(out), "pipetune.latency_table": out / "table.json", "pipetune.mode": mode,
                  "training.steps": args.steps, "debug.seed": 0, "dataloader.gbs": args.gbs, "training.seq_len": args.seq_len,
                  "pipetune.mbs": mbs or 0}
     if args.dp == 1:

@@ -41,6 +41,21 @@ def prepare(out: Path, config: str = "muse_glimmer_mm", *extra: str) -> None:
                    check=True, cwd=ROOT)
 
 
+def corpus(out: Path, *, generated: bool = False) -> dict[str, object]:
+    """The data options of a job prepared in ``out``: the corpus of real files (``prepare``), or
+    the generated mix (``--mix``), read through the corpus's tokenizer."""
+    return {"dataloader.dataset_path": out / ("data" if generated else "fixture/data"), "hf_assets_path": out / "fixture" / "tokenizer"}
+
+
+def corpus_tokenizer(out: Path):
+    """The job's tokenizer (the corpus's) as pipetune's data path uses it."""
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    from torchtitan_patches.titan.tokenizer import text_tokenizer
+
+    return text_tokenizer(HuggingFaceTokenizer(tokenizer_path=str(out / "fixture" / "tokenizer")))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

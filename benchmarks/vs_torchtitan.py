@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from titan_jobs import job_arguments, prepare, run_job
+from titan_jobs import corpus, corpus_tokenizer, job_arguments, prepare, run_job
 
 
 def _batches(out: Path, args) -> tuple[list[int], list[int]]:
@@ -45,14 +45,14 @@ def _batches(out: Path, args) -> tuple[list[int], list[int]]:
 
     config = config_registry.muse_glimmer_mm()
     model = planning_model_config(config.model_spec, image_grid=config.pipetune.image_grid)
-    loader = DataLoaderConfig(data=out / "data", gbs=args.gbs, max_seq_len=args.seq_len, seed=0,
-                              packing=PackingConfig(max_seq_len=args.seq_len)).build(model)
+    loader = DataLoaderConfig(data=corpus(out)["dataloader.dataset_path"], gbs=args.gbs, max_seq_len=args.seq_len, seed=0,
+                              packing=PackingConfig(max_seq_len=args.seq_len)).build(model, tokenizer=corpus_tokenizer(out))
     return rows_needed(loader, args.steps, args.seq_len), [int(loader.meta(s).table.lengths.sum()) for s in range(args.steps)]
 
 
 def _stock(dump: Path, out: Path, args, rows: int, *, steps: int, pad_steps: bool = False) -> list[dict]:
     shutil.rmtree(dump, ignore_errors=True)  # records are appended
-    run_job(dump, {"dataloader.dataset_path": out / "data", "training.steps": steps, "debug.seed": 0, "dataloader.gbs": args.gbs,
+    run_job(dump, {**corpus(out), "training.steps": steps, "debug.seed": 0, "dataloader.gbs": args.gbs,
                    "training.seq_len": args.seq_len, "dataloader.rows_per_step": rows, "training.local_batch_size": rows,
                    **({"dataloader.pad_steps": True} if pad_steps else {})}, config="muse_glimmer_mm_stock", records=False)
     lines = [json.loads(line) for line in (dump / "stock" / "steps.jsonl").read_text().splitlines()]
@@ -61,7 +61,7 @@ def _stock(dump: Path, out: Path, args, rows: int, *, steps: int, pad_steps: boo
 
 def _pipetune(dump: Path, out: Path, args, tokens: list[int]) -> list[dict]:
     shutil.rmtree(dump, ignore_errors=True)
-    records = run_job(dump, {"dataloader.dataset_path": out / "data", "pipetune.latency_table": out / "table.json",
+    records = run_job(dump, {**corpus(out), "pipetune.latency_table": out / "table.json",
                              "training.steps": args.steps, "debug.seed": 0, "dataloader.gbs": args.gbs,
                              "training.seq_len": args.seq_len}, config="muse_glimmer_mm")
     return [{"pipeline_s": r.measured_s, "loss": r.loss, "real_tokens": tokens[r.batch]} for r in sorted(records, key=lambda r: r.step)]

@@ -27,6 +27,7 @@ from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.loss import CrossEntropyLoss
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+from torchtitan.components.tokenizer import HuggingFaceTokenizer
 from torchtitan.config import ParallelismConfig, TrainingConfig
 
 from benchmarks.testbed.trainer import TestbedTrainer
@@ -43,14 +44,17 @@ from torchtitan_patches.trainer import PipeTuneTrainer
 def muse_glimmer_mm() -> PipeTuneTrainer.Config:
     """TorchTitan's Muse Glimmer ``debugmodel_mm`` (8 layers of width 256, a 3-layer ViT of
     width 64 with 2x2 token merge; ~8 M parameters) on 2 pipeline stages; trains on CPU
-    (document-masked attention, see ``torchtitan_patches.titan.model_spec``) or GPU."""
+    (document-masked attention, see ``torchtitan_patches.titan.model_spec``) or GPU. Data: real
+    image files and text in TorchTitan's formats through a HuggingFace tokenizer with vision
+    tokens, images at their own resolution within TorchTitan's pixel budget for this model
+    (``python -m profiling.prepare_job --config muse_glimmer_mm --out out/titan`` writes them)."""
     spec = muse_glimmer_spec("debugmodel_mm")
     return PipeTuneTrainer.Config(
         model_spec=spec,
-        hf_assets_path="",
-        tokenizer=ByteTokenizer.Config(),
+        hf_assets_path="out/titan/fixture/tokenizer",
+        tokenizer=HuggingFaceTokenizer.Config(),
         loss=CrossEntropyLoss.Config(global_vocab_size=spec.model.vocab_size),
-        dataloader=PipeTuneTitanDataLoader.Config(dataset_path="out/titan/data", gbs=16),
+        dataloader=PipeTuneTitanDataLoader.Config(dataset_path="out/titan/fixture/data", gbs=16, num_workers=0),  # 2 CPU cores: the ranks take both
         metrics=MetricsProcessor.Config(log_freq=1),
         optimizer=default_adamw(lr=8e-4),
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.0),
@@ -62,18 +66,25 @@ def muse_glimmer_mm() -> PipeTuneTrainer.Config:
     )
 
 
+def _on_generated_mix(spec, data: str) -> PipeTuneTrainer.Config:
+    """``muse_glimmer_mm``'s job for another model spec on a generated mix (synthetic token ids:
+    pipetune's byte tokenizer's special ids)."""
+    config = muse_glimmer_mm()
+    config.model_spec = spec
+    config.loss = CrossEntropyLoss.Config(global_vocab_size=spec.model.vocab_size)
+    config.tokenizer, config.hf_assets_path = ByteTokenizer.Config(), ""
+    config.dataloader.dataset_path = data
+    return config
+
+
 def qwen3_5_debug() -> PipeTuneTrainer.Config:
     """TorchTitan's Qwen3.5 ``debugmodel`` (8 layers of width 256: 6 Gated DeltaNet, 2 gated full
     attention; a 4-block ViT of width 256, 2 x 2 merger) with a 2048-token vocabulary
     (``debugmodel_small_vocab``, 10 M parameters) on 2 pipeline stages, the ViT frozen and its
     merger trained, images of 4 x 4 patches (64 x 64 pixels, 4 tokens). Co-located layouts only
     (``titan.qwen3_5``). Data and table: ``python -m profiling.prepare_job --config qwen3_5_debug
-    --out out/titan_qwen``."""
-    config = muse_glimmer_mm()
-    spec = qwen3_5_spec("debugmodel_small_vocab")
-    config.model_spec = spec
-    config.loss = CrossEntropyLoss.Config(global_vocab_size=spec.model.vocab_size)
-    config.dataloader.dataset_path = "out/titan_qwen/data"
+    --mix datamix2 --out out/titan_qwen``."""
+    config = _on_generated_mix(qwen3_5_spec("debugmodel_small_vocab"), "out/titan_qwen/data")
     config.pipetune = PipeTuneSettings.Config(latency_table="out/titan_qwen/table.json", layout="even")
     return config
 
@@ -85,11 +96,7 @@ def muse_glimmer_heavy_vit() -> PipeTuneTrainer.Config:
     co-located layout runs the whole encoder. Data: DataMix3 (``python -m profiling.prepare_job
     --config muse_glimmer_heavy_vit --mix datamix3 --out out/titan_heavy``). GBS 12 at seq_len 512
     keeps a step near one second on two CPU cores."""
-    config = muse_glimmer_mm()
-    spec = muse_glimmer_spec("heavy_vit")
-    config.model_spec = spec
-    config.loss = CrossEntropyLoss.Config(global_vocab_size=spec.model.vocab_size)
-    config.dataloader.dataset_path = "out/titan_heavy/data"
+    config = _on_generated_mix(muse_glimmer_spec("heavy_vit"), "out/titan_heavy/data")
     config.dataloader.gbs = 12
     config.training.seq_len = 512
     config.pipetune = PipeTuneSettings.Config(latency_table="out/titan_heavy/table.json", image_grid=8, freeze_vision_encoder=False)
@@ -106,7 +113,9 @@ def muse_glimmer_mm_gpu() -> PipeTuneTrainer.Config:
             --dataloader.dataset_path /data/my_mix --pipetune.latency_table tables/h100/table.json
 
     Swap in your model's spec, batch size and optimizer as in any TorchTitan config. Not yet run on
-    a GPU (no GPU has been available to the project). Micro-batch shapes change every step, so
+    a GPU (no GPU has been available to the project). Give it your tokenizer's directory too
+    (``--hf_assets_path``: a HuggingFace tokenizer with vision start / end and image tokens).
+    Micro-batch shapes change every step, so
     the CUDA allocator grows expandable segments rather than caching one block per shape (unless
     ``PYTORCH_CUDA_ALLOC_CONF`` says otherwise)."""
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -114,6 +123,7 @@ def muse_glimmer_mm_gpu() -> PipeTuneTrainer.Config:
     config.parallelism.pipeline_parallel_degree = 4
     config.training.mixed_precision_param = "bfloat16"
     config.dataloader.gbs = 128
+    config.dataloader.num_workers = 4
     config.training.steps = 1000
     config.metrics.log_freq = 10
     config.checkpoint.interval = 500
@@ -130,7 +140,8 @@ def muse_glimmer_mm_stock() -> StockTrainer.Config:
     in as many rows as the longest batch packs into). The baseline of the comparison with pipetune."""
     base = muse_glimmer_mm()
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.name != "pipetune"}
-    fields["dataloader"] = FixedShapeDataLoader.Config(dataset_path=base.dataloader.dataset_path, gbs=base.dataloader.gbs, rows_per_step=8)
+    fields["dataloader"] = FixedShapeDataLoader.Config(dataset_path=base.dataloader.dataset_path, gbs=base.dataloader.gbs, rows_per_step=8,
+                                                       num_workers=base.dataloader.num_workers)
     fields["training"] = dataclasses.replace(base.training, local_batch_size=8)
     return StockTrainer.Config(**fields, freeze_vision_encoder=base.pipetune.freeze_vision_encoder, image_grid=base.pipetune.image_grid)
 

@@ -4,8 +4,11 @@
     python -m profiling.prepare_job --module my_jobs --config my_vlm_pipetune --device cuda \
         --no-data --out tables/my_vlm_h100
 
-``<out>/data`` is a generated mix (``pipetune data make``; ``--no-data`` for a job that trains
-on its own data set) and ``<out>/table.json`` the latency table of this device (``--device``) for
+``<out>/fixture`` is a small real-looking corpus (``pipetune data fixture``: real JPEG/PNG files of
+varied sizes and real text in TorchTitan's multimodal formats, ``<out>/fixture/data``, with its
+tokenizer, ``<out>/fixture/tokenizer``), ``<out>/data`` a generated mix when ``--mix`` names one
+(``pipetune data make``; ``--no-data`` for a job that trains on its own data set), and
+``<out>/table.json`` the latency table of this device (``--device``) for
 the job's planning shapes, derived from the job's TorchTitan model config (``--module`` and
 ``--config`` name it as TorchTitan's own ``--module``/``--config`` do), in the job's compute dtype
 (``training.mixed_precision_param``, or ``--dtype`` for a job that overrides it on its command line:
@@ -25,6 +28,7 @@ from pathlib import Path
 
 from pipetune.cli.common import positive_int
 from pipetune.data import make_mix, write_dataset
+from pipetune.data.fixture import write_fixture
 from pipetune.data.mixes import parse_mix
 from torchtitan_patches.titan.model_spec import planning_model_config
 
@@ -41,8 +45,8 @@ def main(argv=None) -> int:
                    "training.mixed_precision_param)")
     p.add_argument("--tp", type=positive_int, help="tensor-parallel degree the job trains with: the table times one rank's "
                    "shards (default: its parallelism.tensor_parallel_degree)")
-    p.add_argument("--mix", default="datamix2")
-    p.add_argument("--samples", type=positive_int, default=4000)
+    p.add_argument("--mix", help="also write a generated mix of this name (e.g. datamix2) to <out>/data")
+    p.add_argument("--samples", type=positive_int, default=4000, help="samples of the generated mix")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads while profiling (use what training uses)")
     args = p.parse_args(argv)
@@ -64,8 +68,13 @@ def main(argv=None) -> int:
     config = make()
     pt = config.pipetune
     model = planning_model_config(config.model_spec, image_grid=pt.image_grid, encoder_frozen=pt.freeze_vision_encoder)
+    fixture = args.out / "fixture"
+    if not args.no_data and not fixture.exists():
+        info = write_fixture(fixture, seed=args.seed)
+        print(f"wrote a corpus of {info['pairs']['samples']} caption pairs, {info['interleaved']['documents']} documents and "
+              f"{info['interleaved']['text_only']} text-only documents ({info['images']['count']} images) to {fixture}")
     data = args.out / "data"
-    if not args.no_data and not data.exists():
+    if not args.no_data and args.mix and not data.exists():
         weights = parse_mix(args.mix)
         write_dataset(make_mix(weights, args.samples, args.seed), data, {"mix": args.mix, "weights": weights, "seed": args.seed,
                                                                           "samples": args.samples})

@@ -1,7 +1,9 @@
 import os
+import tempfile
 
 os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("PIPETUNE_CACHE", tempfile.mkdtemp(prefix="pipetune-test-cache-"))  # data set metadata: per test run
 
 import pytest
 

@@ -247,10 +247,16 @@ def open_dataset(path: str | Path, *, tokenizer: TextTokenizer = BYTE_TOKENIZER,
     ds = raw_images(ds)
     fmt = RowFormat.of(ds.column_names)
     base = path if path.is_dir() else path.parent
-    try:
-        table, skipped = _metadata(ds, path, base, tokenizer, fmt, BadImages(bad_images))
-    except (pa.ArrowException, OSError) as e:  # a damaged file found while reading its columns
-        raise ValueError(f"{path}: cannot read the data set's rows ({_first_line(e)}); {_REMAKE}") from None
+    cache = None if _names_image_files(ds) else _MetadataCache.of(ds, tokenizer, fmt, BadImages(bad_images))
+    if cache is not None and (cached := cache.load()) is not None:
+        table, skipped = cached
+    else:
+        try:
+            table, skipped = _metadata(ds, path, base, tokenizer, fmt, BadImages(bad_images))
+        except (pa.ArrowException, OSError) as e:  # a damaged file found while reading its columns
+            raise ValueError(f"{path}: cannot read the data set's rows ({_first_line(e)}); {_REMAKE}") from None
+        if cache is not None:
+            cache.save(table, skipped)
     if skipped:
         ds = ds.select(np.setdiff1d(np.arange(len(ds)), [r for r, _ in skipped]))
     return SampleStore(
@@ -265,6 +271,63 @@ def open_dataset(path: str | Path, *, tokenizer: TextTokenizer = BYTE_TOKENIZER,
         format=fmt,
         skipped=tuple(skipped),
     )
+
+
+def _names_image_files(ds) -> bool:
+    """Whether rows name image files (their sizes are not covered by the rows' fingerprint)."""
+    import pyarrow as pa
+
+    if "images" not in ds.column_names:
+        return False
+    t = ds.data.column("images").type
+    return (pa.types.is_list(t) or pa.types.is_large_list(t)) and (pa.types.is_string(t.value_type) or pa.types.is_large_string(t.value_type))
+
+
+@dataclass(frozen=True)
+class _MetadataCache:
+    """The metadata of a data set, computed once per data set, tokenizer and policy: tokenizing
+    every row and reading every image header take seconds per 100k rows, on every rank, at every
+    start. The key is HF ``datasets``' fingerprint of the rows (it follows the files' content and
+    modification times), the tokenizer's fingerprint, the format and the bad-image policy. Files
+    live under ``$PIPETUNE_CACHE`` (default ``~/.cache/pipetune``); an unwritable cache is skipped.
+    Rows that name image files are not cached: the fingerprint does not see the files change."""
+
+    file: Path
+
+    VERSION = 1
+
+    @classmethod
+    def of(cls, ds, tokenizer: TextTokenizer, fmt: RowFormat, bad_images: BadImages) -> "_MetadataCache":
+        import hashlib
+
+        key = repr((cls.VERSION, ds._fingerprint, tokenizer.fingerprint, fmt.value, bad_images.value))
+        root = Path(os.environ.get("PIPETUNE_CACHE") or Path.home() / ".cache" / "pipetune")
+        return cls(root / "metadata" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.npz")
+
+    def load(self) -> tuple[SampleTable, list[tuple[int, str]]] | None:
+        if not self.file.is_file():
+            return None
+        try:
+            with np.load(self.file, allow_pickle=False) as z:
+                extra = json.loads(str(z["extra"]))
+                table = SampleTable.build(ids=z["ids"], source=z["source"], source_names=tuple(extra["source_names"]),
+                                          text_tokens=z["text_tokens"], num_images=z["num_images"],
+                                          image_offsets=np.split(z["image_offsets"], np.cumsum(z["num_images"])[:-1]) if len(z["ids"]) else [],
+                                          image_sizes=z["image_sizes"], image_markers=extra["image_markers"])
+        except (OSError, ValueError, KeyError):  # a damaged cache file: recompute
+            return None
+        return table, [tuple(s) for s in extra["skipped"]]
+
+    def save(self, table: SampleTable, skipped: list[tuple[int, str]]) -> None:
+        extra = json.dumps({"source_names": list(table.source_names), "image_markers": table.image_markers, "skipped": skipped})
+        try:
+            self.file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.file.with_suffix(f".tmp-{os.getpid()}.npz")
+            np.savez(tmp, ids=table.ids, source=table.source, text_tokens=table.text_tokens, num_images=table.num_images,
+                     image_offsets=table.image_offsets, image_sizes=table.image_sizes, extra=np.array(extra))
+            os.replace(tmp, self.file)
+        except OSError:
+            pass
 
 
 _REMAKE = "the file may be truncated or corrupt: make the data set again (`pipetune data make`) or repair the file"
@@ -458,6 +521,8 @@ def _pair_key(ds) -> str | None:
 
 def _metadata(ds, path: Path, base: Path, tokenizer: TextTokenizer, fmt: RowFormat,
               bad_images: BadImages) -> tuple[SampleTable, list[tuple[int, str]]]:
+    import pyarrow as pa
+
     cols = set(ds.column_names)
     n = len(ds)
     if fmt is RowFormat.PIPETUNE and not cols & set(TEXT_COLUMNS):
@@ -477,7 +542,7 @@ def _metadata(ds, path: Path, base: Path, tokenizer: TextTokenizer, fmt: RowForm
     if texts is None and "input_ids" not in cols and "text" in cols:
         _null_check(ds.data.column("text"), path, "text")
         text_type = ds.data.column("text").type
-        if not (pa_string(text_type)):
+        if not (pa.types.is_string(text_type) or pa.types.is_large_string(text_type)):
             raise ValueError(f"{_where(path, 0, 'text')}: holds {text_type} values; it needs strings")
         texts = ds["text"]
     if "input_ids" in cols:
@@ -495,7 +560,7 @@ def _metadata(ds, path: Path, base: Path, tokenizer: TextTokenizer, fmt: RowForm
     else:
         text_tokens = _int_column(ds, path, "text_tokens")
 
-    if refs and any(refs) or "images" in cols:
+    if fmt is not RowFormat.PIPETUNE or "images" in cols:
         num_images = np.fromiter((len(r) for r in refs), np.int64, n)
     elif "num_images" in cols:
         num_images = _int_column(ds, path, "num_images")
@@ -549,9 +614,3 @@ def _metadata(ds, path: Path, base: Path, tokenizer: TextTokenizer, fmt: RowForm
     if skipped:
         table = table.take(np.setdiff1d(np.arange(n), [r for r, _ in skipped]))
     return table, skipped
-
-
-def pa_string(t) -> bool:
-    import pyarrow as pa
-
-    return pa.types.is_string(t) or pa.types.is_large_string(t)

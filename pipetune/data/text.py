@@ -9,10 +9,12 @@ tokenizer never sees them. Data can also be pre-tokenized into ``input_ids`` (ta
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
 IMAGE_PLACEHOLDER = "<image>"
+_PROBE = "The quick brown fox jumps over the lazy dog; 0123456789, naïve café, 中文, \t tabs and  spaces."
 BYTE_OFFSET = 4
 BYTE_VOCAB = 256 + BYTE_OFFSET
 
@@ -69,6 +71,14 @@ class TextTokenizer:
     def not_text(self) -> tuple[int, ...]:
         """Ids that raw text must not encode to (the loader writes them; a text copy would shift images)."""
         return tuple(i for i in (self.image, self.vision_start, self.vision_end) if i is not None)
+
+    @property
+    def fingerprint(self) -> str:
+        """Tells tokenizers apart (metadata caches): name, vocabulary size, special ids and the ids
+        of a probe text (a tokenizer file changed in place changes them)."""
+        probe = self.encode(_PROBE)
+        ids = (self.image, self.pad, self.vision_start, self.vision_end, self.bos, self.eos)
+        return hashlib.sha256(repr((self.name, self.vocab_size, ids, probe)).encode()).hexdigest()[:16]
 
     def split(self, text: str) -> TextPieces:
         """Token ids of ``text`` (with BOS/EOS) chunk by chunk between image placeholders."""

@@ -2,17 +2,20 @@ import pytest
 
 from configs import config_registry
 from pipetune.data import make_mix, write_dataset
+from pipetune.data.fixture import write_fixture
 from pipetune.data.mixes import parse_mix
 from torchtitan_patches.titan.model_spec import planning_model_config
 
 
 @pytest.fixture(scope="session")
 def job(tmp_path_factory):
-    """A small generated data set and a coarse latency table of the TorchTitan job's planning shapes."""
+    """A small generated data set, a small corpus of real files with the job's tokenizer, and a
+    coarse latency table of the TorchTitan job's planning shapes."""
     from profiling.profile_layers import ProfileConfig, run_profile
 
     d = tmp_path_factory.mktemp("titan_job")
     write_dataset(make_mix(parse_mix("datamix2"), 300, 0), d / "data", {"mix": "datamix2"})
+    write_fixture(d / "fixture", pairs=24, documents=4, text_only=4)  # real files and text, and the job's tokenizer
     config = config_registry.muse_glimmer_mm()
     # a trained ViT's table also times its backward; a TP 2 table times one rank's shards
     for frozen, tp, name in ((True, 1, "table.json"), (False, 1, "table_trained.json"), (True, 2, "table_tp2.json")):

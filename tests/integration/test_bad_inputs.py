@@ -18,7 +18,6 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from image_sizing import square_images
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB_TIMEOUT_S = 10
@@ -190,7 +189,7 @@ def _channel_worker(scenario: str, rank: int, port: int) -> None:
     """One rank of a plan-channel scenario; prints ``ERROR <message>`` or ``OK``."""
     import torch.distributed as dist
 
-    from pipetune.data import BatchStream, batch_meta, make_mix
+    from pipetune.data import BatchStream, ImageSizing, batch_meta, make_mix
     from pipetune.plan.plan import PlanError, build_plan
     from pipetune.plan.replicas import ReplicaPlans
     from torchtitan_patches.runtime.plan_channel import PlanChannel
@@ -201,7 +200,8 @@ def _channel_worker(scenario: str, rank: int, port: int) -> None:
     stream = BatchStream(num_rows=len(data), gbs=8, seed=0)
 
     def meta(step):
-        return batch_meta(data, stream, step, images=square_images(16), max_seq_len=1 << 20)
+        return batch_meta(data, stream, step, images=ImageSizing(patch_size=1, merge=1, standard_grid=4, min_pixels=1, max_pixels=16),
+                          max_seq_len=1 << 20)
 
     def planner(m):
         return ReplicaPlans(m.step, (build_plan(step=m.step, micro_batches=[m.table.ids.tolist()], order=[0], num_stages=2,

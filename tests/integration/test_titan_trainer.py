@@ -143,7 +143,7 @@ def test_torchtitans_stock_pipeline_trains_the_same_batches_to_the_same_losses(j
 
     stock = tmp_path / "stock"
     _torchrun(["-m", "torchtitan.train", "--module", "configs", "--config", "muse_glimmer_mm_stock", "--dump_folder", str(stock),
-               "--dataloader.dataset_path", str(job / "data"), "--dataloader.gbs", "8", "--training.seq_len", "512", "--debug.seed", "0",
+               "--hf_assets_path", str(job / "fixture" / "tokenizer"), "--dataloader.dataset_path", str(job / "data"), "--dataloader.gbs", "8", "--training.seq_len", "512", "--debug.seed", "0",
                "--training.steps", "2", "--dataloader.pad_steps", "--dataloader.rows_per_step", "8", "--training.local_batch_size", "8"],
               timeout=100)
     _torchrun(["-m", "torchtitan.train", *_args(job, tmp_path / "pipetune", "--training.steps", "2")], timeout=100)

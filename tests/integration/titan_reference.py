@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from torchtitan_patches.data.micro_batch import IMAGE_TOKEN_ID
 from torchtitan_patches.model.packed_attention import varlen_metadata
 from torchtitan_patches.model.vlm import token_loss_sum
 from torchtitan_patches.titan.stages import collated_images
@@ -19,7 +18,8 @@ def unsplit_step(model, batch) -> float:
         kwargs = {}
         if mb.num_images:
             patches, grid = collated_images(mb)
-            kwargs = {"pixel_values": patches, "grid_thw": grid, "special_tokens": {"image_id": IMAGE_TOKEN_ID}}
+            image_id = int(mb.tokens[mb.image_token_index[0]])  # the job's tokenizer's image id
+            kwargs = {"pixel_values": patches, "grid_thw": grid, "special_tokens": {"image_id": image_id}}
         logits = model(mb.tokens[None], mb.positions[None], varlen_metadata(mb.cu_seqlens), **kwargs)
         loss = token_loss_sum(logits, mb.labels[None]) / batch.num_label_tokens
         loss.backward()

@@ -27,7 +27,7 @@ def test_rows_are_torchtitans_packing_of_a_flushed_buffer(seed):
 
 
 def _loader(data, tiny, **kw) -> FixedShapeDataLoader:
-    loader = FixedShapeDataLoader(FixedShapeDataLoader.Config(dataset_path=str(data), gbs=8, **kw), seq_len=SEQ, local_batch_size=1)
+    loader = FixedShapeDataLoader(FixedShapeDataLoader.Config(dataset_path=str(data), gbs=8, num_workers=0, **kw), seq_len=SEQ, local_batch_size=1)
     loader.bind(tiny)
     return loader
 

@@ -3,8 +3,6 @@ its plans are valid, fit every rank's memory, simulate to their prediction, neve
 balanced plan, sit above their lower bound, lower onto in-order transports, and are deterministic;
 past a deadline the search still returns a valid plan (its best so far)."""
 
-from dataclasses import replace
-
 import numpy as np
 import pytest
 from test_lowering_fifo import check
@@ -12,13 +10,7 @@ from test_separated import H100, heavy  # noqa: F401  (the fixture)
 
 from pipetune.plan import IterationPlan, PlannerConfig
 from pipetune.plan.segment_search import sub_batch_sizes
-from pipetune.simulate import Latencies, simulate
-
-
-def plan_latencies(cost, plan, meta) -> Latencies:
-    """The latencies of ``plan`` under its own image sub-microbatch size."""
-    own = cost.with_layout(replace(cost.layout, image_sub_batch=plan.image_sub_batch))
-    return Latencies.from_costs(own.stage_costs(plan.shapes(meta)))
+from pipetune.simulate import simulate
 
 
 def test_search_plans_are_valid_fit_memory_and_beat_the_balanced_plan(heavy):  # noqa: F811
@@ -30,7 +22,7 @@ def test_search_plans_are_valid_fit_memory_and_beat_the_balanced_plan(heavy):  #
         plan = planner.plan(meta)
         assert plan.image_sub_batch in sub_batch_sizes(cost.layout, True)
         assert max(plan.peak_bytes) <= planner.budget
-        res = simulate(plan.table(), plan_latencies(cost, plan, meta))
+        res = simulate(plan.table(), plan.latencies(cost, meta))
         assert res.makespan == pytest.approx(plan.predicted_s)
         assert (res.peak_bytes + planner.states == pytest.approx(np.array(plan.peak_bytes)))
         assert plan.lower_bound_s <= plan.predicted_s
@@ -54,5 +46,5 @@ def test_past_the_deadline_the_search_returns_its_best_so_far(heavy):  # noqa: F
     planner = PlannerConfig(max_seq_len=4096, memory_bytes=H100.memory_bytes).build(model, cost)
     plan = planner.plan(metas[0], deadline=0.0)
     assert not plan.fallback and plan.mbs == 1 and max(plan.peak_bytes) <= planner.budget
-    assert simulate(plan.table(), plan_latencies(cost, plan, metas[0])).makespan == pytest.approx(plan.predicted_s)
+    assert simulate(plan.table(), plan.latencies(cost, metas[0])).makespan == pytest.approx(plan.predicted_s)
     check(plan.table())

@@ -82,3 +82,26 @@ def test_byte_tokenizer_offsets():
 
     p = BYTE_TOKENIZER.split("A<image>")
     assert p.token_ids == [ord("A") + BYTE_OFFSET] and p.image_offsets == [1]
+
+
+def test_metadata_is_computed_once_per_data_set_and_again_when_it_changes(tmp_path, monkeypatch):
+    from pipetune.data import storage
+
+    monkeypatch.setenv("PIPETUNE_CACHE", str(tmp_path / "cache"))
+    f = _write_jsonl(tmp_path / "d.jsonl", [{"text": "ab<image>c", "num_images": 1}, {"text": "hello", "num_images": 0}])
+    first = open_dataset(f).table
+    computed = []
+    real = storage._metadata
+    monkeypatch.setattr(storage, "_metadata", lambda *a: computed.append(1) or real(*a))
+    again = open_dataset(f).table
+    assert not computed and again.digest() == first.digest() and np.array_equal(again.image_offsets, first.image_offsets)
+    _write_jsonl(f, [{"text": "abc<image>de", "num_images": 1}, {"text": "hello", "num_images": 0}])  # changed in place
+    changed = open_dataset(f).table
+    assert computed and changed.text_tokens.tolist() == [5, 5] and changed.offsets_of(0).tolist() == [3]
+    from PIL import Image
+
+    Image.new("RGB", (8, 6)).save(tmp_path / "a.png")
+    named = _write_jsonl(tmp_path / "n.jsonl", [{"text": "x", "images": ["a.png"]}])
+    computed.clear()
+    open_dataset(named), open_dataset(named)
+    assert len(computed) == 2  # rows that name image files: their sizes may change unseen, never cached

@@ -59,7 +59,7 @@ def _documents(mb) -> dict[int, tuple[int, int]]:
 
 def test_raw_text_is_tokenized_with_the_jobs_tokenizer(rows, hf_tokenizer):
     model = load_model_config("tiny")
-    loader = PipeTuneTitanDataLoader.Config(dataset_path=str(rows), gbs=len(TEXTS)).build(seq_len=256, tokenizer=hf_tokenizer)
+    loader = PipeTuneTitanDataLoader.Config(dataset_path=str(rows), gbs=len(TEXTS), num_workers=0).build(seq_len=256, tokenizer=hf_tokenizer)
     inner = loader.bind(model, packing_source=None)
     tok = text_tokenizer(hf_tokenizer)
     assert (tok.image, tok.vision_start, tok.vision_end) == tuple(hf_tokenizer.token_to_id(VISION_TOKENS[k]) for k in ("image", "vision_start", "vision_end"))
@@ -85,7 +85,7 @@ def test_every_sample_holds_its_images_tokens_bracketed_and_unlabelled(rows, hf_
     stock loader hands TorchTitan's forward the same image id (the old id 0 is "!" here)."""
     model = load_model_config("tiny")
     tok, tpi = text_tokenizer(hf_tokenizer), model.tokens_per_image
-    loader = PipeTuneTitanDataLoader.Config(dataset_path=str(rows), gbs=len(TEXTS), seed=3).build(seq_len=256, tokenizer=hf_tokenizer)
+    loader = PipeTuneTitanDataLoader.Config(dataset_path=str(rows), gbs=len(TEXTS), seed=3, num_workers=0).build(seq_len=256, tokenizer=hf_tokenizer)
     inner = loader.bind(model, packing_source=None)
     table, batch = inner.meta(0).table, next(iter(loader))
     meta = {int(s): (int(n), int(k)) for s, n, k in zip(table.ids, table.lengths, table.num_images)}
@@ -103,7 +103,7 @@ def test_every_sample_holds_its_images_tokens_bracketed_and_unlabelled(rows, hf_
             assert all((doc[s + 1 : s + 1 + tpi] == tok.image).all() for s in starts)
     assert sum(mb.num_label_tokens for mb in batch.micro_batches) == int(table.label_tokens.sum())
 
-    stock = FixedShapeDataLoader(FixedShapeDataLoader.Config(dataset_path=str(rows), gbs=len(TEXTS), rows_per_step=1),
+    stock = FixedShapeDataLoader(FixedShapeDataLoader.Config(dataset_path=str(rows), gbs=len(TEXTS), rows_per_step=1, num_workers=0),
                                  tokenizer=hf_tokenizer, seq_len=256, local_batch_size=1)
     stock.bind(model)
     inputs, labels = next(iter(stock))
@@ -116,7 +116,7 @@ def test_a_tokenizer_without_image_tokens_is_refused_at_build(tmp_path, rows):
     plain = _tokenizer(tmp_path / "plain", specials=["<s>", "</s>"])
     with pytest.raises(ValueError, match=r"the tokenizer at '.*plain' has no <\|image_pad\|>, <\|vision_start\|>.*add them as special tokens"):
         text_tokenizer(plain)
-    loader = PipeTuneTitanDataLoader.Config(dataset_path=str(rows), gbs=2).build(seq_len=256, tokenizer=plain)
+    loader = PipeTuneTitanDataLoader.Config(dataset_path=str(rows), gbs=2, num_workers=0).build(seq_len=256, tokenizer=plain)
     with pytest.raises(ValueError, match=r"has no <\|image_pad\|>"):
         loader.bind(load_model_config("tiny"), packing_source=None)
 
@@ -124,7 +124,7 @@ def test_a_tokenizer_without_image_tokens_is_refused_at_build(tmp_path, rows):
 def test_more_placeholders_than_images_names_the_row(tmp_path, hf_tokenizer):
     data = tmp_path / "rows.jsonl"
     data.write_text("\n".join(json.dumps({"id": 7 + i, "text": t, "num_images": 1}) for i, t in enumerate(TEXTS[:2])))
-    loader = PipeTuneTitanDataLoader.Config(dataset_path=str(data), gbs=2).build(seq_len=256, tokenizer=hf_tokenizer)
+    loader = PipeTuneTitanDataLoader.Config(dataset_path=str(data), gbs=2, num_workers=0).build(seq_len=256, tokenizer=hf_tokenizer)
     with pytest.raises(ValueError, match=r"rows\.jsonl: row 1 \(counted from 0\), column 'text': sample id=8 has 2 <image> placeholders but 1 images"):
         loader.bind(load_model_config("tiny"), packing_source=None)
 
@@ -132,7 +132,7 @@ def test_more_placeholders_than_images_names_the_row(tmp_path, hf_tokenizer):
 def test_text_holding_a_special_token_string_is_named(tmp_path, hf_tokenizer):
     data = tmp_path / "rows.jsonl"
     data.write_text(json.dumps({"text": "a cat <|image_pad|> a dog"}))
-    loader = PipeTuneTitanDataLoader.Config(dataset_path=str(data), gbs=1).build(seq_len=256, tokenizer=hf_tokenizer)
+    loader = PipeTuneTitanDataLoader.Config(dataset_path=str(data), gbs=1, num_workers=0).build(seq_len=256, tokenizer=hf_tokenizer)
     with pytest.raises(ValueError, match=r"row 0 .*encodes to the image or vision marker id"):
         loader.bind(load_model_config("tiny"), packing_source=None)
 

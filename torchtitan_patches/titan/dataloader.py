@@ -51,8 +51,9 @@ class PipeTuneTitanDataLoader(BaseDataLoader):
         overlong: str = "truncate"
         """Samples longer than ``training.seq_len``: truncate, drop or error (as ``pipetune pack``)."""
 
-        num_workers: int = 0
-        """Worker processes that build the tensors."""
+        num_workers: int = 2
+        """Worker processes that decode images and build the tensors, off the training process
+        (0: in it, as the CPU jobs do, whose ranks already take every core)."""
 
         min_pixels: int = 0
         """Images smaller than this many pixels are upscaled (0: one merged patch of the encoder)."""
