@@ -35,10 +35,10 @@ def images_per_second(corpus: Path, tokenizer, model, *, max_pixels: int, repeat
 
     cfg = DataLoaderConfig(data=corpus / "data", gbs=gbs, max_seq_len=4096, packing=PackingConfig(mbs=1, max_seq_len=4096),
                            max_pixels=max_pixels)
-    loader = cfg.build(model, tokenizer=tokenizer)
-    loader = dataclasses.replace(cfg, max_steps=len(loader.store) // gbs).build(model, tokenizer=tokenizer)  # one epoch
+    epoch = dataclasses.replace(cfg, max_steps=len(cfg.build(model, tokenizer=tokenizer).store) // gbs)
     best, images = np.inf, 0
     for _ in range(repeats):
+        loader = epoch.build(model, tokenizer=tokenizer)  # a loader's stream is spent after one pass
         t0 = time.perf_counter()
         images = sum(mb.num_images for batch in loader for mb in batch.micro_batches)
         best = min(best, time.perf_counter() - t0)
@@ -89,6 +89,7 @@ def main(argv=None) -> int:
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
     from pipetune.data.fixture import write_fixture
+    from pipetune.packing import PackingConfig
     from torchtitan_patches.data import DataLoaderConfig
     from torchtitan_patches.titan.model_spec import muse_glimmer_spec, planning_model_config
     from torchtitan_patches.titan.tokenizer import text_tokenizer
@@ -107,7 +108,8 @@ def main(argv=None) -> int:
     if not (rows / "rows.jsonl").exists():
         write_rows(corpus, rows, args.rows)
     t0 = time.perf_counter()
-    loader = DataLoaderConfig(data=rows / "rows.jsonl", gbs=128, max_seq_len=4096).build(model, tokenizer=tokenizer)
+    loader = DataLoaderConfig(data=rows / "rows.jsonl", gbs=128, max_seq_len=4096,
+                              packing=PackingConfig(max_seq_len=4096)).build(model, tokenizer=tokenizer)
     opened, store = time.perf_counter() - t0, loader.store
     t1 = time.perf_counter()
     loader.upcoming(4)

@@ -140,8 +140,9 @@ class _PackedBatches(torch.utils.data.Dataset):
     def __getitems__(self, spec: BatchSpec) -> GlobalBatch:
         table = spec.meta.table
         rows = self._store.rows(spec.meta.rows, images=self._content.pixels)
-        contents = [sample_content(table, k, rows[k], self._content) for k in range(len(table))]
-        mbs = [build_micro_batch(table, g, [contents[k][:2] for k in g.tolist()], self._content) for g in spec.groups]
+        grids = self._content.sizing.grids(table.image_sizes) if self._content.sizing else np.zeros((0, 2), np.int64)
+        contents = [sample_content(table, k, rows[k], self._content, grids) for k in range(len(table))]
+        mbs = [build_micro_batch(table, g, [contents[k][:2] for k in g.tolist()], self._content, grids) for g in spec.groups]
         built = sum(m.num_label_tokens for m in mbs), sum(int(m.cu_seqlens[len(g)]) for m, g in zip(mbs, spec.groups))
         planned = int(table.label_tokens.sum()), int(table.lengths.sum())
         if built != planned:
