@@ -17,7 +17,7 @@ for packer in original balanced; do
   "$PT" pack --data "$DATA" --model tiny --max-seq-len 512 --mbs 4 --gbs 32 --packer "$packer" --iters 5 | tail -1 | sed "s/^/$packer /"
 done
 echo "== TorchTitan job on 2 gloo ranks (torchrun -m torchtitan.train, Muse Glimmer debugmodel_mm): original, balanced@1, pipetune =="
-.venv/bin/python benchmarks/titan_compare.py --out out/titan --rounds 3 "$@" 2>&1 | grep -v -e "^W.*torch.distributed" -e "^\*\*\*\*" -e "OMP_NUM_THREADS" -e "^\s*$" -e "initial_load"
+.venv/bin/python benchmarks/titan_compare.py --out out/titan --rounds 3 "$@" 2>&1 | grep -v -e "^W.*torch.distributed" -e "^\*\*\*\*" -e "OMP_NUM_THREADS" -e "^\s*$" -e "initial_load" -e "Triton is not supported" -e "_cpu_device_warning"
 echo "== the same job on TorchTitan's stock pipeline (its own split, 1F1B over fixed-shape micro-batches) vs pipetune =="
-.venv/bin/python benchmarks/vs_torchtitan.py --out out/titan --rounds 3 2>&1 | grep -v -e "^W.*torch.distributed" -e "^\*\*\*\*" -e "OMP_NUM_THREADS" -e "^\s*$" -e "initial_load"
+.venv/bin/python benchmarks/vs_torchtitan.py --out out/titan --rounds 3 2>&1 | grep -v -e "^W.*torch.distributed" -e "^\*\*\*\*" -e "OMP_NUM_THREADS" -e "^\s*$" -e "initial_load" -e "Triton is not supported" -e "_cpu_device_warning"
 echo "per-step records: out/titan/<job>_0/pipetune/steps.jsonl (TorchTitan's stock job: out/titan/vs_torchtitan_0/stock/steps.jsonl); TorchTitan logs and checkpoints beside them"
