@@ -39,8 +39,9 @@ class RowFormat(Enum):
         return cls.PIPETUNE
 
 
-def pair_image_column(columns) -> str:
-    return next(k for k in PAIR_IMAGE_KEYS if k in set(columns))
+def pair_image_column(columns) -> str | None:
+    """The image column of image-caption pairs (None: there is none)."""
+    return next((k for k in PAIR_IMAGE_KEYS if k in set(columns)), None)
 
 
 def raw_images(ds):

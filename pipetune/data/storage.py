@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipetune.data.formats import PAIR_IMAGE_KEYS, FormatError, RowFormat, image_ref, raw_images, texts_and_images
+from pipetune.data.formats import FormatError, RowFormat, image_ref, pair_image_column, raw_images, texts_and_images
 from pipetune.data.image_files import BadImages, image_sizes
 from pipetune.data.samples import SampleTable
 from pipetune.data.text import BYTE_TOKENIZER, IMAGE_PLACEHOLDER, TextTokenizer
@@ -498,7 +498,7 @@ def _image_refs(ds, path: Path, fmt: RowFormat) -> tuple[list[str] | None, list[
     n = len(ds)
     if fmt is not RowFormat.PIPETUNE:
         texts, refs = [], []
-        cols = [c for c in ds.column_names if c in ("texts", "images", "txt") or c == _pair_key(ds)]
+        cols = [c for c in ds.column_names if c in ("texts", "images", "txt") or c == pair_image_column(ds.column_names)]
         for start in range(0, n, 4096):
             try:
                 t, r = texts_and_images(fmt, ds.select_columns(cols)[start:start + 4096], start)
@@ -513,10 +513,6 @@ def _image_refs(ds, path: Path, fmt: RowFormat) -> tuple[list[str] | None, list[
     if not (pa.types.is_list(image_type) or pa.types.is_large_list(image_type) or pa.types.is_null(image_type)):
         raise ValueError(f"{_where(path, 0, 'images')}: holds {image_type} values; it needs a list of image file names")
     return None, [[image_ref(v) for v in (x or [])] for x in ds["images"]]
-
-
-def _pair_key(ds) -> str | None:
-    return next((k for k in PAIR_IMAGE_KEYS if k in ds.column_names), None)
 
 
 def _metadata(ds, path: Path, base: Path, tokenizer: TextTokenizer, fmt: RowFormat,
@@ -594,7 +590,7 @@ def _metadata(ds, path: Path, base: Path, tokenizer: TextTokenizer, fmt: RowForm
     if unreadable:
         row, why = next(iter(unreadable.items()))
         if bad_images is BadImages.ERROR:
-            raise ValueError(f"{_where(path, row, 'images' if fmt is not RowFormat.PAIRS else _pair_key(ds))}: sample "
+            raise ValueError(f"{_where(path, row, 'images' if fmt is not RowFormat.PAIRS else pair_image_column(ds.column_names))}: sample "
                              f"id={ids[row]}: {why} ({len(unreadable)} rows with unreadable images in all); repair or "
                              "remove the image, or skip such rows (bad_images=skip)")
         skipped = sorted(unreadable.items())
