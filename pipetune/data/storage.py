@@ -106,7 +106,8 @@ class SampleStore:
     def rows(self, indices, *, images: bool = True) -> list[dict]:
         """Content of the given rows (empty dicts when the data set is metadata-only): ``input_ids``
         or ``text`` (with placeholders), and ``images`` (file names or bytes) unless ``images`` is
-        False (a rank that runs no encoder reads no image bytes)."""
+        False (a rank that runs no encoder: it opens no image file; TorchTitan's formats embed the
+        bytes in the row, which are read with it, as the placeholders' positions need them)."""
         indices = [int(i) for i in indices]
         if self.format is not RowFormat.PIPETUNE:
             texts, refs = texts_and_images(self.format, self.dataset[indices])
@@ -139,15 +140,14 @@ class MixedStore(SampleStore):
             codes.append(np.array([len(names) + k for k in range(len(own))])[part.table.source])
             names += mine
         tables = [p.table for p in parts]
-        sizes = np.concatenate([t.image_sizes for t in tables])
+        if len({t.image_markers for t in tables if t.num_images.any()}) > 1:
+            raise ValueError(f"{path}: its data sets disagree on vision markers (raw text and pre-tokenized rows); keep one kind")
         table = SampleTable.build(
             ids=np.arange(sum(len(t) for t in tables)), source=np.concatenate(codes), source_names=tuple(names),
             text_tokens=np.concatenate([t.text_tokens for t in tables]), num_images=np.concatenate([t.num_images for t in tables]),
-            image_offsets=[t.offsets_of(i) for t in tables for i in range(len(t))], image_sizes=sizes,
-            image_markers=max(t.image_markers for t in tables),
+            image_offsets=[t.offsets_of(i) for t in tables for i in range(len(t))],
+            image_sizes=np.concatenate([t.image_sizes for t in tables]), image_markers=max(t.image_markers for t in tables),
         )
-        if len({t.image_markers for t in tables if t.num_images.any()}) > 1:
-            raise ValueError(f"{path}: its data sets disagree on vision markers (raw text and pre-tokenized rows); keep one kind")
         first = parts[0]
         return cls(table=table, dataset=None, path=path, origin=path.resolve(), content_seed=first.content_seed, has_token_ids=True,
                    has_image_files=any(p.has_image_files for p in parts), tokenizer=first.tokenizer,

@@ -190,10 +190,12 @@ def decode_image(ref, base: Path, height: int, width: int, channels: int, policy
 
     from PIL import Image, ImageFile
 
-    src = base / ref if isinstance(ref, str) else io.BytesIO(ref)
+    def source():
+        return base / ref if isinstance(ref, str) else io.BytesIO(ref)
+
     damaged = False
     try:
-        with Image.open(src) as im:
+        with Image.open(source()) as im:
             im.draft(None, (width, height))  # a JPEG decodes at the smallest 1/2^k scale still covering the target: far less work
             im.load()
             rgb = im.convert("RGB" if channels == 3 else "L")
@@ -203,7 +205,7 @@ def decode_image(ref, base: Path, height: int, width: int, channels: int, policy
                              "or keep what can be read of damaged images (bad_images=skip)") from None
         ImageFile.LOAD_TRUNCATED_IMAGES = True
         try:
-            with Image.open(base / ref if isinstance(ref, str) else io.BytesIO(ref)) as im:
+            with Image.open(source()) as im:
                 rgb = im.convert("RGB" if channels == 3 else "L")
         finally:
             ImageFile.LOAD_TRUNCATED_IMAGES = False

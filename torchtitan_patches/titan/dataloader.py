@@ -101,7 +101,7 @@ class PipeTuneTitanDataLoader(BaseDataLoader):
              square_images: bool = False) -> PipeTuneDataLoader:
         """Build the wrapped loader for ``model``'s shapes, packed by ``packing_source``, its
         micro-batches padded to a multiple of ``seq_multiple`` tokens (sequence parallelism);
-        ``pixels=False`` on a rank that runs no encoder chunk (it reads and decodes no image);
+        ``pixels=False`` on a rank that runs no encoder chunk (it decodes no image);
         ``square_images`` resizes every image to the standard square (the separated layout)."""
         if self.tokenizer is not None and self.tokenizer.get_vocab_size() > model.backbone.vocab_size:
             raise ValueError(
