@@ -54,7 +54,7 @@ from torchtitan_patches.model.gated_delta_cpu import causal_conv1d, gated_delta_
 from torchtitan_patches.data.micro_batch import ImageSpan
 from torchtitan_patches.model.vlm import scatter_spans
 from torchtitan_patches.titan.document_attention import DocumentAttention, VisionMaskAttention
-from torchtitan_patches.titan.stages import grid_runs
+from torchtitan_patches.titan.stages import per_grid
 
 
 class CpuGatedDeltaKernel(GatedDeltaKernel):
@@ -296,18 +296,16 @@ class Qwen35EncoderChunk(nn.Module):
             self._geometry(g, device)
 
     def forward(self, x: torch.Tensor, grids: tuple[tuple[int, int], ...]) -> torch.Tensor:
-        enc = self.encoder
-        cfg = enc.config
-        out, at = [], 0
-        for (gh, gw), n in grid_runs(grids):
-            P = gh * gw
-            patches = block_order(x[at:at + n * P], (gh, gw), enc.spatial_merge_size)
-            at += n * P
-            h = enc.patch_embed(patches.to(enc.patch_embed.weight.dtype))
-            pos = _compute_learned_pos_embeds(enc.pos_embed, [[1, gh, gw]], P, enc.num_grid_per_side, enc.spatial_merge_size, cfg.dim)
-            rope, mask = self._geometry((gh, gw), x.device)
-            out.append(enc.blocks(h + pos, rope.expand(n, *rope.shape[1:]), mask.expand(n, *mask.shape[1:])).flatten(0, 1))
-        return out[0] if len(out) == 1 else torch.cat(out)
+        return per_grid(x, grids, self._run)
+
+    def _run(self, images: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+        """``n`` images of one grid, ``(n, patches, patch_dim)`` in raster order -> flat rows out."""
+        enc, (n, P, _) = self.encoder, images.shape
+        patches = block_order(images.flatten(0, 1), grid, enc.spatial_merge_size)
+        h = enc.patch_embed(patches.to(enc.patch_embed.weight.dtype))
+        pos = _compute_learned_pos_embeds(enc.pos_embed, [[1, *grid]], P, enc.num_grid_per_side, enc.spatial_merge_size, enc.config.dim)
+        rope, mask = self._geometry(grid, images.device)
+        return enc.blocks(h + pos, rope.expand(n, *rope.shape[1:]), mask.expand(n, *mask.shape[1:])).flatten(0, 1)
 
     def _geometry(self, grid: tuple[int, int], device) -> tuple[torch.Tensor, torch.Tensor]:
         key = (grid, str(device))

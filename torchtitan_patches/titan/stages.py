@@ -63,15 +63,16 @@ def collated_images(mb: PackedMicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
     return patches, torch.tensor([[1, *mb.image_grids[i]] for i in order], dtype=torch.long)
 
 
-def grid_runs(grids: tuple[Grid, ...]) -> list[tuple[Grid, int]]:
-    """``(grid, count)`` of every run of consecutive images with the same grid."""
-    runs: list[tuple[Grid, int]] = []
-    for g in grids:
-        if runs and runs[-1][0] == g:
-            runs[-1] = (g, runs[-1][1] + 1)
-        else:
-            runs.append((g, 1))
-    return runs
+def per_grid(x: torch.Tensor, grids: tuple[Grid, ...], run) -> torch.Tensor:
+    """``run(images, grid)`` on every run of consecutive images of one grid, ``images`` their rows
+    of ``x`` as ``(n, h * w, width)``; the runs' flat outputs concatenated in order."""
+    out, at, k = [], 0, 0
+    while k < len(grids):
+        n = next((j for j in range(k, len(grids)) if grids[j] != grids[k]), len(grids)) - k
+        (gh, gw), rows = grids[k], n * grids[k][0] * grids[k][1]
+        out.append(run(x[at:at + rows].view(n, gh * gw, -1), (gh, gw)))
+        at, k = at + rows, k + n
+    return out[0] if len(out) == 1 else torch.cat(out)
 
 
 def keep_encoder_chunks(encoder: MuseGlimmerVisionEncoder, chunk_ranges, local) -> None:
@@ -122,12 +123,7 @@ class TitanEncoderChunk(nn.Module):
             self._geometry(g, 1, device)
 
     def forward(self, x: torch.Tensor, grids: tuple[Grid, ...]) -> torch.Tensor:
-        out, at = [], 0
-        for (gh, gw), n in grid_runs(grids):
-            rows = n * gh * gw
-            out.append(self._run(x[at:at + rows].view(n, gh * gw, -1), (gh, gw)))
-            at += rows
-        return out[0] if len(out) == 1 else torch.cat(out)
+        return per_grid(x, grids, self._run)
 
     def _run(self, x: torch.Tensor, grid: Grid) -> torch.Tensor:
         """``n`` images of one grid, ``(n, patches, width)`` -> flat rows out."""
