@@ -8,10 +8,17 @@ backward ``E0B{j}`` immediately after ``0B{j}``. ``place_encoders`` moves encode
 (pre-computation). Generated tables are valid by construction (the tests check it);
 ``ScheduleTable.validate`` and ``compile_schedule`` check any table, generated or not. The
 separated layout's tables come from ``pipetune.plan.interleave``.
+
+Virtual stages and split backward (``list_scheduled``): TorchTitan's ``Interleaved1F1B`` (``V``
+backbone chunks per rank) and zero-bubble tables (every backward split into ``I`` and ``W``, the
+``W`` deferred into bubbles) come from one list scheduler rather than from closed-form rank
+lists (Megatron's formulas assume ``m`` a multiple of the ranks; a plan's ``m`` is whatever the
+packing gives).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import replace
 from enum import StrEnum
@@ -28,27 +35,32 @@ def _check_order(order: Sequence[int]) -> list[int]:
     return order
 
 
-def _with_encoder(actions: list[Action], stage: int, placement: Placement) -> list[Action]:
-    if not (placement.encoder and stage == 0):
+def _with_encoder(actions: list[Action], placement: Placement) -> list[Action]:
+    """The co-located encoder's forward right before backbone chunk 0's forward of its micro-batch,
+    its backward (trained) right after chunk 0's gradient action."""
+    if not placement.encoder:
         return actions
     out = []
     for a in actions:
-        if a.op is Op.FORWARD:
+        first = a.chunk == 0 and not a.is_encoder
+        if first and a.op is Op.FORWARD:
             out.append(Action(0, Op.FORWARD, a.unit, Module.ENCODER))
         out.append(a)
-        if a.op is Op.BACKWARD and placement.encoder_trained:
+        if first and a.op in (Op.BACKWARD, Op.BACKWARD_INPUT) and placement.encoder_trained:
             out.append(Action(0, Op.BACKWARD, a.unit, Module.ENCODER))
     return out
 
 
-def _table(per_stage: list[list[Action]], m: int, placement: Placement, name: str, max_in_flight=None) -> ScheduleTable:
+def _table(per_rank: list[list[Action]], m: int, placement: Placement, name: str, max_in_flight=None,
+           split_backward: bool = False) -> ScheduleTable:
     return ScheduleTable(
         placement=placement,
         num_micro_batches=m,
-        ranks=tuple(tuple(_with_encoder(acts, s, placement)) for s, acts in enumerate(per_stage)),
+        ranks=tuple(tuple(_with_encoder(acts, placement)) for acts in per_rank),
         sub_mb_parent=tuple(range(m)) if placement.encoder else (),
         max_in_flight=max_in_flight,
         name=name,
+        split_backward=split_backward,
     )
 
 
@@ -90,6 +102,85 @@ def serial(num_stages: int, order: Sequence[int], *, encoder: bool = False, enco
     return _table(per_stage, len(order), placement, "serial", (1,) * num_stages)
 
 
+UNIT_TIME = {Op.FORWARD: 1, Op.BACKWARD: 2, Op.BACKWARD_INPUT: 1, Op.BACKWARD_WEIGHT: 1}
+
+
+def activation_caps(num_ranks: int, chunks_per_rank: int) -> tuple[int, ...]:
+    """Warm-up forwards of each rank, which is also the number of micro-batches' activations it
+    holds at once: 1F1B's ``P - r``; with ``V >= 2`` chunks per rank, Megatron's interleaved
+    warm-up plus one, ``(V - 1) P + 2 (P - r - 1) + 1``."""
+    P, V = num_ranks, chunks_per_rank
+    return tuple(P - r if V == 1 else (V - 1) * P + 2 * (P - r - 1) + 1 for r in range(P))
+
+
+def list_scheduled(num_ranks: int, chunks_per_rank: int, order: Sequence[int], *, split_backward: bool = False,
+                   encoder: bool = False, encoder_trained: bool = False, caps: Sequence[int] | None = None) -> ScheduleTable:
+    """Interleaved 1F1B (``chunks_per_rank >= 2``) and zero-bubble (``split_backward``) tables.
+
+    Backbone chunk ``c`` sits on rank ``c mod P``. Each rank's forwards and backwards follow
+    Megatron's interleaved order (micro-batches in rounds of ``P`` following ``order``; within a
+    round, the rank's chunks ascending for forwards, descending for backwards) and its compute
+    sequence is 1F1B's: ``activation_caps(P, V)[r]`` warm-up forwards, then one backward and one
+    forward in turn, then the remaining backwards. Megatron's sequence needs whole rounds, so a
+    short last round is padded with phantom micro-batches whose actions are then left out (a
+    runnable sequence stays runnable without whole micro-batches). With ``split_backward`` each backward is its
+    ``I``, and the ``W`` actions are placed by a unit-time run (``UNIT_TIME``: F 1, B 2, I 1, W 1;
+    messages free): a rank runs its oldest deferred ``W`` when its next action is not ready yet (a
+    bubble) or is a forward while the rank holds ``caps[r]`` micro-batches' activations, and the
+    rest at the end. ``caps`` defaults to the largest of 1F1B's caps on every rank: ZB-H1's rule
+    (no rank holds more than 1F1B's first rank; later ranks defer their ``W`` into the drain's
+    bubbles). ``ScheduleError`` when the sequence cannot run (no rank able to proceed).
+    """
+    order = _check_order(order)
+    m, P, V = len(order), num_ranks, chunks_per_rank
+    placement = Placement.interleaved(P, V, encoder=encoder, encoder_trained=encoder_trained)
+    padded = order + list(range(m, -(-m // P) * P))
+    rounds = [padded[i:i + P] for i in range(0, len(padded), P)]
+    warmups = activation_caps(P, V)
+    caps = tuple(caps) if caps is not None else (max(warmups),) * P if split_backward else warmups
+    grad = Op.BACKWARD_INPUT if split_backward else Op.BACKWARD
+    own = [[c for c in range(P * V) if c % P == r] for r in range(P)]
+    seqs: list[deque[Action]] = []
+    for r in range(P):
+        fwd = [Action(c, Op.FORWARD, j) for g in rounds for c in own[r] for j in g]
+        bwd = [Action(c, grad, j) for g in rounds for c in reversed(own[r]) for j in g]
+        warm = min(len(fwd), warmups[r], caps[r])
+        steady = [a for k in range(len(fwd) - warm) for a in (bwd[k], fwd[warm + k])]
+        seqs.append(deque(a for a in fwd[:warm] + steady + bwd[len(fwd) - warm:] if a.unit < m))
+    table = ScheduleTable(placement, m, ((),) * P, split_backward=split_backward)
+    ends: dict[Action, int] = {}
+    lists: list[list[Action]] = [[] for _ in range(P)]
+    weights: list[deque[Action]] = [deque() for _ in range(P)]
+    free_at, live = [0] * P, [0] * P
+    t = 0
+    while any(seqs) or any(weights):
+        started = False
+        for r in range(P):
+            if free_at[r] > t:
+                continue
+            nxt = seqs[r][0] if seqs[r] else None
+            ready = nxt is not None and all(ends.get(q, t + 1) <= t for q in table.producers(nxt))
+            if ready and not (nxt.op is Op.FORWARD and live[r] >= caps[r] and weights[r]):
+                a = seqs[r].popleft()
+                live[r] += 1 if a.op is Op.FORWARD else -1 if a.op is Op.BACKWARD else 0
+                if a.op is Op.BACKWARD_INPUT:
+                    weights[r].append(Action(a.chunk, Op.BACKWARD_WEIGHT, a.unit))
+            elif weights[r]:
+                a = weights[r].popleft()
+                live[r] -= 1
+            else:
+                continue
+            lists[r].append(a)
+            ends[a] = free_at[r] = t + UNIT_TIME[a.op]
+            started = True
+        if not started and all(f <= t for f in free_at):
+            stuck = ", ".join(f"rank {r} at {seqs[r][0]}" for r in range(P) if seqs[r])
+            raise ScheduleError(f"the {P} x {V} interleaved sequence of {m} micro-batches cannot run ({stuck})")
+        t = min([f for f in free_at if f > t], default=t + 1)
+    name = ("Interleaved" if V > 1 else "") + ("ZB" if split_backward else "1F1B")
+    return _table(lists, m, placement, name, caps, split_backward).validate()
+
+
 class Schedule(StrEnum):
     """The co-located generators by the name configs and the command line use for them."""
 
@@ -97,7 +188,17 @@ class Schedule(StrEnum):
     GPIPE = "gpipe"
     SERIAL = "serial"
 
-    def build(self, num_stages: int, order: Sequence[int], *, encoder: bool = False, encoder_trained: bool = False) -> ScheduleTable:
+    def build(self, num_stages: int, order: Sequence[int], *, encoder: bool = False, encoder_trained: bool = False,
+              chunks_per_rank: int = 1, split_backward: bool = False) -> ScheduleTable:
+        """``num_stages`` backbone chunks; with ``chunks_per_rank`` V > 1 (1F1B only) on
+        ``num_stages / V`` ranks, interleaved; ``split_backward`` (1F1B only): zero-bubble."""
+        if chunks_per_rank > 1 or split_backward:
+            if self is not Schedule.ONE_F_ONE_B:
+                raise ScheduleError(f"virtual stages and split backward come with 1F1B tables, not {self.value}")
+            if num_stages % chunks_per_rank:
+                raise ScheduleError(f"{num_stages} backbone chunks do not split into {chunks_per_rank} per rank")
+            return list_scheduled(num_stages // chunks_per_rank, chunks_per_rank, order, split_backward=split_backward,
+                                  encoder=encoder, encoder_trained=encoder_trained)
         generator = {Schedule.ONE_F_ONE_B: one_f_one_b, Schedule.GPIPE: gpipe, Schedule.SERIAL: serial}[self]
         return generator(num_stages, order, encoder=encoder, encoder_trained=encoder_trained)
 

@@ -18,6 +18,15 @@ are image sub-microbatches ``0..n-1``, each holding images of exactly one micro-
 
 A frozen encoder has no ``B`` actions. An input produced on another rank is a message.
 
+Split backward (``ScheduleTable.split_backward``, zero-bubble schedules): every backbone ``B`` is
+two actions, ``I(c, u)`` (input gradient: needs ``F(c, u)`` and ``I(c+1, u)``, feeds ``I(c-1, u)``)
+and ``W(c, u)`` (weight gradient: needs ``I(c, u)``, feeds nothing). A chunk's saved activations
+live until its ``W`` (torch's ``stage_backward_input`` keeps the autograd graph for
+``stage_backward_weight``). Encoder chunks keep whole backwards.
+
+Several backbone chunks may share a rank (``Placement.interleaved``: chunk ``c`` on rank
+``c mod P``, TorchTitan's ``Interleaved1F1B`` stage layout).
+
 Layouts are placements: PipeTune's co-located layout is one encoder chunk on the rank of backbone
 chunk 0 with backbone chunk ``s`` on rank ``s`` and sub-microbatch ``j`` = all images of
 micro-batch ``j``; DIP's separated layout spreads ``P * K`` encoder chunks over ``P`` ranks and
@@ -25,7 +34,7 @@ splits each micro-batch's images into fixed-size sub-microbatches.
 
 Text form: backbone actions keep torch.distributed.pipelining's ``_Action`` form (``1F3``: chunk 1
 forward of micro-batch 3), so backbone-only tables load in torch (``to_csv``); encoder actions are
-prefixed with ``E`` (``E0F3``: encoder chunk 0 forward of sub-microbatch 3). ``Action.parse`` reads
+prefixed with ``E`` (``E0F3``: encoder chunk 0 forward of sub-microbatch 3); ``I`` and ``W`` are torch's letters. ``Action.parse`` reads
 both. A table only orders work; latencies come from the cost model and times from the simulator.
 """
 
@@ -39,7 +48,7 @@ from enum import Enum
 from functools import cached_property
 from typing import NamedTuple
 
-ACTION_RE = re.compile(r"^(E?)(\d+)([FB])(\d+)$")
+ACTION_RE = re.compile(r"^(E?)(\d+)([FBIW])(\d+)$")
 
 
 class Module(str, Enum):
@@ -48,8 +57,18 @@ class Module(str, Enum):
 
 
 class Op(str, Enum):
+    """torch's ``_ComputationType`` letters: a full backward ``B``, or split into the input
+    gradient ``I`` (what the previous chunk waits for) and the weight gradient ``W`` (which
+    nothing waits for, so a schedule can defer it into a bubble: zero-bubble pipelining)."""
+
     FORWARD = "F"
     BACKWARD = "B"
+    BACKWARD_INPUT = "I"
+    BACKWARD_WEIGHT = "W"
+
+    @property
+    def is_backward(self) -> bool:
+        return self is not Op.FORWARD
 
 
 class Buffer(Enum):
@@ -76,7 +95,8 @@ class Action(NamedTuple):
     def parse(cls, text: str) -> "Action":
         m = ACTION_RE.match(text.strip()) if isinstance(text, str) else None
         if not m:
-            raise ValueError(f"not an action: {text!r} (expected like 0F3 or 1B0 for the backbone, E0F2 or E3B1 for encoder chunks)")
+            raise ValueError(f"not an action: {text!r} (expected like 0F3, 1B0, 1I0 or 1W0 for the backbone, E0F2 or E3B1 for "
+                             "encoder chunks)")
         return cls(int(m.group(2)), Op(m.group(3)), int(m.group(4)), Module(m.group(1)))
 
     @property
@@ -123,9 +143,27 @@ class Placement:
             raise ScheduleError(f"a separated layout needs a positive multiple of {num_ranks} encoder chunks, got {encoder_chunks}")
         return cls(tuple(range(num_ranks)), tuple(k % num_ranks for k in range(encoder_chunks)), encoder_trained)
 
+    @classmethod
+    def interleaved(cls, num_ranks: int, chunks_per_rank: int, *, encoder: bool = False, encoder_trained: bool = False) -> "Placement":
+        """Virtual stages: ``num_ranks * chunks_per_rank`` backbone chunks, chunk ``c`` on rank
+        ``c mod num_ranks`` (so every hand-over between chunks crosses ranks, and the loop comes
+        back to rank 0), the whole encoder beside chunk 0."""
+        if num_ranks < 1 or chunks_per_rank < 1:
+            raise ScheduleError(f"an interleaved layout needs at least one rank and one chunk per rank, got {num_ranks} and {chunks_per_rank}")
+        return cls.colocated(num_ranks * chunks_per_rank, encoder=encoder, encoder_trained=encoder_trained,
+                             stage_rank=tuple(c % num_ranks for c in range(num_ranks * chunks_per_rank)))
+
     @property
     def num_ranks(self) -> int:
         return max(self.backbone + self.encoder) + 1
+
+    @property
+    def chunks_per_rank(self) -> int:
+        """Backbone chunks per rank (``V``; 1 without virtual stages); ``ScheduleError`` when ranks hold different numbers."""
+        counts = {self.backbone.count(r) for r in range(self.num_ranks)}
+        if len(counts) != 1:
+            raise ScheduleError(f"placement {self}: ranks hold different numbers of backbone chunks")
+        return counts.pop()
 
     @property
     def num_stages(self) -> int:
@@ -174,8 +212,9 @@ class ScheduleTable(Placed):
     and ``len(sub_mb_parent)`` encoder sub-microbatches (``sub_mb_parent[k]``: the micro-batch
     whose images sub-microbatch ``k`` holds; empty without an encoder).
 
-    ``max_in_flight[s]``, when set, bounds forwards minus backwards of backbone chunk ``s`` at any
-    point of its rank's list (1F1B's activation-memory guarantee: ``num_stages - s``).
+    ``max_in_flight[r]``, when set, bounds the backbone micro-batches whose activations rank ``r``
+    holds (forwards minus the actions that free them: ``B``, or ``W`` with ``split_backward``) at
+    any point of its list (1F1B's activation-memory guarantee: ``num_stages - r``).
     """
 
     placement: Placement
@@ -184,6 +223,7 @@ class ScheduleTable(Placed):
     sub_mb_parent: tuple[int, ...] = ()
     max_in_flight: tuple[int, ...] | None = None
     name: str = ""
+    split_backward: bool = False
 
     @property
     def num_ranks(self) -> int:
@@ -205,6 +245,14 @@ class ScheduleTable(Placed):
     def units(self, module: Module) -> int:
         return self.num_sub_micro_batches if module is Module.ENCODER else self.num_micro_batches
 
+    def grad_op(self, module: Module) -> Op:
+        """The action that passes ``module``'s gradients back: ``I`` for split backbone backwards, else ``B``."""
+        return Op.BACKWARD_INPUT if self.split_backward and module is Module.BACKBONE else Op.BACKWARD
+
+    def release_op(self, module: Module) -> Op:
+        """The action after which a chunk's saved activations are freed: ``W`` for split backbone backwards, else ``B``."""
+        return Op.BACKWARD_WEIGHT if self.split_backward and module is Module.BACKBONE else Op.BACKWARD
+
     def producers(self, a: Action) -> tuple[Action, ...]:
         """The actions whose outputs ``a`` consumes (see the module doc)."""
         last = len(self.placement.chunks(a.module)) - 1
@@ -215,11 +263,13 @@ class ScheduleTable(Placed):
                 return ()
             e = len(self.placement.encoder) - 1
             return tuple(Action(e, Op.FORWARD, k, Module.ENCODER) for k in self.sub_micro_batches[a.unit])
+        if a.op is Op.BACKWARD_WEIGHT:
+            return (Action(a.chunk, Op.BACKWARD_INPUT, a.unit, a.module),)
         own = Action(a.chunk, Op.FORWARD, a.unit, a.module)
         if a.chunk < last:
-            return own, Action(a.chunk + 1, Op.BACKWARD, a.unit, a.module)
+            return own, Action(a.chunk + 1, self.grad_op(a.module), a.unit, a.module)
         if a.is_encoder:
-            return own, Action(0, Op.BACKWARD, self.sub_mb_parent[a.unit])
+            return own, Action(0, self.grad_op(Module.BACKBONE), self.sub_mb_parent[a.unit])
         return (own,)
 
     def consumers(self, a: Action) -> tuple[Action, ...]:
@@ -234,13 +284,16 @@ class ScheduleTable(Placed):
                 nxt = (Action(0, Op.FORWARD, self.sub_mb_parent[a.unit]),)
             else:
                 nxt = ()
-            return nxt + ((Action(a.chunk, Op.BACKWARD, a.unit, a.module),) if trained else ())
+            return nxt + ((Action(a.chunk, self.grad_op(a.module), a.unit, a.module),) if trained else ())
+        if a.op is Op.BACKWARD_WEIGHT:
+            return ()
+        weight = (Action(a.chunk, Op.BACKWARD_WEIGHT, a.unit, a.module),) if a.op is Op.BACKWARD_INPUT else ()
         if a.chunk > 0:
-            return (Action(a.chunk - 1, Op.BACKWARD, a.unit, a.module),)
+            return (Action(a.chunk - 1, self.grad_op(a.module), a.unit, a.module),) + weight
         if not a.is_encoder and self.placement.encoder_trained:
             e = len(self.placement.encoder) - 1
-            return tuple(Action(e, Op.BACKWARD, k, Module.ENCODER) for k in self.sub_micro_batches[a.unit])
-        return ()
+            return tuple(Action(e, Op.BACKWARD, k, Module.ENCODER) for k in self.sub_micro_batches[a.unit]) + weight
+        return weight
 
     def floats(self, a: Action) -> bool:
         """``a`` needs no input and feeds other chunks on its own rank only: it can run at any
@@ -259,7 +312,8 @@ class ScheduleTable(Placed):
         from the encoder forward that makes them there (co-located) or from backbone chunk 0's
         forward that receives them, until backbone chunk 0's backward (the projector keeps them)."""
         p = self.placement
-        out = [(Buffer.ACTIVATION, s, j, Action(s, Op.FORWARD, j), Action(s, Op.BACKWARD, j))
+        release = self.release_op(Module.BACKBONE)
+        out = [(Buffer.ACTIVATION, s, j, Action(s, Op.FORWARD, j), Action(s, release, j))
                for s in range(p.num_stages) for j in range(self.num_micro_batches)]
         last = len(p.encoder) - 1
         for k, j in enumerate(self.sub_mb_parent):
@@ -267,14 +321,19 @@ class ScheduleTable(Placed):
                 out += [(Buffer.ENCODER_ACTIVATION, c, k, Action(c, Op.FORWARD, k, Module.ENCODER), Action(c, Op.BACKWARD, k, Module.ENCODER))
                         for c in range(len(p.encoder))]
             made = Action(last, Op.FORWARD, k, Module.ENCODER) if p.encoder[last] == p.backbone[0] else Action(0, Op.FORWARD, j)
-            out.append((Buffer.FEATURES, 0, k, made, Action(0, Op.BACKWARD, j)))
+            out.append((Buffer.FEATURES, 0, k, made, Action(0, release, j)))
         return out
 
     def expected_actions(self) -> list[Action]:
         """Every action the table must hold, once each."""
         out = []
         for module in (Module.ENCODER, Module.BACKBONE):
-            ops = (Op.FORWARD, Op.BACKWARD) if module is Module.BACKBONE or self.placement.encoder_trained else (Op.FORWARD,)
+            if module is Module.ENCODER and not self.placement.encoder_trained:
+                ops: tuple[Op, ...] = (Op.FORWARD,)
+            elif self.split_backward and module is Module.BACKBONE:
+                ops = (Op.FORWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
+            else:
+                ops = (Op.FORWARD, Op.BACKWARD)
             for c in range(len(self.placement.chunks(module))):
                 out += [Action(c, op, u, module) for op in ops for u in range(self.units(module))]
         return out
@@ -302,8 +361,12 @@ class ScheduleTable(Placed):
                 if not (0 <= a.chunk < len(chunks) and 0 <= a.unit < self.units(a.module)):
                     raise ScheduleError(f"{where}: chunk or unit out of range ({p.num_stages} backbone chunks, {len(p.encoder)} encoder "
                                         f"chunks, {m} micro-batches, {self.num_sub_micro_batches} sub-microbatches)")
-                if a.is_encoder and a.op is Op.BACKWARD and not p.encoder_trained:
+                if a.is_encoder and a.op is not Op.FORWARD and not p.encoder_trained:
                     raise ScheduleError(f"{where}: a frozen encoder has no backward actions")
+                if a.op in (Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT) and (a.is_encoder or not self.split_backward):
+                    raise ScheduleError(f"{where}: split backward actions (I, W) belong to backbone chunks of a split_backward table")
+                if a.op is Op.BACKWARD and not a.is_encoder and self.split_backward:
+                    raise ScheduleError(f"{where}: a split_backward table runs backbone backwards as I and W, not B")
                 if chunks[a.chunk] != rank:
                     raise ScheduleError(f"{where}: {'encoder ' if a.is_encoder else ''}chunk {a.chunk} is placed on rank {chunks[a.chunk]}")
                 if a in seen:
@@ -317,15 +380,15 @@ class ScheduleTable(Placed):
         if missing:
             raise ScheduleError(f"action {missing[0]} is missing")
         if self.max_in_flight is not None:
-            for s in range(p.num_stages):
+            release = self.release_op(Module.BACKBONE)
+            for r, actions in enumerate(self.ranks):
                 live = 0
-                for a in self.ranks[p.backbone[s]]:
-                    if a.chunk == s and not a.is_encoder:
-                        live += 1 if a.op is Op.FORWARD else -1
-                        if live > self.max_in_flight[s]:
-                            raise ScheduleError(
-                                f"stage {s} holds {live} micro-batches in flight at {a}, over its limit of {self.max_in_flight[s]}"
-                            )
+                for a in actions:
+                    if not a.is_encoder:
+                        live += 1 if a.op is Op.FORWARD else -1 if a.op is release else 0
+                        if live > self.max_in_flight[r]:
+                            raise ScheduleError(f"rank {r} holds {live} micro-batches' activations at {a}, over its limit of "
+                                                f"{self.max_in_flight[r]}")
         return self
 
     def to_csv(self, *, compute_only: bool = True) -> str:
@@ -353,4 +416,5 @@ class ScheduleTable(Placed):
             num_micro_batches=num_micro_batches,
             ranks=tuple(tuple(r) for r in rows),
             name=name,
+            split_backward=any(a.op is Op.BACKWARD_INPUT for r in rows for a in r),
         ).validate()

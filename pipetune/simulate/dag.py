@@ -27,7 +27,8 @@ from scipy.sparse import csr_matrix
 from pipetune.schedule.lowering import Message, MessageKind
 from pipetune.schedule.table import Action, Module, Op, ScheduleError, ScheduleTable
 
-KINDS = ((Module.BACKBONE, Op.FORWARD), (Module.BACKBONE, Op.BACKWARD), (Module.ENCODER, Op.FORWARD), (Module.ENCODER, Op.BACKWARD))
+KINDS = ((Module.BACKBONE, Op.FORWARD), (Module.BACKBONE, Op.BACKWARD), (Module.ENCODER, Op.FORWARD), (Module.ENCODER, Op.BACKWARD),
+         (Module.BACKBONE, Op.BACKWARD_INPUT), (Module.BACKBONE, Op.BACKWARD_WEIGHT))
 KIND = {k: i for i, k in enumerate(KINDS)}
 MESSAGE_KINDS = tuple(MessageKind)
 

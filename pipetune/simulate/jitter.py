@@ -56,7 +56,7 @@ def jitter(lat: Latencies, variability: Variability, draws: int, seed) -> Jitter
     p2p = {name: _factors(variability.p2p, getattr(lat, name), rng.standard_normal((draws, *getattr(lat, name).shape)))
            for name in ("p2p", "encoder_p2p", "feature_p2p")}
     return JitteredLatencies(tuple(
-        replace(lat, fwd=lat.fwd * stage[k], bwd=lat.bwd * stage[k], encoder=lat.encoder * enc[k], encoder_bwd=lat.encoder_bwd * enc[k],
+        replace(lat, fwd=lat.fwd * stage[k], bwd=lat.bwd * stage[k], bwd_input=lat.bwd_input * stage[k], encoder=lat.encoder * enc[k], encoder_bwd=lat.encoder_bwd * enc[k],
                 **{name: getattr(lat, name) * f[k] for name, f in p2p.items()})
         for k in range(draws)))
 

@@ -37,7 +37,9 @@ class Latencies:
     frozen; ``encoder_p2p``: one message between encoder chunks; ``feature_p2p``: one
     sub-microbatch's image features to backbone chunk 0; ``image_feature_bytes``: those features
     held there). Left out, encoder arrays are zeros with one chunk and ``n = m``, and ``p2p`` and
-    ``activation_bytes`` zeros. ``contention``: the slow-down of work while another rank is busy
+    ``activation_bytes`` zeros. ``bwd_input``: the input-gradient part of ``bwd`` (``[m, S]``),
+    what a split backward's ``I`` action takes (``W`` takes the rest); left out, half of ``bwd``
+    (a stage of matmuls: both gradients cost one forward each). ``contention``: the slow-down of work while another rank is busy
     (``pipetune.simulate.contention``); every makespan adds it times the concurrent time.
     """
 
@@ -51,6 +53,7 @@ class Latencies:
     encoder_p2p: np.ndarray | None = field(default=None, kw_only=True)
     feature_p2p: np.ndarray | None = field(default=None, kw_only=True)
     encoder_activation_bytes: np.ndarray | None = field(default=None, kw_only=True)
+    bwd_input: np.ndarray | None = field(default=None, kw_only=True)
     contention: float = field(default=0.0, kw_only=True)
 
     def __post_init__(self) -> None:
@@ -63,13 +66,18 @@ class Latencies:
         for name, shape in shapes.items():
             given = getattr(self, name)
             object.__setattr__(self, name, np.zeros(shape) if given is None else np.asarray(given, np.float64).reshape(shape))
+        bwd_input = 0.5 * np.asarray(self.bwd, np.float64) if self.bwd_input is None else np.asarray(self.bwd_input, np.float64)
+        if bwd_input.shape != self.fwd.shape or (bwd_input > self.bwd + 1e-12).any() or (bwd_input < 0).any():
+            raise ValueError(f"bwd_input must be [m, S] = {self.fwd.shape} and between 0 and bwd")
+        object.__setattr__(self, "bwd_input", bwd_input)
 
     @classmethod
     def from_costs(cls, costs) -> "Latencies":
         """From ``pipetune.cost.StageCosts``."""
         return cls(costs.fwd, costs.bwd, costs.encoder, costs.p2p, costs.activation_bytes, costs.image_feature_bytes,
                    encoder_bwd=costs.encoder_bwd, encoder_p2p=costs.encoder_p2p, feature_p2p=costs.feature_p2p,
-                   encoder_activation_bytes=costs.encoder_activation_bytes, contention=costs.contention)
+                   encoder_activation_bytes=costs.encoder_activation_bytes, bwd_input=getattr(costs, "bwd_input", None),
+                   contention=costs.contention)
 
     @classmethod
     def uniform(cls, m: int, S: int, t_f: float, t_b: float, *, t_e: float = 0.0, p2p: float = 0.0) -> "Latencies":
@@ -103,7 +111,7 @@ def durations(lat: Latencies, module: Module, op: Op) -> np.ndarray:
     """Seconds of ``module``'s ``op`` actions, ``[units, chunks]``."""
     if module is Module.ENCODER:
         return lat.encoder if op is Op.FORWARD else lat.encoder_bwd
-    return lat.fwd if op is Op.FORWARD else lat.bwd
+    return {Op.FORWARD: lat.fwd, Op.BACKWARD: lat.bwd, Op.BACKWARD_INPUT: lat.bwd_input, Op.BACKWARD_WEIGHT: lat.bwd - lat.bwd_input}[op]
 
 
 def message_costs(lat: Latencies, kind: MessageKind) -> np.ndarray:

@@ -227,7 +227,7 @@ def table_of(rows, S=2, m=2, encoder=False, trained=False, **kw):
         ([["0F0", "0B0"], ["1F0"]], {"m": 1}, "action 1B0 is missing"),
         ([["0B0", "0F0"], ["1F0", "1B0"]], {"m": 1}, "needs 0F0, which this rank has not run before it"),
         ([["1F0", "0B0"], ["0F0", "1B0"]], {"m": 1}, "chunk 1 is placed on rank 1"),
-        ([["0F0", "0F1", "0B0", "0B1"], ["1F0", "1F1", "1B0", "1B1"]], {"max_in_flight": (2, 1)}, "stage 1 holds 2 micro-batches in flight"),
+        ([["0F0", "0F1", "0B0", "0B1"], ["1F0", "1F1", "1B0", "1B1"]], {"max_in_flight": (2, 1)}, "rank 1 holds 2 micro-batches. activations"),
         ([["0F0", "E0F0", "0B0"], ["1F0", "1B0"]], {"m": 1, "encoder": True}, "0F0.*needs E0F0, which this rank has not run"),
         ([["E0F0", "0F0", "0B0", "E0B0"], ["1F0", "1B0"]], {"m": 1, "encoder": True}, "a frozen encoder has no backward actions"),
         ([["E0F0", "0F0", "E0B0", "0B0"], ["1F0", "1B0"]], {"m": 1, "encoder": True, "trained": True}, "E0B0.*needs 0B0"),
