@@ -14,6 +14,8 @@ from pipetune.cli.common import (
     positive_int,
     table_from_args,
 )
+from dataclasses import replace
+
 from pipetune.config import load_hardware
 from pipetune.cost import CostModel, StageLayout
 
@@ -22,6 +24,8 @@ def add_layout_args(p, *, default: str) -> None:
     p.add_argument("--layout", default=default, help="backbone layers per stage: even, or e.g. 6,10,9,7; separated: the vision "
                    "encoder in chunks of its own on every rank (DIP); auto: the faster of the searched split and separated")
     p.add_argument("--layout-sample", type=positive_int, default=8, help="sampled batches the layout search scores layouts on")
+    p.add_argument("--chunks-per-rank", type=positive_int, default=1, help="virtual stages: backbone chunks per rank (interleaved "
+                   "1F1B; --layout then lists pp x chunks-per-rank chunks, or even)")
     p.add_argument("--recompute-encoder", action="store_true", help="recompute a trained ViT's activations in the backward")
     p.add_argument("--memory-gib", type=positive_float, help="GPU memory per rank (default: the --hardware preset's)")
 
@@ -40,8 +44,12 @@ def cost_and_layout_from_args(args, model, data):
     cost = CostModel(base.table, base.layout, recompute_encoder=args.recompute_encoder)
     if args.layout == "separated":
         raise ValueError("--layout separated is for `pipetune plan`, which compares it with the co-located layouts")
+    V = getattr(args, "chunks_per_rank", 1)
     if args.layout != "auto":
-        return cost.with_layout(StageLayout.parse(args.layout, model.backbone.n_layers, args.pp)), None
+        layout = StageLayout.parse(args.layout, model.backbone.n_layers, args.pp * V)
+        return cost.with_layout(replace(layout, chunks_per_rank=V)), None
+    if V > 1:
+        raise ValueError("--layout auto searches one chunk per rank; give --layout even or pp x chunks-per-rank layer counts")
     sample = sample_batches(
         data, model, gbs=args.gbs, max_seq_len=args.max_seq_len, count=args.layout_sample, seed=args.data_seed, overlong=args.overlong
     )

@@ -15,6 +15,7 @@ from pipetune.cli.common import (
 )
 from pipetune.cli.layout_cmd import add_layout_args, cost_and_layout_from_args, memory_from_args
 from pipetune.plan.compare import compare_modes
+from pipetune.plan.planner_config import SplitBackward
 
 
 def register(sub) -> None:
@@ -25,6 +26,9 @@ def register(sub) -> None:
     add_cost_args(p)
     p.add_argument("--mbs", type=positive_int, help="micro-batch size of the fixed-size modes (default: largest that fits memory)")
     add_layout_args(p, default="even")
+    p.add_argument("--split-backward", default="off", choices=[x.value for x in SplitBackward],
+                   help="zero-bubble tables: split backwards into input and weight gradients never, always, or per iteration "
+                        "(auto); the best fixed configuration may then split too")
     p.add_argument("--dp", type=positive_int, default=1, help="data-parallel replicas: also split each global batch over them (balanced vs round-robin)")
     p.set_defaults(run=run, iters=50)
 
@@ -38,7 +42,7 @@ def run(args) -> int:
     memory = memory_from_args(args)
     summary = compare_modes(
         model, cost, data, gbs=args.gbs, max_seq_len=args.max_seq_len, memory_bytes=memory, iters=args.iters,
-        mbs=args.mbs, overlong=args.overlong, seed=args.data_seed,
+        mbs=args.mbs, overlong=args.overlong, seed=args.data_seed, split_backward=SplitBackward(args.split_backward),
     )
     base = float(summary["original"].iter_s.mean())
     out = {mode: s.to_dict(base) for mode, s in summary.items()}
@@ -50,6 +54,7 @@ def run(args) -> int:
     config = {"model": model.name, "tp": args.tp, "pp": args.pp, "gbs": args.gbs, "max_seq_len": args.max_seq_len,
               "iters": args.iters, "latencies": source, "hardware": args.hardware if cost.table.estimate else None,
               "layout": args.layout, "layers_per_stage": cost.layout.layers_per_stage(), "separated": cost.layout.is_separated,
+              "chunks_per_rank": cost.layout.chunks_per_rank, "split_backward": args.split_backward,
               "recompute_encoder": cost.recompute_encoder, "extrapolated": extrapolated}
     if search is not None:
         config["layout_search"] = {"layouts_scored": search.evaluated, "search_s": search.search_s,
@@ -62,7 +67,10 @@ def run(args) -> int:
         return 0
     print(f"{model.name} TP{args.tp} PP{args.pp} GBS {args.gbs} max_seq_len {args.max_seq_len}, {args.iters} iterations; "
           f"latencies: {source}")
-    print(f"layout ({args.layout}): layers per stage {','.join(map(str, cost.layout.layers_per_stage()))}"
+    print(f"layout ({args.layout}): layers per {'chunk' if cost.layout.chunks_per_rank > 1 else 'stage'} "
+          f"{','.join(map(str, cost.layout.layers_per_stage()))}"
+          + (f", {cost.layout.chunks_per_rank} chunks per rank (interleaved)" if cost.layout.chunks_per_rank > 1 else "")
+          + (f"; split backward {args.split_backward}" if args.split_backward != "off" else "")
           + (f", separated encoder in {len(cost.layout.encoder_chunks)} chunks" if cost.layout.is_separated else "")
           + (f"; searched {search.evaluated} layouts in {search.search_s:.2f} s, sampled cut vs even {search.cut_vs_even:.1%}"
              if search is not None else "")

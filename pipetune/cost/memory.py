@@ -6,10 +6,12 @@ candidate plan's simulated peak (``pipetune.plan.planner``), not in the worst ca
 Model states per rank (no ZeRO; tensor parallelism splits everything ``tp`` ways): every trained
 parameter costs ``TRAINED_BYTES_PER_PARAM`` = 16 bytes (BF16 weight and gradient, FP32 master weight
 and two Adam moments); the frozen ViT costs its weights only. Each rank holds its backbone stage
-and the encoder chunks the layout places on it (co-located: the whole encoder on rank 0). Activations come from the latency
-table's bytes per token and image. A micro-batch of size ``mbs`` holds at most ``mbs * max_seq_len``
-tokens, all of which may be image tokens; under 1F1B stage ``s`` keeps ``num_stages - s``
-micro-batches in flight. ``reserve`` keeps a fraction of memory free for workspace and fragmentation.
+and the encoder chunks the layout places on it (co-located: the whole encoder on rank 0; with
+virtual stages, its ``V`` backbone chunks). Activations come from the latency table's bytes per
+token and image. A micro-batch of size ``mbs`` holds at most ``mbs * max_seq_len`` tokens, all of
+which may be image tokens; rank ``r`` keeps ``activation_caps(P, V)[r]`` micro-batches' chunk
+activations in flight (1F1B: ``P - r``), and a zero-bubble table up to the largest of them on
+every rank. ``reserve`` keeps a fraction of memory free for workspace and fragmentation.
 """
 
 from __future__ import annotations
@@ -17,25 +19,28 @@ from __future__ import annotations
 import numpy as np
 
 from pipetune.cost.cost_model import CostModel, MicroBatchShapes
+from pipetune.schedule.schedules import activation_caps
 
 TRAINED_BYTES_PER_PARAM = 16
 
 
 def model_state_bytes(cost: CostModel, *, frozen_weight_bytes: int = 2) -> np.ndarray:
     """Bytes of weights, gradients and optimizer state on each rank's GPU."""
+    placement = cost.placement()
     model, tp = cost.table.model, cost.table.tp
     b = model.backbone
     trained = cost.layers * b.layer_params
     trained[0] += b.vocab_size * b.dim
     trained[-1] += b.vocab_size * b.dim + b.dim
-    frozen = np.zeros_like(trained)
     enc = model.encoder
     if enc is not None:
         trained[0] += model.projector_params
         vit = cost.encoder_layers * enc.layer_params
         vit[0] += enc.patch_dim * enc.dim + enc.patches_per_image * enc.dim
-        np.add.at(frozen if enc.frozen else trained, np.array(cost.placement().encoder), vit)
-    return (trained * TRAINED_BYTES_PER_PARAM + frozen * frozen_weight_bytes) / tp
+    per_rank = np.bincount(placement.backbone, weights=trained * TRAINED_BYTES_PER_PARAM, minlength=placement.num_ranks)
+    if enc is not None:
+        np.add.at(per_rank, np.array(placement.encoder), vit * (frozen_weight_bytes if enc.frozen else TRAINED_BYTES_PER_PARAM))
+    return per_rank / tp
 
 
 def worst_case_activation_bytes(cost: CostModel, tokens: int) -> np.ndarray:
@@ -49,19 +54,26 @@ def worst_case_activation_bytes(cost: CostModel, tokens: int) -> np.ndarray:
     return cost.activation_bytes(shapes)[0]
 
 
-def stage_peak_bytes(cost: CostModel, mbs: int, max_seq_len: int) -> np.ndarray:
-    """Worst-case peak bytes per stage under 1F1B at micro-batch size ``mbs``."""
-    S = cost.num_stages
-    in_flight = S - np.arange(S)
-    return model_state_bytes(cost) + in_flight * worst_case_activation_bytes(cost, mbs * max_seq_len)
+def stage_peak_bytes(cost: CostModel, mbs: int, max_seq_len: int, *, split_backward: bool = False) -> np.ndarray:
+    """Worst-case peak bytes per rank under 1F1B (interleaved with virtual stages; zero-bubble
+    with ``split_backward``) at micro-batch size ``mbs``: each rank's cap of in-flight
+    micro-batches times its costliest chunk's activations."""
+    p = cost.placement()
+    caps = np.array(activation_caps(p.num_ranks, p.chunks_per_rank))
+    in_flight = np.full_like(caps, caps.max()) if split_backward else caps
+    chunk = worst_case_activation_bytes(cost, mbs * max_seq_len)
+    worst = np.zeros(p.num_ranks)
+    np.maximum.at(worst, np.array(p.backbone), chunk)
+    return model_state_bytes(cost) + in_flight * worst
 
 
-def max_micro_batch_size(cost: CostModel, max_seq_len: int, memory_bytes: float, *, reserve: float = 0.1, limit: int = 64) -> int:
-    """Largest mbs whose worst case fits ``memory_bytes * (1 - reserve)`` on every stage (0: none)."""
+def max_micro_batch_size(cost: CostModel, max_seq_len: int, memory_bytes: float, *, reserve: float = 0.1, limit: int = 64,
+                        split_backward: bool = False) -> int:
+    """Largest mbs whose worst case fits ``memory_bytes * (1 - reserve)`` on every rank (0: none)."""
     budget = memory_bytes * (1 - reserve)
     best = 0
     for mbs in range(1, limit + 1):
-        if (stage_peak_bytes(cost, mbs, max_seq_len) > budget).any():
+        if (stage_peak_bytes(cost, mbs, max_seq_len, split_backward=split_backward) > budget).any():
             break
         best = mbs
     return best

@@ -4,6 +4,9 @@ Besides the paper's modes, ``best-static`` is what a careful user would run with
 micro-batch size and one packer (original or balanced) chosen once for the whole run, the pair
 with the lowest mean simulated iteration time over the same iterations among those whose plans fit
 memory on every iteration (PipeTune compares against ``original`` at the largest mbs that fits).
+When the planner may split backwards (``split_backward``), so may the fixed configuration: the
+split is then one more fixed choice (and virtual stages come with the cost model's layout, for
+both).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from pipetune.data.samples import Overlong, SampleTable
 from pipetune.data.stream import BatchStream
 from pipetune.plan.mode import Mode
 from pipetune.plan.planner import Planner
-from pipetune.plan.planner_config import PlannerConfig
+from pipetune.plan.planner_config import PlannerConfig, SplitBackward
 
 
 @dataclass(frozen=True)
@@ -63,15 +66,20 @@ def compare_modes(
     seed: int = 0,
     modes=tuple(Mode),
     best_static: bool = True,
+    split_backward: SplitBackward = SplitBackward.OFF,
 ) -> dict[str, ModeSummary]:
     """Plan ``iters`` batches of ``data`` in each mode (and ``best-static``, see module doc);
-    simulated iteration times and search times."""
+    simulated iteration times and search times. The paper's modes keep whole backwards; pipetune
+    uses ``split_backward``."""
     stream = BatchStream(num_rows=len(data), gbs=gbs, seed=seed)
+    split_backward = SplitBackward(split_backward)
     planners = {
-        Mode(m).value: PlannerConfig(mode=m, max_seq_len=max_seq_len, memory_bytes=memory_bytes, mbs=mbs, seed=seed).build(model, cost)
+        Mode(m).value: PlannerConfig(mode=m, max_seq_len=max_seq_len, memory_bytes=memory_bytes, mbs=mbs, seed=seed,
+                                     split_backward=split_backward if m is Mode.PIPETUNE else SplitBackward.OFF).build(model, cost)
         for m in modes
     }
-    static = static_planners(model, cost, max_seq_len=max_seq_len, memory_bytes=memory_bytes, seed=seed) if best_static else {}
+    static = static_planners(model, cost, max_seq_len=max_seq_len, memory_bytes=memory_bytes, seed=seed,
+                             split_backward=split_backward) if best_static else {}
     rows = {m: [] for m in [*planners, *static]}
     for step in range(iters):
         meta = batch_meta(data, stream, step, images=ImageSizing.for_model(model), max_seq_len=max_seq_len, overlong=overlong)
@@ -80,25 +88,34 @@ def compare_modes(
     out = {m: _summary(m, rows[m]) for m in planners}
     choice = pick_best_static(static, rows)
     if choice is not None:
-        packer, size = choice
-        out["best-static"] = _summary("best-static", rows[choice], choice=f"{packer.value} mbs={size}")
+        packer, size, split = choice
+        out["best-static"] = _summary("best-static", rows[choice], choice=f"{packer.value} mbs={size}"
+                                      + (f" split backward {split.value}" if split is not SplitBackward.OFF else ""))
     return out
 
 
+StaticKey = tuple[Mode, int, SplitBackward]
+
+
 def static_planners(model: ModelConfig, cost: CostModel, *, max_seq_len: int, memory_bytes: float, seed: int = 0,
-                    max_mbs: int = 64, jitter_draws: int = 0) -> dict[tuple[Mode, int], Planner]:
-    """One planner per fixed configuration: packer (original or balanced) x every mbs that fits
-    (``jitter_draws``: predict expected times, as a jitter-aware planner they are compared with)."""
-    top = PlannerConfig(mode=Mode.BALANCED, max_seq_len=max_seq_len, memory_bytes=memory_bytes, max_mbs=max_mbs).build(model, cost).max_mbs
+                    max_mbs: int = 64, jitter_draws: int = 0,
+                    split_backward: SplitBackward = SplitBackward.OFF) -> dict[StaticKey, Planner]:
+    """One planner per fixed configuration: packer (original or balanced) x every mbs that fits x
+    each whole/split backward ``split_backward`` allows (``jitter_draws``: predict expected times, as
+    a jitter-aware planner they are compared with)."""
+    splits = [SplitBackward.ON if split else SplitBackward.OFF for split in SplitBackward(split_backward).families]
+    top = max(PlannerConfig(mode=Mode.BALANCED, max_seq_len=max_seq_len, memory_bytes=memory_bytes, max_mbs=max_mbs,
+                            split_backward=split).build(model, cost).max_mbs for split in splits)
     return {
-        (packer, size): PlannerConfig(mode=packer, max_seq_len=max_seq_len, memory_bytes=memory_bytes, mbs=size, seed=seed,
-                                      jitter_draws=jitter_draws).build(model, cost)
+        (packer, size, split): PlannerConfig(mode=packer, max_seq_len=max_seq_len, memory_bytes=memory_bytes, mbs=size, seed=seed,
+                                             jitter_draws=jitter_draws, split_backward=split).build(model, cost)
         for packer in (Mode.ORIGINAL, Mode.BALANCED)
         for size in range(1, top + 1)
+        for split in splits
     }
 
 
-def pick_best_static(static: dict[tuple[Mode, int], Planner], rows: dict) -> tuple[Mode, int] | None:
+def pick_best_static(static: dict[StaticKey, Planner], rows: dict) -> StaticKey | None:
     """The configuration with the lowest mean simulated time over its planned ``rows`` among those
     whose plans all fit memory (None if none does)."""
     fits = {k: all(max(p.peak_bytes) <= static[k].budget for p in rows[k]) for k in static}
@@ -107,10 +124,11 @@ def pick_best_static(static: dict[tuple[Mode, int], Planner], rows: dict) -> tup
 
 
 def best_static_planner(model: ModelConfig, cost: CostModel, sample: list[BatchMeta], *, max_seq_len: int, memory_bytes: float,
-                        seed: int = 0, max_mbs: int = 64, jitter_draws: int = 0) -> Planner:
+                        seed: int = 0, max_mbs: int = 64, jitter_draws: int = 0,
+                        split_backward: SplitBackward = SplitBackward.OFF) -> Planner:
     """The best fixed configuration on ``sample`` (batches drawn apart from the ones it will plan)."""
     static = static_planners(model, cost, max_seq_len=max_seq_len, memory_bytes=memory_bytes, seed=seed, max_mbs=max_mbs,
-                             jitter_draws=jitter_draws)
+                             jitter_draws=jitter_draws, split_backward=split_backward)
     choice = pick_best_static(static, {k: [p.plan(meta) for meta in sample] for k, p in static.items()})
     if choice is None:
         raise ValueError(f"no fixed micro-batch size fits the sampled batches in {memory_bytes / 2**30:.1f} GiB")

@@ -10,7 +10,7 @@ from pipetune.data.batch import BatchMeta
 from pipetune.packing.groups import Packing
 from pipetune.plan.mode import Mode
 from pipetune.schedule.schedules import Schedule, place_encoders, serial
-from pipetune.schedule.table import Action, Placed, Placement, ScheduleError, ScheduleTable
+from pipetune.schedule.table import Action, Op, Placed, Placement, ScheduleError, ScheduleTable
 from pipetune.simulate.simulator import Latencies
 
 PLAN_FORMAT = "pipetune.iteration_plan"
@@ -85,12 +85,15 @@ class IterationPlan(Placed):
         return Latencies.from_costs(cost.stage_costs(self.shapes(meta)))
 
     def table(self) -> ScheduleTable:
+        """The schedule (split backward when its lists hold ``I`` actions)."""
+        ranks = tuple(tuple(Action.parse(a) for a in r) for r in self.ranks)
         return ScheduleTable(
             placement=self.placement,
             num_micro_batches=self.num_micro_batches,
-            ranks=tuple(tuple(Action.parse(a) for a in r) for r in self.ranks),
+            ranks=ranks,
             sub_mb_parent=self.sub_mb_parent,
             name=str(self.mode or ""),
+            split_backward=any(a.op is Op.BACKWARD_INPUT for r in ranks for a in r),
         )
 
     @property
@@ -246,6 +249,8 @@ def build_plan(
     max_seq_len: int,
     encoder_trained: bool = False,
     schedule: Schedule = Schedule.ONE_F_ONE_B,
+    chunks_per_rank: int = 1,
+    split_backward: bool = False,
     encoder_before: dict[int, int] | None = None,
     **fields,
 ) -> IterationPlan:
@@ -253,7 +258,8 @@ def build_plan(
     placements (``encoder_before[mb]`` = position in stage 0's rank list, see ``place_encoders``);
     ``fields``: the other ``plan_from_table`` arguments (mode, predictions, ...)."""
     try:
-        table = Schedule(schedule).build(num_stages, order, encoder=encoder, encoder_trained=encoder_trained)
+        table = Schedule(schedule).build(num_stages, order, encoder=encoder, encoder_trained=encoder_trained,
+                                         chunks_per_rank=chunks_per_rank, split_backward=split_backward)
         if encoder and encoder_before:
             table = place_encoders(table, encoder_before)
     except ScheduleError as e:

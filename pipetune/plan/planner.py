@@ -14,6 +14,11 @@ For one batch's metadata, ``pipetune`` mode:
 4. return the best as an ``IterationPlan``, with the lower bound of every size searched (so the
    gap to it says how far the plan is from anything the search space allows).
 
+Schedule families: with ``PlannerConfig.split_backward=auto`` every packing is timed on both the
+1F1B table and its zero-bubble twin (backwards split into ``I`` and ``W``), and the order search
+runs on each; the stage layout's ``chunks_per_rank`` makes both interleaved. Memory decides too:
+a family whose simulated peak does not fit is not chosen.
+
 Modes (the paper's ablation): ``original`` = random first-fit packing at the fixed maximum mbs in
 packing order; ``balanced`` = Alg. 1 at that mbs; ``reorder`` = ``balanced`` + ordering and
 pre-computation; ``pipetune`` = ``reorder`` + adaptive mbs. Every searched mode includes its
@@ -83,7 +88,8 @@ class Planner:
         self.cost = cost
         self.states = model_state_bytes(cost)
         self.budget = config.memory_bytes * (1 - config.reserve)
-        fit = max_micro_batch_size(cost, config.max_seq_len, config.memory_bytes, reserve=config.reserve, limit=config.max_mbs)
+        fit = max(max_micro_batch_size(cost, config.max_seq_len, config.memory_bytes, reserve=config.reserve, limit=config.max_mbs,
+                                       split_backward=split) for split in config.split_backward.families)
         if fit == 0:
             raise ValueError(
                 f"no micro-batch size fits: model states need up to {self.states.max() / 2**30:.1f} GiB per GPU and "
@@ -96,6 +102,8 @@ class Planner:
         self.last_mbs = self.fixed_mbs
         self._dags: dict[tuple[int, bool], CompiledSchedule] = {}
         self.encoder = model.encoder is not None
+        self.families = config.split_backward.families
+        self.chunks_per_rank = cost.placement().chunks_per_rank
         self.correction: dict[int, float] = {}
         self._lock = threading.Lock()
 
@@ -119,11 +127,12 @@ class Planner:
     def _score(self, c: Candidate) -> float:
         return c.best_s * self._factor(c.mbs)
 
-    def _dag(self, m: int) -> CompiledSchedule:
-        key = (m, self.encoder)
+    def _dag(self, m: int, split_backward: bool) -> CompiledSchedule:
+        key = (m, split_backward)
         if key not in self._dags:
             table = self.config.schedule.build(self.cost.num_stages, range(m), encoder=self.encoder,
-                                               encoder_trained=self.cost.encoder_trainable)
+                                               encoder_trained=self.cost.encoder_trainable, chunks_per_rank=self.chunks_per_rank,
+                                               split_backward=split_backward)
             self._dags[key] = compile_schedule(table)
         return self._dags[key]
 
@@ -133,14 +142,22 @@ class Planner:
             lengths, meta.step
         )
         lat = Latencies.from_costs(self.cost.stage_costs(MicroBatchShapes.from_packing(meta.table, packing)))
-        dag = self._dag(packing.num_micro_batches)
         identity = np.arange(packing.num_micro_batches)
         draws, variability = self.config.jitter_draws, self.cost.table.variability
         noisy = jitter(lat, variability, draws, (self.config.seed, meta.step)) if draws and variability else None
-        span, fits = self._evaluate(dag, lat, noisy, identity[None])
-        c = Candidate(mbs, packing, lat, dag, float(span[0]), makespan_lower_bound(lat), bool(fits[0]), noisy)
+        timed = []
+        for split in self.families:
+            dag = self._dag(packing.num_micro_batches, split)
+            span, fits = self._evaluate(dag, lat, noisy, identity[None])
+            timed.append((not fits[0], float(span[0]), dag))
+        unfit, span, dag = min(timed, key=lambda t: t[:2])
+        c = Candidate(mbs, packing, lat, dag, span, self._lower_bound(lat), not unfit, noisy)
         c.best_s, c.order, c.slots = (c.base_s if c.fits else np.inf), identity, dag.float_slot.copy()
         return c
+
+    def _lower_bound(self, lat: Latencies) -> float:
+        """A bound on every table the planner may choose for these latencies."""
+        return makespan_lower_bound(lat, self.cost.placement(), split_backward=True in self.families)
 
     def _fits(self, peaks: np.ndarray) -> np.ndarray:
         return ((peaks + self.states[None, :]) <= self.budget).all(axis=1)
@@ -154,23 +171,30 @@ class Planner:
         return span, self._fits(res.peak_bytes)
 
     def _improve(self, c: Candidate) -> None:
-        """Search orders and encoder placements for one packing (in place)."""
+        """Search orders and encoder placements for one packing (in place): orders are ranked on the
+        candidate's schedule family, and the best few are also timed on the other families."""
         orders = candidate_orders(c.lat, self.config.max_clusters)
         span, fits = self._evaluate(c.dag, c.lat, c.noisy, orders)
         span = np.where(fits, span, np.inf)
         keep = np.argsort(span, kind="stable")[: self.config.top_orders]
-        cands, slots, spans = orders[keep], np.tile(c.dag.float_slot, (len(keep), 1)), span[keep]
-        if self.encoder and self.config.precompute and not self.cost.encoder_trainable:
-            moved_orders = np.repeat(cands, len(PRECOMPUTE_OVERFLOWS), axis=0)
-            overflows = np.tile(PRECOMPUTE_OVERFLOWS, len(keep))
-            moved = move_encoders_into_gaps(c.dag, c.lat, moved_orders, overflows)
-            moved_span, fits = self._evaluate(c.dag, c.lat, c.noisy, moved_orders, moved)
-            cands = np.vstack([cands, moved_orders])
-            slots = np.vstack([slots, moved])
-            spans = np.concatenate([spans, np.where(fits, moved_span, np.inf)])
-        k = int(np.argmin(spans))
-        if spans[k] < c.best_s:
-            c.best_s, c.order, c.slots = float(spans[k]), cands[k], slots[k]
+        ranked_on = c.dag
+        for split in self.families:
+            dag = self._dag(c.packing.num_micro_batches, split)
+            cands, slots, spans = orders[keep], np.tile(dag.float_slot, (len(keep), 1)), span[keep]
+            if dag is not ranked_on:
+                other, fits = self._evaluate(dag, c.lat, c.noisy, cands)
+                spans = np.where(fits, other, np.inf)
+            if self.encoder and self.config.precompute and not self.cost.encoder_trainable:
+                moved_orders = np.repeat(cands, len(PRECOMPUTE_OVERFLOWS), axis=0)
+                overflows = np.tile(PRECOMPUTE_OVERFLOWS, len(keep))
+                moved = move_encoders_into_gaps(dag, c.lat, moved_orders, overflows)
+                moved_span, fits = self._evaluate(dag, c.lat, c.noisy, moved_orders, moved)
+                cands = np.vstack([cands, moved_orders])
+                slots = np.vstack([slots, moved])
+                spans = np.concatenate([spans, np.where(fits, moved_span, np.inf)])
+            k = int(np.argmin(spans))
+            if spans[k] < c.best_s:
+                c.best_s, c.order, c.slots, c.dag = float(spans[k]), cands[k], slots[k], dag
 
     def plan(self, meta: BatchMeta, *, deadline: float | None = None) -> IterationPlan:
         """The plan for one batch; past ``deadline`` (``time.perf_counter()`` seconds) the fallback."""
@@ -232,6 +256,8 @@ class Planner:
             encoder=self.encoder,
             encoder_trained=self.cost.encoder_trainable,
             schedule=self.config.schedule,
+            chunks_per_rank=self.chunks_per_rank,
+            split_backward=c.dag.table.split_backward,
             encoder_before=moved,
             predicted_s=c.best_s if np.isfinite(c.best_s) else c.base_s,
             lower_bound_s=lower_bound_s,

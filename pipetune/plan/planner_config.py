@@ -5,6 +5,7 @@ without ``pipetune.plan.planner`` importing it back."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 from pipetune.config.model import ModelConfig
 from pipetune.cost.cost_model import CostModel
@@ -12,6 +13,21 @@ from pipetune.plan.mode import Mode
 from pipetune.plan.planner import Planner
 from pipetune.plan.separated import SeparatedPlanner
 from pipetune.schedule.schedules import Schedule
+
+
+class SplitBackward(StrEnum):
+    """Whether plans split every backbone backward into input- and weight-gradient actions
+    (zero-bubble tables, ``pipetune.schedule.schedules.list_scheduled``): never, always, or
+    ``auto``: per iteration, whichever simulates faster within memory."""
+
+    OFF = "off"
+    ON = "on"
+    AUTO = "auto"
+
+    @property
+    def families(self) -> tuple[bool, ...]:
+        """The ``split_backward`` values the planner tries."""
+        return {SplitBackward.OFF: (False,), SplitBackward.ON: (True,), SplitBackward.AUTO: (False, True)}[self]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -22,7 +38,9 @@ class PlannerConfig:
     ``top_sizes`` micro-batch sizes (best packing-order makespan first) get the order search, and
     their ``top_orders`` best orders get encoder placements. ``jitter_draws`` (0 or >= 2): draws of
     per-action noise that candidates are scored over (expected makespan), when the cost model's
-    table has a variability model; 0 scores the deterministic makespan.
+    table has a variability model; 0 scores the deterministic makespan. ``split_backward``: see
+    ``SplitBackward`` (co-located 1F1B layouts only; the stage layout's ``chunks_per_rank`` sets
+    virtual stages).
     """
 
     mode: Mode = Mode.PIPETUNE
@@ -38,12 +56,18 @@ class PlannerConfig:
     precompute: bool = True
     seed: int = 0
     jitter_draws: int = 0
+    split_backward: SplitBackward = SplitBackward.OFF
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", Mode(self.mode))
+        if self.split_backward not in set(SplitBackward):
+            raise ValueError(f"unknown split_backward {self.split_backward!r}; known: {[s.value for s in SplitBackward]}")
+        object.__setattr__(self, "split_backward", SplitBackward(self.split_backward))
         if self.schedule not in set(Schedule):
             raise ValueError(f"unknown schedule {self.schedule!r}; known: {[s.value for s in Schedule]}")
         object.__setattr__(self, "schedule", Schedule(self.schedule))
+        if self.split_backward is not SplitBackward.OFF and self.schedule is not Schedule.ONE_F_ONE_B:
+            raise ValueError(f"split_backward={self.split_backward.value} needs the 1f1b schedule, not {self.schedule.value}")
         if self.mbs is not None and self.mbs < 1:
             raise ValueError(f"mbs must be >= 1 (or None for the largest that fits), got {self.mbs}")
         if not 1 <= self.max_clusters <= 6:
@@ -56,5 +80,7 @@ class PlannerConfig:
         if cost.layout.is_separated:
             if self.jitter_draws:
                 raise ValueError("jitter_draws: the separated layout's planner scores deterministic times only; use jitter_draws=0")
+            if self.split_backward is not SplitBackward.OFF:
+                raise ValueError("split_backward: the separated layout's tables keep whole backwards; use split_backward=off")
             return SeparatedPlanner(self, model, cost)
         return Planner(self, model, cost)

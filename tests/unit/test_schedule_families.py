@@ -156,3 +156,26 @@ def test_zero_bubble_with_uneven_latencies_is_never_slower_than_1f1b_on_random_c
         plain = simulate(list_scheduled(P, 1, range(m)), lat).makespan
         zb = simulate(list_scheduled(P, 1, range(m), split_backward=True), lat).makespan
         assert zb <= plain + 1e-9
+
+
+def test_the_lower_bound_holds_for_every_family_and_is_the_old_one_for_1f1b():
+    from pipetune.simulate.lower_bound import makespan_lower_bound
+
+    rng = np.random.default_rng(3)
+    for P, V, m, split in CASES[::2]:
+        S = P * V
+        fwd = rng.uniform(0.2, 2.0, (m, S)) / V
+        bwd = fwd * rng.uniform(1.5, 2.5, (m, S))
+        trained = m % 2 == 0
+        enc = rng.uniform(0, 1, m)
+        lat = Latencies(fwd, bwd, enc, rng.uniform(0, 0.05, m), bwd_input=bwd * rng.uniform(0.3, 0.7, (m, S)),
+                        encoder_bwd=2 * enc if trained else None)
+        table = list_scheduled(P, V, rng.permutation(m), split_backward=split, encoder=True, encoder_trained=trained)
+        span = simulate(table, lat).makespan
+        relaxed = makespan_lower_bound(lat, table.placement, split_backward=True)
+        assert relaxed <= span + 1e-9
+        if not split:
+            whole = makespan_lower_bound(lat, table.placement)
+            assert relaxed <= whole + 1e-9 <= span + 2e-9
+    lat = Latencies(rng.uniform(0.5, 1, (6, 3)), rng.uniform(1, 2, (6, 3)), rng.uniform(0, 1, 6), rng.uniform(0, 0.1, 6))
+    assert makespan_lower_bound(lat) == makespan_lower_bound(lat, Placement.colocated(3))

@@ -1,0 +1,77 @@
+"""The planner over schedule families: zero-bubble twins of 1F1B tables and virtual stages."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from pipetune.config import load_hardware, load_model_config
+from pipetune.cost import CostModel, StageLayout, analytical_table
+from pipetune.cost.memory import model_state_bytes
+from pipetune.data import BatchStream, batch_meta, make_mix
+from pipetune.plan import IterationPlan, PlannerConfig
+from pipetune.plan.compare import compare_modes
+from pipetune.schedule.lowering import lower_all
+from pipetune.schedule.table import Op, Placement
+from pipetune.simulate import simulate
+from image_sizing import square_images
+
+A100 = load_hardware("a100")
+
+
+def costs(V: int = 1, pp: int = 4):
+    model = load_model_config("13b")
+    layout = replace(StageLayout.even(40, pp * V), chunks_per_rank=V)
+    return model, CostModel(analytical_table(model, A100, tp=4), layout)
+
+
+def metas(n=3, mix="datamix3"):
+    table = make_mix(mix, 20_000, 0)
+    stream = BatchStream(num_rows=len(table), gbs=128, seed=0)
+    return [batch_meta(table, stream, s, images=square_images(576), max_seq_len=8192) for s in range(n)]
+
+
+@pytest.mark.parametrize("V", [1, 2])
+def test_auto_is_never_slower_than_either_family_and_its_plan_is_what_it_simulates_to(V):
+    model, cost = costs(V)
+    make = lambda split: PlannerConfig(max_seq_len=8192, memory_bytes=A100.memory_bytes, split_backward=split).build(model, cost)  # noqa: E731
+    planners = {s: make(s) for s in ("off", "on", "auto")}
+    for meta in metas():
+        plans = {s: p.plan(meta) for s, p in planners.items()}
+        assert plans["auto"].predicted_s <= min(plans["off"].predicted_s, plans["on"].predicted_s) + 1e-9
+        for s, plan in plans.items():
+            table = plan.table()
+            assert table.placement == (Placement.interleaved(4, V, encoder=True) if V > 1 else Placement.colocated(4, encoder=True))
+            assert table.split_backward == (s == "on" or (s == "auto" and table.split_backward))
+            assert (s != "off") or not any(a.op is Op.BACKWARD_INPUT for r in table.ranks for a in r)
+            sim = simulate(table, plan.latencies(cost, meta))
+            assert sim.makespan == pytest.approx(plan.predicted_s)
+            assert plan.lower_bound_s <= plan.predicted_s + 1e-9
+            np.testing.assert_allclose(np.array(plan.peak_bytes), sim.peak_bytes + model_state_bytes(cost))
+            lower_all(table)
+            assert IterationPlan.from_json(plan.to_json()).table().split_backward == table.split_backward
+
+
+def test_a_split_family_that_does_not_fit_memory_is_not_chosen():
+    """Zero-bubble tables hold the first rank's 1F1B activations on every rank: with memory just
+    above 1F1B's peak, auto must keep whole backwards."""
+    model, cost = costs()
+    meta = metas(1)[0]
+    whole = PlannerConfig(max_seq_len=8192, memory_bytes=A100.memory_bytes, split_backward="off").build(model, cost)
+    split = PlannerConfig(max_seq_len=8192, memory_bytes=A100.memory_bytes, split_backward="on", mbs=whole.plan(meta).mbs,
+                          mode="balanced").build(model, cost)
+    peak_whole, peak_split = max(whole.plan(meta).peak_bytes), max(split.plan(meta).peak_bytes)
+    assert peak_split > peak_whole
+    memory = (peak_whole + peak_split) / 2 / (1 - 0.1)
+    auto = PlannerConfig(max_seq_len=8192, memory_bytes=memory, split_backward="auto").build(model, cost)
+    plan = auto.plan(meta)
+    assert max(plan.peak_bytes) <= auto.budget
+    assert not plan.table().split_backward
+
+
+def test_the_best_fixed_configuration_may_split_too():
+    model, cost = costs(pp=4)
+    table = make_mix("datamix3", 4_000, 0)
+    out = compare_modes(model, cost, table, gbs=64, max_seq_len=8192, memory_bytes=A100.memory_bytes, iters=2, split_backward="auto")
+    assert "split backward on" in out["best-static"].choice
+    assert out["pipetune"].iter_s.mean() <= out["best-static"].iter_s.mean() + 1e-9
