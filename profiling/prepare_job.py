@@ -13,8 +13,9 @@ the job's planning shapes, derived from the job's TorchTitan model config (``--m
 ``--config`` name it as TorchTitan's own ``--module``/``--config`` do), in the job's compute dtype
 (``training.mixed_precision_param``, or ``--dtype`` for a job that overrides it on its command line:
 the trainer refuses a table of another device or dtype). The profiler times pipetune's reference blocks of
-those shapes (the planner's cost model), not the TorchTitan modules themselves; the trainer's
-online calibration fits the table to the measured steps of the real model. Both files are kept
+those shapes (the planner's cost model), not the TorchTitan modules themselves, except a model's
+linear-attention layers (Qwen3.5's Gated DeltaNet), which it times as the model's own layer; the
+trainer's online calibration fits the table to the measured steps of the real model. Both files are kept
 when they exist, so re-runs are free.
 """
 

@@ -14,6 +14,12 @@ Measured on the current device, with the runtime's own modules:
   well-measured part of the layer, so the difference is not swamped by timing noise (with one
   document of 2048 tokens attention is 3/4 of the layer and 5 % noise in it is 15 % in ``rest``),
   and no document is longer than real ones are;
+* for a model with linear-attention layers (``BackboneConfig.linear_attention``), the model's own
+  Gated DeltaNet layer (``titan.qwen3_5.gated_delta_net``: fla's Triton kernels on CUDA, the torch
+  path of ``model.gated_delta_cpu`` otherwise) over packed lengths that are whole chunks, cut into
+  documents of up to ``max_seq_len`` tokens, and its projections alone over the same tokens: the
+  ``linear_attention`` curve is the layer minus its projections (a linear-attention layer's
+  projections and FFN are charged as ``rest``);
 * token embedding and the final norm + output head + loss over packed lengths;
 * the projector over image counts, and the vision encoder's forward (backward too when trainable);
 * saved-for-backward bytes per token of a layer, the embedding and the head, and per image of the
@@ -104,20 +110,39 @@ def layer_doc_bounds(packed_len: int) -> list[int]:
     return sorted(set(range(0, packed_len, REST_DOC_LEN)) | {packed_len})
 
 
-def grids(cfg: ProfileConfig) -> dict[str, list[int]]:
+def linear_doc_bounds(packed_len: int, doc_len: int) -> list[int]:
+    """Document boundaries of the sequence a linear-attention layer is timed on: ``doc_len``-token
+    documents and a shorter last one."""
+    return sorted(set(range(0, packed_len, doc_len)) | {packed_len})
+
+
+def linear_doc_len(model: ModelConfig, cfg: ProfileConfig) -> int:
+    """Length of those documents: ``max_seq_len`` rounded down to whole chunks (at least one)."""
+    chunk = model.backbone.linear_attention.chunk
+    return max(1, cfg.max_seq_len // chunk) * chunk
+
+
+def grids(cfg: ProfileConfig, model: ModelConfig | None = None) -> dict[str, list[int]]:
+    """Sizes profiled per kind of curve; ``linear`` (whole chunks) only for a model with linear-attention layers."""
     packed = _geom(16, cfg.max_tokens, cfg.points + 2)
-    return {
+    out = {
         "attention": sorted(set(_geom(1, cfg.max_seq_len, cfg.points)) | set(packed)),
         "packed": packed,
         "images": _geom(1, cfg.max_images, max(2, cfg.points - 2)) if cfg.max_images else [],
     }
+    la = model.backbone.linear_attention if model is not None else None
+    if la is not None:
+        top = -(-cfg.max_tokens // la.chunk)
+        out["linear"] = [la.chunk * n for n in _geom(1, top, cfg.points + 2)]
+    return out
 
 
 def measurement_tasks(model: ModelConfig, cfg: ProfileConfig) -> list[tuple[str, int]]:
     """Every (curve, size) point one profiling pass measures."""
-    g = grids(cfg)
+    g = grids(cfg, model)
     tasks = [(c, x) for c in ("attention", "attention_packed") for x in g["attention"]]
     tasks += [(c, x) for c in ("layer", "embedding", "head") for x in g["packed"]]
+    tasks += [(c, x) for c in ("linear_layer", "linear_projections") for x in g.get("linear", [])]
     if model.encoder is not None:
         tasks += [(c, x) for c in ("projector", "encoder") for x in g["images"]]
     return tasks
@@ -140,6 +165,12 @@ class _Profiler:
         enc = model.encoder
         self.projector = self._prep(Projector(enc.merged_dim, b.dim, tp)) if enc else None
         self.encoder = self._prep(VisionEncoder(enc, tp)) if enc else None
+        self.delta_net = None
+        if b.linear_attention is not None:
+            from torchtitan_patches.titan.qwen3_5 import gated_delta_net
+
+            self.delta_net = self._prep(gated_delta_net(b, tp=tp))
+            self.linear_doc_len = linear_doc_len(model, cfg)
 
     def _prep(self, module: torch.nn.Module) -> torch.nn.Module:
         """Move to the device and cast real floating tensors only (RoPE's complex cache stays complex)."""
@@ -170,6 +201,16 @@ class _Profiler:
             meta = varlen_metadata(torch.tensor(layer_doc_bounds(x), device=self.device))
             pos = torch.arange(x, device=self.device)[None]
             return self._time(lambda: (self._rand(1, x, b.dim),), lambda h: self.layer(h, meta, pos))
+        if curve == "linear_layer":
+            meta = varlen_metadata(torch.tensor(linear_doc_bounds(x, self.linear_doc_len)), self.device)
+            return self._time(lambda: (self._rand(1, x, b.dim),), lambda h: self.delta_net(h, meta))
+        if curve == "linear_projections":
+            dn = self.delta_net
+            ins = (dn.in_proj_q, dn.in_proj_k, dn.in_proj_v, dn.in_proj_z, dn.in_proj_a, dn.in_proj_b)
+            return self._time(
+                lambda: (self._rand(1, x, b.dim), self._rand(1, x, dn.out_proj.in_features)),
+                lambda h, o: sum(p(h).sum() for p in ins) + dn.out_proj(o).sum(),
+            )
         if curve == "embedding":
             return self._time(
                 lambda: (torch.randint(0, b.vocab_size // tp, (1, x), device=self.device),), lambda t: self.embedding(t)
@@ -260,7 +301,7 @@ def run_profile(model: ModelConfig, cfg: ProfileConfig, out: str | Path, *, prog
     device = torch.device(cfg.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda asked for, but CUDA is not available here")
-    g = grids(cfg)
+    g = grids(cfg, model)
     header = {"model": model.fingerprint(), "config": asdict(cfg), "grids": g, "device": _device_name(device)}
     partial = out.with_name(out.name + ".partial.json")
     samples = _load_partial(partial, header)
@@ -304,6 +345,11 @@ def run_profile(model: ModelConfig, cfg: ProfileConfig, out: str | Path, *, prog
     rest = [[points[f"layer:{x}"][k] - layer_attention(x, k) for x in g["packed"]] for k in (0, 1)]
     add("rest", "packed_len", g["packed"], *rest)
     notes.append(f"rest: a layer over {REST_DOC_LEN}-token documents minus their attention")
+    if "linear" in g:
+        lin = [[points[f"linear_layer:{x}"][k] - points[f"linear_projections:{x}"][k] for x in g["linear"]] for k in (0, 1)]
+        add("linear_attention", "chunked_len", g["linear"], *lin)
+        notes.append(f"linear_attention: the model's Gated DeltaNet layer minus its projections, over documents of "
+                     f"{linear_doc_len(model, cfg)} tokens")
     for name in ("embedding", "head"):
         add(name, "packed_len", g["packed"], series(name, g["packed"], 0), series(name, g["packed"], 1))
     if model.encoder is not None:

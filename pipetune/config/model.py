@@ -9,7 +9,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
+
+import numpy as np
 
 
 class ConfigError(ValueError):
@@ -46,11 +48,60 @@ def _check_shape(cfg, section: str, positive: tuple[str, ...], divides: tuple[st
 
 
 @dataclass(frozen=True, kw_only=True)
+class LinearAttentionConfig:
+    """Which backbone layers mix tokens by linear attention (Gated DeltaNet, as Qwen3.5's are) and
+    their recurrence's shapes. ``layers``: their indices (the other layers are full attention).
+
+    The kernel (fla's chunked gated delta rule, and ``gated_delta_cpu``) cuts every document into
+    ``chunk``-token chunks, the last one padded, so a document of ``l`` tokens costs as
+    ``ceil(l / chunk) * chunk`` tokens: linear in its length, not quadratic. The planner charges a
+    linear-attention layer's projections and FFN as a full-attention layer's (``layer_params``).
+    """
+
+    layers: tuple[int, ...]
+    n_key_heads: int
+    n_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int = 4
+    chunk: int = 64
+
+    def __post_init__(self) -> None:
+        layers = self.layers
+        _require(
+            isinstance(layers, (list, tuple)) and len(layers) > 0 and all(isinstance(i, int) and not isinstance(i, bool) for i in layers),
+            f"backbone.linear_attention.layers must be a non-empty list of layer indices, got {layers!r}",
+        )
+        _require(len(set(layers)) == len(layers), f"backbone.linear_attention.layers lists a layer twice: {list(layers)}")
+        object.__setattr__(self, "layers", tuple(sorted(layers)))
+        check_field_types(self, "backbone.linear_attention")
+        positive = ("n_key_heads", "n_value_heads", "key_head_dim", "value_head_dim", "conv_kernel", "chunk")
+        _check_shape(self, "backbone.linear_attention", positive, ("n_value_heads", "n_key_heads"))
+
+    @classmethod
+    def from_value(cls, v) -> "LinearAttentionConfig":
+        """From a TOML / JSON table, refusing unknown or missing keys by name."""
+        if isinstance(v, cls):
+            return v
+        _require(isinstance(v, dict), f"backbone.linear_attention must be a table of {cls.__name__} fields, got {v!r}")
+        known = {f.name for f in fields(cls)}
+        _require(not set(v) - known, f"backbone.linear_attention: unknown keys {sorted(set(v) - known)}; allowed: {sorted(known)}")
+        missing = sorted(f.name for f in fields(cls) if f.name not in v and f.default is MISSING)
+        _require(not missing, f"backbone.linear_attention: missing keys {missing}")
+        return cls(**v)
+
+    def chunked(self, lengths) -> np.ndarray:
+        """Tokens the kernel computes for documents of ``lengths``: each rounded up to whole chunks."""
+        return np.ceil(np.asarray(lengths, dtype=np.float64) / self.chunk) * self.chunk
+
+
+@dataclass(frozen=True, kw_only=True)
 class BackboneConfig:
     """LLaMA-style decoder: RMSNorm, GQA attention with RoPE, SwiGLU FFN, untied output head.
 
     ``output_gate``: attention output multiplied by ``sigmoid(x W_g)`` (Muse Glimmer's ``o_gate``),
-    one more ``dim x dim`` matmul per layer.
+    one more ``dim x dim`` matmul per layer. ``linear_attention``: the layers that mix tokens by
+    linear attention instead (none: every layer is full attention).
     """
 
     n_layers: int
@@ -62,6 +113,7 @@ class BackboneConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     output_gate: bool = False
+    linear_attention: LinearAttentionConfig | None = None
 
     def __post_init__(self) -> None:
         check_field_types(self, "backbone")
@@ -70,6 +122,21 @@ class BackboneConfig:
             self.n_heads % self.n_kv_heads == 0,
             f"backbone.n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}",
         )
+        if self.linear_attention is not None:
+            la = LinearAttentionConfig.from_value(self.linear_attention)
+            object.__setattr__(self, "linear_attention", la)
+            outside = [i for i in la.layers if not 0 <= i < self.n_layers]
+            _require(not outside, f"backbone.linear_attention.layers {outside} are not layers of this {self.n_layers}-layer backbone "
+                                  f"(indices 0 .. {self.n_layers - 1})")
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """Indices of the linear-attention layers (empty: all layers are full attention)."""
+        return self.linear_attention.layers if self.linear_attention is not None else ()
+
+    @property
+    def n_full_layers(self) -> int:
+        return self.n_layers - len(self.linear_layers)
 
     @property
     def head_dim(self) -> int:
@@ -160,7 +227,7 @@ class EncoderConfig:
         return 4 * self.dim * self.dim + 2 * self.dim * self.ffn_dim
 
 
-_LATER_FIELDS = {"backbone": {"output_gate": False}, "encoder": {"patch_temporal": 1, "projector_hidden": None}}
+_LATER_FIELDS = {"backbone": {"output_gate": False, "linear_attention": None}, "encoder": {"patch_temporal": 1, "projector_hidden": None}}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -194,6 +261,9 @@ class ModelConfig:
         heads = {"backbone.n_heads": self.backbone.n_heads, "backbone.n_kv_heads": self.backbone.n_kv_heads}
         if self.encoder is not None:
             heads["encoder.n_heads"] = self.encoder.n_heads
+        la = self.backbone.linear_attention
+        if la is not None:
+            heads |= {"backbone.linear_attention.n_key_heads": la.n_key_heads, "backbone.linear_attention.n_value_heads": la.n_value_heads}
         bad = [f"{k}={v}" for k, v in heads.items() if v % tp]
         if bad:
             fits = [d for d in range(1, min(heads.values()) + 1) if all(v % d == 0 for v in heads.values())]
@@ -222,7 +292,7 @@ class ModelConfig:
         for section, defaults in _LATER_FIELDS.items():
             part = shapes.get(section) or {}
             for k, default in defaults.items():
-                if part.get(k) == default:
+                if k in part and part[k] == default:
                     part.pop(k)
         blob = json.dumps(shapes, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]

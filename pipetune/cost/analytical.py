@@ -12,6 +12,10 @@ tensor-parallel degree ``tp`` (all work split evenly over the ``tp`` GPUs of a s
 * Attention of one document of length ``l``: its FLOPs (causal pair count) at
   ``attention_*_efficiency`` with the same ``(1 + l_half / l)`` penalty (FlashAttention's tiles
   are poorly filled by short documents).
+* A linear-attention layer's recurrence (``linear_attention``, over the chunk-padded packed
+  length ``c``): its FLOPs (``FlopsModel.linear_attention_per_token``, small ``chunk``-sized
+  matmuls) at the attention efficiencies with the ``(1 + l_half / c)`` penalty, plus its kernel
+  launches; its projections are the ``rest`` of the layer.
 * Memory-bound work (norms, RoPE, SwiGLU, residuals, embedding gathers, softmax of the loss):
   bytes moved / HBM bandwidth.
 * Fixed costs per call: kernel launches (``kernel_launch_s`` each) and, with ``tp > 1``, two
@@ -34,6 +38,7 @@ from pipetune.packing.flops import BACKWARD_FACTOR, FlopsModel, attention_pairs
 BYTES = 2  # BF16
 KERNELS_PER_LAYER_FWD = 14
 KERNELS_PER_VIT_LAYER_FWD = 12
+KERNELS_PER_LINEAR_ATTENTION_FWD = 10  # three causal convolutions, gates, the chunked rule's kernels, gated norm
 ELEMENTWISE_VECTORS_PER_TOKEN = 24  # d-sized reads + writes per token and layer, forward
 
 
@@ -93,6 +98,15 @@ def analytical_table(model: ModelConfig, hw: HardwareSpec, *, tp: int = 1, max_t
         "image_feature_bytes": 0.0,
         "projector_bytes_per_image": 0.0,
     }
+    la = b.linear_attention
+    if la is not None:
+        chunked = np.unique(np.geomspace(la.chunk, max(max_tokens, la.chunk), 48).round()).astype(np.float64)
+        lin_flops = f.linear_attention_per_token * chunked / tp
+        lin_penalty = 1 + hw.attention_half_len / chunked
+        lin_fwd = lin_flops / (hw.peak_flops * hw.attention_fwd_efficiency) * lin_penalty + KERNELS_PER_LINEAR_ATTENTION_FWD * launch
+        lin_bwd = (BACKWARD_FACTOR * lin_flops / (hw.peak_flops * hw.attention_bwd_efficiency) * lin_penalty
+                   + 2 * KERNELS_PER_LINEAR_ATTENTION_FWD * launch)
+        curves["linear_attention"] = Curve("chunked_len", chunked, lin_fwd, lin_bwd)
     enc = model.encoder
     if enc is not None:
         images = _grid(max_images, 32)

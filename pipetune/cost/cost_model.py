@@ -1,10 +1,14 @@
 """Latencies of packed micro-batches on every chunk, read off a latency table (PipeTune App. A.4).
 
 For micro-batch ``j`` with documents ``l_i`` (``T`` tokens) on backbone stage ``s`` of ``L_s``
-layers::
+layers, ``F_s`` of them full attention and ``N_s`` linear attention (``BackboneConfig.
+linear_attention``)::
 
-    fwd[j, s] = L_s * (rest(T) + sum_i attention(l_i)) + [s first](embedding(T) + projector(n_j))
-                + [s last] head(T)                                   (bwd alike, bwd curves)
+    fwd[j, s] = L_s * rest(T) + F_s * sum_i attention(l_i) + N_s * linear_attention(sum_i chunk(l_i))
+                + [s first](embedding(T) + projector(n_j)) + [s last] head(T)    (bwd alike, bwd curves)
+
+where ``chunk(l)`` rounds a document up to the linear-attention kernel's whole chunks. A full
+attention layer's cost grows with each document's length squared, a linear one's with the tokens.
 
 and for encoder sub-microbatch ``k`` (``pipetune.packing.sub_batches``; co-located: micro-batch
 ``k``'s ``n_k`` images; separated: ``B`` images, the padded size) on encoder chunk ``c`` of
@@ -173,6 +177,8 @@ class CostModel:
         self.table = table
         self.layout = layout
         self.layers = np.asarray(layout.layers_per_stage(), dtype=np.float64)
+        self.linear_layers = np.asarray(layout.layers_among(model.backbone.linear_layers), dtype=np.float64)
+        self.full_layers = self.layers - self.linear_layers
         self.dtype_bytes = DTYPE_BYTES.get(table.dtype, 2)
         self.encoder_trainable = enc is not None and not enc.frozen
         self.beyond_grid: dict[str, float] = {}  # component -> largest size looked up past its grid
@@ -204,6 +210,34 @@ class CostModel:
             self.beyond_grid[name] = max(self.beyond_grid.get(name, 0.0), float(np.max(x)))
         return values, n
 
+    def per_layer(self, shapes: MicroBatchShapes, which: str) -> tuple[dict[str, np.ndarray], int]:
+        """Unscaled seconds per micro-batch of one layer's parts: ``rest`` (every layer),
+        ``attention`` (a full-attention layer, summed over documents) and, for a model with linear-attention
+        layers, ``linear_attention`` (over the chunk-padded tokens); and how many lookups were
+        extrapolated."""
+        m = shapes.num_micro_batches
+        attn, n1 = self._curve("attention", shapes.doc_lengths, which)
+        rest, n2 = self._curve("rest", shapes.tokens, which)
+        out = {"attention": np.bincount(shapes.doc_mb, weights=attn, minlength=m), "rest": rest}
+        la = self.table.model.backbone.linear_attention
+        if la is None:
+            return out, n1 + n2
+        chunked = np.bincount(shapes.doc_mb, weights=la.chunked(shapes.doc_lengths), minlength=m)
+        out["linear_attention"], n3 = self._curve("linear_attention", chunked, which)
+        return out, n1 + n2 + n3
+
+    def layer_seconds(self, shapes: MicroBatchShapes) -> np.ndarray:
+        """Scaled forward + backward seconds of each backbone layer over all these micro-batches:
+        what a stage pays per layer it holds, by the layer's kind."""
+        total = {}
+        for which in ("fwd", "bwd"):
+            parts, _ = self.per_layer(shapes, which)
+            for name, v in parts.items():
+                total[name] = total.get(name, 0.0) + self.table.scale(name) * float(v.sum())
+        linear = np.zeros(self.table.model.backbone.n_layers, dtype=bool)
+        linear[list(self.table.model.backbone.linear_layers)] = True
+        return total["rest"] + np.where(linear, total.get("linear_attention", 0.0), total["attention"])
+
     def components(self, shapes: MicroBatchShapes) -> tuple[dict[str, dict[str, np.ndarray]], int]:
         """Unscaled contribution of each backbone-side table component to each (micro-batch, stage)
         latency: ``{component: {"fwd": [m, S], "bwd": [m, S]}}``, and how many lookups were
@@ -211,13 +245,12 @@ class CostModel:
         m, S = shapes.num_micro_batches, self.num_stages
         out: dict[str, dict[str, np.ndarray]] = {}
         extrapolated = 0
+        count = {"rest": self.layers, "attention": self.full_layers, "linear_attention": self.linear_layers}
         for which in ("fwd", "bwd"):
-            attn, n1 = self._curve("attention", shapes.doc_lengths, which)
-            per_mb = np.bincount(shapes.doc_mb, weights=attn, minlength=m)
-            rest, n2 = self._curve("rest", shapes.tokens, which)
-            extrapolated += n1 + n2
-            out.setdefault("attention", {})[which] = per_mb[:, None] * self.layers[None, :]
-            out.setdefault("rest", {})[which] = rest[:, None] * self.layers[None, :]
+            parts, n = self.per_layer(shapes, which)
+            extrapolated += n
+            for name, v in parts.items():
+                out.setdefault(name, {})[which] = v[:, None] * count[name][None, :]
             for name, stage, x in (
                 ("embedding", 0, shapes.tokens),
                 ("projector", 0, self.image_units(shapes)),

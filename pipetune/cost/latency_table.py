@@ -29,6 +29,13 @@ Curves (seconds per call, per layer where it says so):
 | head        | packed_len | final norm + output head + loss (last stage)                     |
 | projector   | images     | MLP projector over that many images' features (first stage)      |
 | encoder     | images     | the vision encoder over that many images (bwd 0 when frozen)     |
+| linear_attention | chunked_len | one linear-attention layer's token mixing without its projections |
+|             |            | (convolutions, gates, chunked gated delta rule, gated norm) over a |
+|             |            | packed sequence whose documents are padded to whole chunks         |
+
+``linear_attention`` is present exactly when the model has linear-attention layers
+(``BackboneConfig.linear_attention``); tables of other models, including those written before the
+curve existed, load unchanged.
 
 Grids are strictly increasing and positive; values finite, >= 0, non-decreasing in x and not zero
 everywhere (except a frozen encoder's backward). A loader that finds anything else, or a field of
@@ -57,8 +64,10 @@ CURVES = {
     "head": "packed_len",
     "projector": "images",
     "encoder": "images",
+    "linear_attention": "chunked_len",
 }
 TEXT_ONLY_OPTIONAL = ("projector", "encoder")
+PROFILE_HINT = "python -m profiling.prepare_job --config <job> --out <dir> (or pipetune profile --model <model> --out <file>)"
 OVERHEAD_KEYS = ("fwd_s", "bwd_s")
 MEMORY_KEYS = (
     "layer_bytes_per_token",
@@ -147,6 +156,12 @@ def load_latency_table(path: str | Path, *, model: ModelConfig | None = None, tp
     except json.JSONDecodeError as e:
         raise LatencyTableError(f"latency table {path}: not valid JSON ({e})") from None
     table = table_from_dict(raw, where=str(path))
+    if model is not None and model.backbone.linear_attention is not None and table.model.backbone.linear_attention is None:
+        raise LatencyTableError(
+            f"latency table {path} prices every layer of {table.model.name!r} as full attention, but the job's model "
+            f"{model.name!r} has linear-attention layers {list(model.backbone.linear_layers)}: re-profile it for this model "
+            f"({PROFILE_HINT})"
+        )
     if model is not None and table.model.fingerprint() != model.fingerprint():
         raise LatencyTableError(
             f"latency table {path} was profiled for model {table.model.name!r} "
@@ -185,11 +200,18 @@ def table_from_dict(raw: dict, *, where: str = "latency table") -> LatencyTable:
     if raw.get("model_fingerprint") not in (None, model.fingerprint()):
         fail("model_fingerprint does not match its model config (the file was edited or is corrupt)")
     curves = {}
+    linear = model.backbone.linear_attention is not None
+    needed = [n for n in CURVES if not ((model.encoder is None and n in TEXT_ONLY_OPTIONAL) or (n == "linear_attention" and not linear))]
+    if not linear and "linear_attention" in raw["curves"]:
+        fail(f"curve 'linear_attention' given, but model {model.name!r} has no linear-attention layers")
     for name, x in CURVES.items():
         if name not in raw["curves"]:
-            if model.encoder is None and name in TEXT_ONLY_OPTIONAL:
+            if name not in needed:
                 continue
-            fail(f"missing curve {name!r} (needed: {sorted(CURVES)})")
+            if name == "linear_attention":
+                fail(f"missing curve 'linear_attention': model {model.name!r} has linear-attention layers "
+                     f"{list(model.backbone.linear_layers)}; re-profile it ({PROFILE_HINT})")
+            fail(f"missing curve {name!r} (needed: {sorted(needed)})")
         curves[name] = _curve(raw["curves"][name], name, x, fail)
         frozen = name == "encoder" and model.encoder.frozen
         for which in ("fwd",) if frozen else ("fwd", "bwd"):

@@ -77,6 +77,34 @@ class StageLayout:
             )
         return cls.from_sizes(sizes)
 
+    @classmethod
+    def balanced(cls, fixed, layer_seconds) -> "StageLayout":
+        """The contiguous split, at least one layer per stage, whose stage busy times (``fixed[s]``
+        plus the ``layer_seconds`` of the layers it holds) have the least sum of squares: as even as
+        the layers allow, a stage holding costlier layers (full attention beside linear attention)
+        taking fewer of them."""
+        fixed = np.asarray(fixed, dtype=np.float64)
+        cum = np.concatenate([[0.0], np.cumsum(np.asarray(layer_seconds, dtype=np.float64))])
+        S, n = len(fixed), len(cum) - 1
+        if not 1 <= S <= n:
+            raise ValueError(f"cannot split {n} layers into {S} pipeline stages")
+        best = (fixed[0] + cum) ** 2  # best[j]: stages 0..s over layers 0..j-1
+        best[0] = np.inf
+        cut = np.zeros((S, n + 1), dtype=np.int64)
+        for s in range(1, S):
+            nxt = np.full(n + 1, np.inf)
+            for j in range(s + 1, n + 1):
+                i = np.arange(s, j)
+                total = best[i] + (fixed[s] + cum[j] - cum[i]) ** 2
+                k = int(np.argmin(total))
+                nxt[j], cut[s, j] = total[k], i[k]
+            best = nxt
+        ends = [n]
+        for s in range(S - 1, 0, -1):
+            ends.append(int(cut[s, ends[-1]]))
+        ends = ends[::-1]
+        return cls.from_sizes(np.diff([0, *ends]))
+
     def separated(self, encoder_layers: int, segments: int, image_sub_batch: int) -> "StageLayout":
         """This backbone split with the encoder's ``encoder_layers`` layers cut into
         ``segments * num_stages`` chunks as even as possible (earlier chunks take the extra layers)."""
@@ -100,6 +128,10 @@ class StageLayout:
 
     def layers_per_stage(self) -> list[int]:
         return [hi - lo for lo, hi in self.layer_ranges]
+
+    def layers_among(self, layers) -> list[int]:
+        """How many of the layers ``layers`` (indices, such as the linear-attention ones) each stage holds."""
+        return [sum(lo <= i < hi for i in layers) for lo, hi in self.layer_ranges]
 
     def placement(self, *, encoder: bool, encoder_trained: bool) -> Placement:
         """Where this layout's chunks run (``encoder``: the model has one)."""

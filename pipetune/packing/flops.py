@@ -4,9 +4,16 @@ Conventions (algorithmic FLOPs, 2 per multiply-add; norms, softmax and activatio
 ``torch.utils.flop_counter`` does):
 
 * Backbone layer, forward: ``2 * T * layer_params`` for the matmuls over the ``T`` packed tokens,
-  plus attention ``4 * dim * pairs``, where ``pairs`` is the number of (query, key) pairs that
-  varlen attention computes: ``sum(l * (l + 1) / 2)`` over documents when causal (FlashAttention
-  skips the masked half), ``sum(l ** 2)`` when not.
+  plus, in a full-attention layer, attention ``4 * dim * pairs``, where ``pairs`` is the number of
+  (query, key) pairs that varlen attention computes: ``sum(l * (l + 1) / 2)`` over documents when
+  causal (FlashAttention skips the masked half), ``sum(l ** 2)`` when not.
+* A linear-attention layer (``BackboneConfig.linear_attention``) has no pairs: its chunked gated
+  delta rule does, per value head, ``3 C K + 2 C V + 3 K V`` multiply-adds per token of the
+  chunk-padded length (``C``: chunk, ``K`` / ``V``: key / value head dims; the within-chunk
+  products ``k k^T``, ``q k^T``, the WY transforms of ``k`` and ``v`` and the output's ``C x C``
+  product, and the state's read, write and output over ``K x V``). Its triangular solve, causal
+  convolutions and gates are left out like the norms; its projections count as a full-attention
+  layer's (``layer_params``).
 * Backward = 2 x forward (gradients of inputs and of weights).
 * Output head (last stage): ``2 * T * dim * vocab`` forward; embedding lookups cost no FLOPs.
 * Vision encoder, per image of ``P`` patches: patch embedding, ``n_layers`` ViT layers with full
@@ -56,15 +63,34 @@ class FlopsModel:
         b = self.model.backbone
         return 2.0 * b.dim * b.vocab_size
 
+    @property
+    def linear_attention_per_token(self) -> float:
+        """Forward FLOPs per chunk-padded token of one linear-attention layer's recurrence (module doc)."""
+        la = self.model.backbone.linear_attention
+        if la is None:
+            return 0.0
+        c, k, v = la.chunk, la.key_head_dim, la.value_head_dim
+        return 2.0 * la.n_value_heads * (3 * c * k + 2 * c * v + 3 * k * v)
+
     def layer_forward(self, lengths) -> np.ndarray:
-        """Forward FLOPs of one decoder layer for each document length."""
+        """Forward FLOPs of one full-attention decoder layer for each document length."""
         lengths = np.asarray(lengths, dtype=np.float64)
         return self.linear_per_token * lengths + self.attention_per_pair * attention_pairs(lengths, self.causal)
 
-    def sequence_flops(self, lengths, *, with_head: bool = True) -> np.ndarray:
-        """Forward + backward FLOPs of the whole backbone for each document: the packing weight."""
+    def linear_layer_forward(self, lengths) -> np.ndarray:
+        """Forward FLOPs of one linear-attention decoder layer for each document length."""
         lengths = np.asarray(lengths, dtype=np.float64)
-        fwd = self.model.backbone.n_layers * self.layer_forward(lengths)
+        la = self.model.backbone.linear_attention
+        return self.linear_per_token * lengths + self.linear_attention_per_token * la.chunked(lengths)
+
+    def sequence_flops(self, lengths, *, with_head: bool = True) -> np.ndarray:
+        """Forward + backward FLOPs of the whole backbone for each document: the packing weight
+        (attention pairs in the full-attention layers only)."""
+        lengths = np.asarray(lengths, dtype=np.float64)
+        b = self.model.backbone
+        fwd = b.n_full_layers * self.layer_forward(lengths)
+        if b.linear_layers:
+            fwd = fwd + len(b.linear_layers) * self.linear_layer_forward(lengths)
         if with_head:
             fwd = fwd + self.head_per_token * lengths
         return (1.0 + BACKWARD_FACTOR) * fwd

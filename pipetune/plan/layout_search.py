@@ -6,9 +6,9 @@ stage 0 gates the pipeline. The search, before training, on a sample of the job'
 
 1. packs each sampled batch once per micro-batch size (balanced packing balances FLOPs, so it does
    not depend on the layout);
-2. starts from the layout that balances each stage's expected busy time (its fixed work plus its
-   layers times the per-layer work, filled one layer at a time into the least busy stage), or
-   from the even split if that scores better;
+2. starts from the layout that balances each stage's expected busy time (its fixed work plus the
+   expected work of the layers it holds, a full-attention layer priced apart from a
+   linear-attention one; ``StageLayout.balanced``), or from the even split if that scores better;
 3. moves one layer between neighbouring stages while the expected iteration time improves.
 
 A layout's score is the mean over sampled batches of the iteration time the per-iteration planner
@@ -136,24 +136,18 @@ class LayoutSearch:
         return s
 
     def balanced_start(self) -> StageLayout:
-        """Layers filled one at a time into the stage with the least expected work (module doc, 2)."""
+        """The split that balances each stage's expected work, its fixed work plus that of the
+        layers it holds, each priced by its kind (module doc, 2)."""
         even = StageLayout.even(self.n_layers, self.num_stages)
         cost = self.cost.with_layout(even)
         work = np.zeros(self.num_stages)
-        per_layer = 0.0
+        layer_s = np.zeros(self.n_layers)
         for b in range(len(self.sample)):
             shapes = self.shapes(b, self.top_mbs)
             work += rank_work(cost.placement(), cost.stage_costs(shapes))
-            parts, _ = cost.components(shapes)
-            per_layer += sum(
-                self.cost.table.scale(name) * (parts[name]["fwd"] + parts[name]["bwd"])[:, 0].sum() for name in ("attention", "rest")
-            ) / cost.layers[0]
-        fixed = work - cost.layers * per_layer
-        sizes = np.ones(self.num_stages, dtype=np.int64)
-        for _ in range(self.n_layers - self.num_stages):
-            s = int(np.argmin(fixed + (sizes + 1) * per_layer))
-            sizes[s] += 1
-        return StageLayout.from_sizes(sizes)
+            layer_s += cost.layer_seconds(shapes)
+        fixed = work - np.array([layer_s[lo:hi].sum() for lo, hi in even.layer_ranges])
+        return StageLayout.balanced(fixed, layer_s)
 
     def neighbours(self, layout: StageLayout) -> list[StageLayout]:
         """Every layout one layer away: one layer moved across one stage boundary."""

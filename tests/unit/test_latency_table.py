@@ -157,3 +157,51 @@ def test_calibrate_cli_writes_a_table_with_scales(profiled, datamix2_dir, tmp_pa
     assert "before ->" in res.stdout
     table = load_latency_table(out)
     assert table.scales and all(v > 0 for v in table.scales.values())
+
+
+def test_a_table_written_before_linear_attention_still_loads_and_round_trips(tmp_path):
+    """``data/muse_glimmer_mm_table_v1.json``: the main job's table as the profiler wrote it before
+    linear-attention layers existed. It still fits the job's model, and saving it again changes nothing
+    the planner reads."""
+    from pathlib import Path
+
+    from pipetune.cost import CostModel, MicroBatchShapes, StageLayout
+    from torchtitan_patches.titan.model_spec import muse_glimmer_spec, planning_model_config
+
+    old = Path(__file__).parent / "data" / "muse_glimmer_mm_table_v1.json"
+    model = planning_model_config(muse_glimmer_spec("debugmodel_mm"), image_grid=4)
+    table = load_latency_table(old, model=model, tp=1)
+    assert "linear_attention" not in table.curves and model.backbone.linear_attention is None
+    table.save(tmp_path / "again.json")
+    again = load_latency_table(tmp_path / "again.json", model=model, tp=1)
+    shapes = MicroBatchShapes(np.array([300, 40, 700]), np.array([0, 0, 1]), np.array([340, 700]), np.array([2, 0]))
+    costs = [CostModel(t, StageLayout.even(8, 2)).stage_costs(shapes) for t in (table, again)]
+    assert np.array_equal(costs[0].fwd, costs[1].fwd) and np.array_equal(costs[0].bwd, costs[1].bwd)
+
+
+def test_a_table_without_the_linear_curve_is_refused_for_a_model_with_linear_layers(tmp_path):
+    """Both ways a Qwen3.5 table can lack the curve: written before the mapping declared its linear
+    layers (its model has none), or edited. Each error names the file and what to run."""
+    import dataclasses
+
+    from pipetune.config.model import BackboneConfig, LinearAttentionConfig, ModelConfig
+    from pipetune.cost import analytical_table
+    from pipetune.config import load_hardware
+
+    la = LinearAttentionConfig(layers=(0, 1, 2), n_key_heads=2, n_value_heads=4, key_head_dim=32, value_head_dim=32)
+    hybrid = ModelConfig(name="hybrid", backbone=BackboneConfig(n_layers=4, dim=128, ffn_dim=384, n_heads=4, n_kv_heads=2, vocab_size=512,
+                                                                linear_attention=la))
+    before = dataclasses.replace(hybrid, backbone=dataclasses.replace(hybrid.backbone, linear_attention=None))
+    analytical_table(before, load_hardware("h100")).save(tmp_path / "before.json")
+    with pytest.raises(LatencyTableError, match=r"before.json prices every layer of 'hybrid' as full attention.*linear-attention "
+                                                r"layers \[0, 1, 2\].*python -m profiling.prepare_job"):
+        load_latency_table(tmp_path / "before.json", model=hybrid)
+    raw = analytical_table(hybrid, load_hardware("h100")).to_dict()
+    raw["curves"].pop("linear_attention")
+    (tmp_path / "edited.json").write_text(json.dumps(raw))
+    with pytest.raises(LatencyTableError, match=r"edited.json: missing curve 'linear_attention'.*python -m profiling.prepare_job"):
+        load_latency_table(tmp_path / "edited.json", model=hybrid)
+    raw = analytical_table(before, load_hardware("h100")).to_dict()
+    raw["curves"]["linear_attention"] = analytical_table(hybrid, load_hardware("h100")).to_dict()["curves"]["linear_attention"]
+    with pytest.raises(LatencyTableError, match="curve 'linear_attention' given, but model 'hybrid' has no linear-attention layers"):
+        table_from_dict(raw)

@@ -53,6 +53,22 @@ def test_planning_shapes_of_debugmodel(spec):
         planning_model_config(model_registry("0.8B"), image_grid=GRID)
 
 
+def test_planning_shapes_declare_the_gated_delta_net_layers_and_rebuild_them(spec):
+    """The linear-attention layers are the spec's DeltaNet layers (TorchTitan's every-4th-layer
+    pattern leaves 0-2 and 4-6), and the layer the profiler builds from the planning shapes has the
+    spec's DeltaNet parameters, shape for shape, and its CPU path."""
+    from torchtitan_patches.titan.qwen3_5 import CpuGatedDeltaNet, gated_delta_net
+
+    la = planning_model_config(spec, image_grid=GRID).backbone.linear_attention
+    assert la.layers == tuple(i for i, layer in enumerate(spec.model.layers) if layer.delta_net is not None) == (0, 1, 2, 4, 5, 6)
+    built = gated_delta_net(planning_model_config(spec, image_grid=GRID).backbone)
+    own = spec.model.layers[0].delta_net.build()
+    assert isinstance(built, CpuGatedDeltaNet) and type(own) is type(built)
+    assert {k: v.shape for k, v in built.state_dict().items()} == {k: v.shape for k, v in own.state_dict().items()}
+    half = gated_delta_net(planning_model_config(spec, image_grid=GRID).backbone, tp=2)
+    assert half.in_proj_v.out_features == own.in_proj_v.out_features // 2 and half.out_proj.out_features == own.out_proj.out_features
+
+
 def _torchtitan_mrope(tokens, grid_thw, positions):
     """TorchTitan's own ``MultiModalCollator._build_mrope_positions`` (its module imports
     torchvision, which does not load here; the collator's MRoPE code does not use it). The stand-in

@@ -15,8 +15,9 @@ for documents longer than a window, 128 tokens in ``debugmodel_mm``); the encode
 layers are likewise counted as full attention over the image. Refused with a ``ConfigError``:
 configs pipetune's schema cannot express (``head_dim * n_heads != dim``, layers that differ in
 shape, MoE layers, video), and vision encoders other than Muse Glimmer's and Qwen3.5's
-(TorchTitan's ``kimi_k2_7`` is not mapped yet). Qwen3.5's linear-attention layers are planned as
-its full-attention layers (an approximation, stated in ``planning_model_config``).
+(TorchTitan's ``kimi_k2_7`` is not mapped yet). Qwen3.5's Gated DeltaNet layers are declared as
+the backbone's linear-attention layers (``BackboneConfig.linear_attention``; what is approximated
+is stated in ``planning_model_config``).
 
 ``muse_glimmer_spec`` takes TorchTitan's flavours and pipetune's size variants (``FLAVORS``), which
 call TorchTitan's own Muse Glimmer config builder with other sizes, exactly as TorchTitan's
@@ -44,7 +45,8 @@ from torchtitan.models.muse_glimmer.vision_encoder import MuseGlimmerVisionEncod
 from torchtitan.models.qwen3_5.model import Qwen35Model
 from torchtitan.protocols.model_spec import ModelSpec
 
-from pipetune.config.model import BackboneConfig, ConfigError, EncoderConfig, ModelConfig
+from pipetune.config.model import BackboneConfig, ConfigError, EncoderConfig, LinearAttentionConfig, ModelConfig
+from torchtitan_patches.model.gated_delta_cpu import CHUNK
 from torchtitan_patches.titan.document_attention import DocumentAttention, VisionMaskAttention
 from torchtitan_patches.titan.stages import TitanStage, encoder_chunks
 from torchtitan_patches.titan.vision import DenseMaskVisionEncoder
@@ -165,8 +167,27 @@ def _encoder(cfg, image_grid: int, frozen: bool) -> EncoderConfig:
     )
 
 
+def _qwen3_5_linear_attention(cfg: Qwen35Model.Config) -> LinearAttentionConfig | None:
+    """The Gated DeltaNet layers (TorchTitan's ``full_attention_interval`` leaves every layer but each
+    4th one linear) and their recurrence's shapes."""
+    linear = {i: layer.delta_net for i, layer in enumerate(cfg.layers) if layer.attention is None}
+    if not linear:
+        return None
+    dn = list(linear.values())
+    if any(d.kernel.backend != "fla_chunked" for d in dn):
+        raise ConfigError("pipetune plans Gated DeltaNet layers on fla's chunked kernel (backend 'fla_chunked', TorchTitan's "
+                          "training default); the fused recurrent one is for inference")
+    return LinearAttentionConfig(
+        layers=tuple(linear), key_head_dim=_uniform([d.key_head_dim for d in dn], "DeltaNet key_head_dim"),
+        value_head_dim=_uniform([d.value_head_dim for d in dn], "DeltaNet value_head_dim"),
+        n_key_heads=_uniform([d.in_proj_q.out_features // d.key_head_dim for d in dn], "DeltaNet key heads"),
+        n_value_heads=_uniform([d.in_proj_v.out_features // d.value_head_dim for d in dn], "DeltaNet value heads"),
+        conv_kernel=_uniform([d.conv_kernel_size for d in dn], "DeltaNet conv_kernel_size"), chunk=CHUNK,
+    )
+
+
 def _qwen3_5_backbone(cfg: Qwen35Model.Config) -> BackboneConfig:
-    """The full-attention layers' shapes for every layer: see ``planning_model_config``."""
+    """The full-attention layers' shapes, and which layers are linear attention: see ``planning_model_config``."""
     full = [layer.attention for layer in cfg.layers if layer.attention is not None]
     if not full or any(layer.moe is not None for layer in cfg.layers):
         raise ConfigError("pipetune maps dense Qwen3.5 models with full-attention layers only")
@@ -178,6 +199,7 @@ def _qwen3_5_backbone(cfg: Qwen35Model.Config) -> BackboneConfig:
         n_layers=len(cfg.layers), dim=cfg.dim, ffn_dim=_uniform([layer.feed_forward.w1.out_features for layer in cfg.layers], "ffn hidden dim"),
         n_heads=n_heads, n_kv_heads=_uniform([a.n_kv_heads for a in full], "n_kv_heads"), vocab_size=cfg.vocab_size,
         rope_theta=float(_uniform([a.rope.theta for a in full], "rope theta")), norm_eps=float(cfg.layers[0].attention_norm.eps), output_gate=True,
+        linear_attention=_qwen3_5_linear_attention(cfg),
     )
 
 
@@ -203,12 +225,12 @@ def planning_model_config(spec: ModelSpec, *, image_grid: int, encoder_frozen: b
     pipetune plans with one image size: ``image_grid`` patches per side (a multiple of the
     encoder's downsample / merge factor). ``encoder_frozen`` says whether the job trains the ViT.
 
-    Qwen3.5, an approximation: pipetune's schema (and its cost model and profiler) has one kind of
-    layer, so every layer, Gated DeltaNet ones included, is planned as the model's gated
-    full-attention layer (GQA, output gate, SwiGLU). The projections agree closely (``debugmodel``:
-    DeltaNet 264 k weights per layer against 262 k); the DeltaNet layers' attention core is
-    overestimated (counted quadratic in the document length; it is linear) and their causal
-    convolutions and state recursion are not counted. Partial RoPE and QK-norms cost no matmul.
+    Qwen3.5: the Gated DeltaNet layers are the backbone's ``linear_attention`` layers, whose token
+    mixing the cost model prices linear in the (chunk-padded) tokens from its own profiled curve.
+    Their projections and FFN are planned as the gated full-attention layer's (GQA, output gate,
+    SwiGLU), an approximation: the projections agree closely (``debugmodel``: DeltaNet 264 k
+    weights per layer against 262 k); the memory model likewise counts their weights and
+    activations as the full-attention layer's. Partial RoPE and QK-norms cost no matmul.
     """
     cfg = spec.model
     if not isinstance(cfg, Decoder.Config):

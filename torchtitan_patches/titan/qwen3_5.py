@@ -26,7 +26,8 @@ Limits: the co-located layout only (the separated layout is refused in ``titan.j
 data or tensor parallelism yet, dense flavours only. Images come at their own resolution (the
 loader's patch grids; ``block_order`` puts each image's patches in the merger's order). On a GPU the ViT keeps
 its dense masks (no FlexAttention) and every stage uploads its MRoPE positions each forward; none
-of this has run on a GPU. Planning treats the DeltaNet layers as full attention (``model_spec``).
+of this has run on a GPU. Planning prices the DeltaNet layers as linear attention (``model_spec``);
+the profiler times ``gated_delta_net``, the model's own layer rebuilt from the planning shapes.
 """
 
 from __future__ import annotations
@@ -44,12 +45,12 @@ from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.full_dtensor import validate_config
 from torchtitan.models.common.attention import VarlenAttention, VarlenMetadata
 from torchtitan.models.common.rope import CosSinRoPE
-from torchtitan.models.qwen3_5 import model_registry, parallelize_qwen3_5, qwen3_5_configs
+from torchtitan.models.qwen3_5 import _qwen35_deltanet_config, model_registry, parallelize_qwen3_5, qwen3_5_configs
 from torchtitan.models.qwen3_5.model import GatedDeltaKernel, GatedDeltaNet, Qwen35Model
 from torchtitan.models.qwen3_5.vision_encoder import Qwen35VisionEncoder, _compute_2d_rope_cache, _compute_learned_pos_embeds
 from torchtitan.protocols.model_spec import ModelSpec
 
-from pipetune.config.model import ConfigError
+from pipetune.config.model import BackboneConfig, ConfigError
 from torchtitan_patches.model.gated_delta_cpu import causal_conv1d, gated_delta_rule
 from torchtitan_patches.data.micro_batch import ImageSpan
 from torchtitan_patches.model.vlm import scatter_spans
@@ -132,6 +133,25 @@ def _init_fields(cfg) -> dict:
     return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.init}
 
 
+def _cpu_delta_net(dn: GatedDeltaNet.Config) -> CpuGatedDeltaNet.Config:
+    return CpuGatedDeltaNet.Config(**{**_init_fields(dn), "kernel": CpuGatedDeltaKernel.Config(**_init_fields(dn.kernel))})
+
+
+def gated_delta_net(backbone: BackboneConfig, *, tp: int = 1) -> CpuGatedDeltaNet:
+    """One of the backbone's linear-attention layers as the model builds it (TorchTitan's Qwen3.5
+    layer builder, ``with_cpu_paths``' CPU path), initialised; with ``tp``, one rank's shard of its
+    heads. What the profiler times for the ``linear_attention`` curve."""
+    la = backbone.linear_attention
+    if la is None:
+        raise ConfigError("this backbone has no linear-attention layers (backbone.linear_attention)")
+    cfg = _qwen35_deltanet_config(dim=backbone.dim, n_key_heads=la.n_key_heads // tp, n_value_heads=la.n_value_heads // tp,
+                                  key_head_dim=la.key_head_dim, value_head_dim=la.value_head_dim, layer_id=0,
+                                  conv_kernel_size=la.conv_kernel)
+    layer = _cpu_delta_net(cfg).build()
+    layer.init_states()
+    return layer
+
+
 def with_cpu_paths(model_config: Qwen35Model.Config) -> Qwen35Model.Config:
     """A copy of a dense ``Qwen35Model.Config`` built with ``attn_backend="varlen"`` whose layers
     and ViT train on CPU (see module doc); on a GPU the decoder runs TorchTitan's kernels."""
@@ -145,8 +165,7 @@ def with_cpu_paths(model_config: Qwen35Model.Config) -> Qwen35Model.Config:
                 raise ConfigError(f"layer {i} uses {type(inner).__name__}; build the spec with attn_backend='varlen', then apply with_cpu_paths")
             layer.attention.inner_attention = DocumentAttention.Config(window_size=inner.window_size)
         else:
-            dn = layer.delta_net
-            layer.delta_net = CpuGatedDeltaNet.Config(**{**_init_fields(dn), "kernel": CpuGatedDeltaKernel.Config(**_init_fields(dn.kernel))})
+            layer.delta_net = _cpu_delta_net(layer.delta_net)
     enc = cfg.vision_encoder
     block = dataclasses.replace(enc.block, attn=dataclasses.replace(enc.block.attn, inner_attention=VisionBlockAttention.Config()))
     cfg.vision_encoder = DenseMaskQwen35VisionEncoder.Config(**{**_init_fields(enc), "block": block})
