@@ -24,11 +24,15 @@ class StageLayout:
     a multiple ``K`` of the stage count, chunk ``k`` on rank ``k mod P``, and each micro-batch's
     images split into sub-microbatches of ``image_sub_batch`` images
     (``pipetune.packing.sub_batches``).
+
+    Virtual stages (``chunks_per_rank`` V >= 2, co-located only): the layer ranges are V x P
+    chunks, chunk ``c`` on rank ``c mod P`` (``Placement.interleaved``).
     """
 
     layer_ranges: tuple[tuple[int, int], ...]
     encoder_chunks: tuple[tuple[int, int], ...] = ()
     image_sub_batch: int = 0
+    chunks_per_rank: int = 1
 
     def __post_init__(self) -> None:
         r, e = self.layer_ranges, self.encoder_chunks
@@ -39,6 +43,9 @@ class StageLayout:
                              f"a multiple of the {len(r)} stages")
         if bool(e) != (self.image_sub_batch > 0):
             raise ValueError("a separated layout needs both encoder chunks and an image sub-microbatch size >= 1")
+        if self.chunks_per_rank < 1 or len(r) % self.chunks_per_rank or (e and self.chunks_per_rank > 1):
+            raise ValueError(f"{self.chunks_per_rank} chunks per rank: needs a co-located layout whose {len(r)} backbone chunks "
+                             "are a multiple of it")
 
     @classmethod
     def even(cls, n_layers: int, num_stages: int) -> "StageLayout":
@@ -137,6 +144,9 @@ class StageLayout:
         """Where this layout's chunks run (``encoder``: the model has one)."""
         if self.is_separated and encoder:
             return Placement.separated(self.num_stages, len(self.encoder_chunks), encoder_trained=encoder_trained)
+        if self.chunks_per_rank > 1:
+            return Placement.interleaved(self.num_stages // self.chunks_per_rank, self.chunks_per_rank, encoder=encoder,
+                                         encoder_trained=encoder_trained)
         return Placement.colocated(self.num_stages, encoder=encoder, encoder_trained=encoder_trained)
 
 

@@ -11,6 +11,14 @@ trained). So for every stage
 with ``work_0`` and ``bwd[i, 0]`` including the encoder's work. Also no schedule beats one
 micro-batch's full chain ``enc_i + sum_t (fwd + bwd)[i, t] + 2 (S - 1) p2p_i``.
 
+With virtual stages (several backbone chunks per rank) the terms are per rank: its work is all its
+chunks', and fill and drain are those of its lowest chunk (every other chunk of the rank lies
+further down the pipeline). With split backward the rank's last action may be a ``W`` that
+nothing follows, so the bound is the larger of ``fill + work`` and ``fill + (work without W) +
+drain``, the drain passing input gradients (``bwd_input``) only: every forward and input
+gradient of the rank ends by its last ``I``, which the input-gradient chain still follows. A bound
+for split tables is also one for unsplit tables, so a planner that may pick either uses it.
+
 Any placement (``placement_lower_bound``; DIP's separated layout with encoder chunks on every
 rank, or any other): every action gets a *head*, the longest chain of producers (with their
 messages) that must end before it can start, and a *tail*, the longest chain of consumers (with
@@ -48,21 +56,35 @@ from pipetune.schedule.table import Placement, ScheduleTable
 from pipetune.simulate.simulator import Latencies
 
 
-def makespan_lower_bound(lat: Latencies) -> float:
-    """The co-located bound (sub-microbatch ``i`` = micro-batch ``i``'s images)."""
+def makespan_lower_bound(lat: Latencies, placement: Placement | None = None, *, split_backward: bool = False) -> float:
+    """The co-located bound (sub-microbatch ``i`` = micro-batch ``i``'s images) for backbone
+    chunks on ``placement``'s ranks (default: chunk ``s`` on rank ``s``), valid for split tables
+    too when ``split_backward``."""
     fwd, p2p = lat.fwd, lat.p2p
     enc = lat.encoder.sum(axis=1)
     bwd = lat.bwd.copy()
     bwd[:, 0] += lat.encoder_bwd.sum(axis=1)
+    passes = (lat.bwd_input.copy() if split_backward else bwd.copy())  # what a backward hands on before the next can start
+    if split_backward:
+        passes[:, 0] += lat.encoder_bwd.sum(axis=1)
     m, S = fwd.shape
-    fill = np.cumsum(np.hstack([np.zeros((m, 1)), fwd[:, :-1] + p2p[:, None]]), axis=1) + enc[:, None]
+    ranks = np.arange(S) if placement is None else np.array(placement.backbone)
+    hops = (ranks[:-1] != ranks[1:])[None, :] * p2p[:, None]
+    fill = np.cumsum(np.hstack([np.zeros((m, 1)), fwd[:, :-1] + hops]), axis=1) + enc[:, None]
     fill[:, 0] = 0.0
-    drain = np.cumsum(np.hstack([np.zeros((m, 1)), bwd[:, :-1] + p2p[:, None]]), axis=1)
-    work = (fwd + bwd).sum(axis=0)
-    work[0] += enc.sum()
-    per_stage = fill.min(axis=0) + work + drain.min(axis=0)
-    chain = enc + (fwd + bwd).sum(axis=1) + 2 * (S - 1) * p2p
-    return float(max(per_stage.max(), chain.max()))
+    drain = np.cumsum(np.hstack([np.zeros((m, 1)), passes[:, :-1] + hops]), axis=1)
+    R = int(ranks.max()) + 1
+    work = np.bincount(ranks, weights=(fwd + bwd).sum(axis=0), minlength=R)
+    work[ranks[0]] += enc.sum()
+    lowest = np.array([int(np.flatnonzero(ranks == r)[0]) for r in range(R)])
+    head, tail = fill.min(axis=0)[lowest], drain.min(axis=0)[lowest]
+    if split_backward:
+        weights = np.bincount(ranks, weights=(bwd - passes).sum(axis=0), minlength=R)
+        per_rank = head + np.maximum(work, work - weights + tail)
+    else:
+        per_rank = head + work + tail
+    chain = enc + fwd.sum(axis=1) + passes.sum(axis=1) + (bwd - passes)[:, 0] + 2 * hops.sum(axis=1)
+    return float(max(per_rank.max(), chain.max()))
 
 
 def heads_and_tails(placement: Placement, sub_mb_parent, lat: Latencies) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
