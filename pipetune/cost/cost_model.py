@@ -58,6 +58,13 @@ from pipetune.packing.sub_batches import SubBatches
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
+# The input-gradient share of each component's backward, what a split backward's ``I`` takes (the
+# weight gradient ``W`` takes the rest): attention cores have no weights; a matmul's two
+# gradients cost one forward each; the embedding's input (token ids) needs no gradient. The
+# table times whole backwards only, so the split is this FLOPs estimate, and the runtime's split
+# differs where torch's ``stage_backward_input`` does extra work.
+INPUT_GRAD_SHARE = {"attention": 1.0, "linear_attention": 1.0, "rest": 0.5, "head": 0.5, "projector": 0.5, "embedding": 0.0}
+
 
 @dataclass(frozen=True)
 class MicroBatchShapes:
@@ -103,7 +110,8 @@ class StageCosts:
     """Seconds and bytes: backbone per micro-batch (rows) and stage (columns); encoder per
     sub-microbatch (``sub_batches``) and encoder chunk. ``p2p``, ``encoder_p2p`` and
     ``feature_p2p`` are one message of each kind (see the module doc; a gradient costs as much).
-    ``contention``: the table's (see ``pipetune.simulate.contention``)."""
+    ``bwd_input``: the input-gradient part of ``bwd`` (``INPUT_GRAD_SHARE``). ``contention``: the
+    table's (see ``pipetune.simulate.contention``)."""
 
     fwd: np.ndarray
     bwd: np.ndarray
@@ -117,6 +125,7 @@ class StageCosts:
     encoder_activation_bytes: np.ndarray
     image_feature_bytes: np.ndarray
     extrapolated: int
+    bwd_input: np.ndarray | None = None
     contention: float = 0.0
 
 
@@ -299,9 +308,11 @@ class CostModel:
         bwd = np.zeros((m, S))
         fwd += self.table.fixed("fwd")
         bwd += self.table.fixed("bwd")
+        bwd_input = bwd * 0.5
         for name, p in parts.items():
             fwd += self.table.scale(name) * p["fwd"]
             bwd += self.table.scale(name) * p["bwd"]
+            bwd_input += INPUT_GRAD_SHARE[name] * self.table.scale(name) * p["bwd"]
         model, mem = self.table.model, self.table.memory
         sub = self.sub_batches(shapes)
         images = sub.charged
@@ -322,6 +333,7 @@ class CostModel:
         return StageCosts(
             fwd=fwd,
             bwd=bwd,
+            bwd_input=bwd_input,
             p2p=self._message(shapes.tokens * model.backbone.dim * self.dtype_bytes) if S > 1 else np.zeros(m),
             activation_bytes=self.activation_bytes(shapes),
             sub_batches=sub,

@@ -104,14 +104,14 @@ def static_planners(model: ModelConfig, cost: CostModel, *, max_seq_len: int, me
     each whole/split backward ``split_backward`` allows (``jitter_draws``: predict expected times, as
     a jitter-aware planner they are compared with)."""
     splits = [SplitBackward.ON if split else SplitBackward.OFF for split in SplitBackward(split_backward).families]
-    top = max(PlannerConfig(mode=Mode.BALANCED, max_seq_len=max_seq_len, memory_bytes=memory_bytes, max_mbs=max_mbs,
-                            split_backward=split).build(model, cost).max_mbs for split in splits)
+    top = {split: PlannerConfig(mode=Mode.BALANCED, max_seq_len=max_seq_len, memory_bytes=memory_bytes, max_mbs=max_mbs,
+                                split_backward=split).build(model, cost).max_mbs for split in splits}
     return {
         (packer, size, split): PlannerConfig(mode=packer, max_seq_len=max_seq_len, memory_bytes=memory_bytes, mbs=size, seed=seed,
                                              jitter_draws=jitter_draws, split_backward=split).build(model, cost)
         for packer in (Mode.ORIGINAL, Mode.BALANCED)
-        for size in range(1, top + 1)
         for split in splits
+        for size in range(1, top[split] + 1)
     }
 
 

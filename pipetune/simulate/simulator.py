@@ -76,7 +76,7 @@ class Latencies:
         """From ``pipetune.cost.StageCosts``."""
         return cls(costs.fwd, costs.bwd, costs.encoder, costs.p2p, costs.activation_bytes, costs.image_feature_bytes,
                    encoder_bwd=costs.encoder_bwd, encoder_p2p=costs.encoder_p2p, feature_p2p=costs.feature_p2p,
-                   encoder_activation_bytes=costs.encoder_activation_bytes, bwd_input=getattr(costs, "bwd_input", None),
+                   encoder_activation_bytes=costs.encoder_activation_bytes, bwd_input=costs.bwd_input,
                    contention=costs.contention)
 
     @classmethod

@@ -75,3 +75,19 @@ def test_the_best_fixed_configuration_may_split_too():
     out = compare_modes(model, cost, table, gbs=64, max_seq_len=8192, memory_bytes=A100.memory_bytes, iters=2, split_backward="auto")
     assert "split backward on" in out["best-static"].choice
     assert out["pipetune"].iter_s.mean() <= out["best-static"].iter_s.mean() + 1e-9
+
+
+def test_the_input_gradient_share_grows_with_attention_and_stays_within_the_backward():
+    """A split backward's I takes attention's whole backward and half of each matmul's, so a stage
+    of long documents (attention-heavy) gives I a larger share than one of short documents."""
+    from pipetune.cost import MicroBatchShapes
+
+    _, cost = costs()
+    share = []
+    for doc in (256, 8192):
+        n = 8192 // doc
+        shapes = MicroBatchShapes(np.full(n, doc), np.zeros(n, np.int64), np.array([8192]), np.array([0]))
+        c = cost.stage_costs(shapes)
+        assert ((0 <= c.bwd_input) & (c.bwd_input <= c.bwd)).all()
+        share.append(c.bwd_input[0, 1] / c.bwd[0, 1])
+    assert 0.5 < share[0] < share[1] < 1.0
