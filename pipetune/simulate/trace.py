@@ -15,6 +15,8 @@ from pipetune.simulate.simulator import TimedAction
 COLOURS = {
     "forward": "#4C72B0",
     "backward": "#DD8452",
+    "input gradient": "#E8A87C",
+    "weight gradient": "#B05A28",
     "encoder": "#55A868",
     "precomputed encoder": "#8C8C8C",
     "encoder backward": "#C44E52",
@@ -23,12 +25,13 @@ COLOURS = {
 
 
 def kind_of(t: TimedAction) -> str:
-    """Legend entry of an action: backbone forward / backward, encoder forward (pre-computed or
-    not) or encoder backward, on any chunk."""
+    """Legend entry of an action: backbone forward / backward (or its input- and weight-gradient
+    halves), encoder forward (pre-computed or not) or encoder backward, on any chunk."""
     a = t.action
     if a.is_encoder:
         return "encoder backward" if a.op is Op.BACKWARD else ("precomputed encoder" if t.precomputed else "encoder")
-    return "forward" if a.op is Op.FORWARD else "backward"
+    return {Op.FORWARD: "forward", Op.BACKWARD: "backward", Op.BACKWARD_INPUT: "input gradient",
+            Op.BACKWARD_WEIGHT: "weight gradient"}[a.op]
 
 
 def chrome_trace(actions: list[TimedAction], *, title: str = "pipeline") -> dict:
