@@ -99,9 +99,10 @@ class IterationPlan(Placed):
     @property
     def has_serial_twin(self) -> bool:
         """Whether ``serialised`` is another schedule of this plan that contention can be measured
-        against: co-located (a separated plan has none) and of several micro-batches (one
-        micro-batch already runs serially)."""
-        return self.num_micro_batches > 1 and not self.separated
+        against: co-located with one chunk per rank and whole backwards (the serial table runs the
+        same actions) and of several micro-batches (one micro-batch already runs serially)."""
+        return (self.num_micro_batches > 1 and not self.separated and self.placement.chunks_per_rank == 1
+                and not self.table().split_backward)
 
     def serialised(self) -> "IterationPlan":
         """The same micro-batches in the same order on the ``serial`` schedule: the same actions

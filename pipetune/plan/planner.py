@@ -15,9 +15,10 @@ For one batch's metadata, ``pipetune`` mode:
    gap to it says how far the plan is from anything the search space allows).
 
 Schedule families: with ``PlannerConfig.split_backward=auto`` every packing is timed on both the
-1F1B table and its zero-bubble twin (backwards split into ``I`` and ``W``), and the order search
-runs on each; the stage layout's ``chunks_per_rank`` makes both interleaved. Memory decides too:
-a family whose simulated peak does not fit is not chosen.
+1F1B table and its zero-bubble twin (backwards split into ``I`` and ``W``); orders are ranked on
+the faster one and the best few re-timed on the other. The stage layout's ``chunks_per_rank``
+makes both interleaved. Memory decides too: a family whose simulated peak does not fit is not
+chosen. The lower bound then holds for split tables (``makespan_lower_bound``).
 
 Modes (the paper's ablation): ``original`` = random first-fit packing at the fixed maximum mbs in
 packing order; ``balanced`` = Alg. 1 at that mbs; ``reorder`` = ``balanced`` + ordering and
