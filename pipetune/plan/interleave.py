@@ -31,7 +31,10 @@ Lower priority values go first. ``segment_priorities`` derives them from a micro
 backbone micro-batch ``order[i]`` gets ``i``, its image sub-microbatches ``i - lead``, so the
 encoder runs ``lead`` micro-batches ahead of the backbone (DIP's segment reordering assigns
 priorities per segment; segments of one micro-batch and modality share theirs, DIP Sec. 5.1).
-The scheduling times are the simulator's own: ``simulate`` on the returned table gives the same
+``Problem.point_keys`` splits the encoder's segments by direction: forwards ``lead`` ahead, and
+backwards ``lag`` behind (``lag = -lead`` is ``segment_priorities``). A large ``lag`` lets the
+backbone's backwards, which the next micro-batches' chains wait for, pass the encoder's, which
+only the end of the iteration waits for. The scheduling times are the simulator's own: ``simulate`` on the returned table gives the same
 makespan and peak memory (tested).
 
 Speed: everything but the priorities depends on the packing alone, so ``Problem`` holds it as
@@ -93,6 +96,9 @@ class Problem:
         self.unit = np.array([a.unit for a in acts], np.int64)
         self.alloc, self.free = [0.0] * len(acts), [0.0] * len(acts)
         self.group = [proto.sub_mb_parent[a.unit] if a.is_encoder else a.unit for a in acts]
+        self.mb_of = np.array(self.group, np.int64)
+        self.is_ef = self.is_encoder & np.array(self.forward, bool)
+        self.is_eb = self.is_encoder & ~np.array(self.forward, bool)
         need = np.zeros((proto.num_micro_batches, R))  # forward memory of each micro-batch (with its images) on each rank
         for kind, chunk, unit, made, freed in proto.buffers():
             arr = buffer_bytes(lat, kind)
@@ -111,6 +117,13 @@ class Problem:
             self.out.append(edges)
         self.waiting = [len(proto.producers(a)) for a in acts]
 
+    def point_keys(self, order, lead: int, lag: int) -> list[int]:
+        """Priorities of a search point (``segment_search``): micro-batch ``order[i]``'s backbone
+        actions get ``i``, its encoder forwards ``i - lead`` and its encoder backwards ``i + lag``."""
+        pos = np.empty(self.num_micro_batches, np.int64)
+        pos[np.asarray(order, np.int64)] = np.arange(self.num_micro_batches)
+        return (pos[self.mb_of] - lead * self.is_ef + lag * self.is_eb).tolist()
+
     def keys(self, priority: np.ndarray, sub_priority: np.ndarray) -> list[int]:
         """Each action's priority (its unit's; lower runs first)."""
         out = np.empty(len(self.acts), np.int64)
@@ -121,11 +134,14 @@ class Problem:
 
     def run(self, priority: np.ndarray, sub_priority: np.ndarray, memory_limit: np.ndarray | None = None) -> Interleaved | None:
         """The greedy table (module doc) for these priorities; ``memory_limit[r]``: bytes rank ``r`` may hold at once."""
+        return self.run_keys(self.keys(priority, sub_priority), memory_limit)
+
+    def run_keys(self, prio: list, memory_limit: np.ndarray | None = None) -> Interleaved | None:
+        """The greedy table for one priority per action (``acts`` order; lower runs first)."""
         R = self.num_ranks
         n_acts = len(self.acts)
         rank, dur, forward, group, alloc, free, need, out = (self.rank, self.dur, self.forward, self.group, self.alloc, self.free,
                                                              self.need, self.out)
-        prio = self.keys(priority, sub_priority)
         key = list(zip(prio, range(n_acts)))
         waiting = self.waiting.copy()
         ready_at = [0.0] * n_acts

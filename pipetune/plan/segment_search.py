@@ -1,31 +1,36 @@
 """Joint per-iteration search on the separated layout (DIP): micro-batch size, image
-sub-microbatch size, micro-batch order and encoder lead, each candidate scored by the dual-queue
-greedy (``pipetune.plan.interleave``) under each rank's memory limit.
+sub-microbatch size, micro-batch order and the encoder's lead and lag, each candidate scored by the
+dual-queue greedy (``pipetune.plan.interleave``) under each rank's memory limit.
 
 A *configuration* is one micro-batch size and one image sub-microbatch size ``B``: its balanced
 packing, its latencies, the greedy's ``Problem`` and the lower bound of any table over it
 (``pipetune.simulate.lower_bound.placement_lower_bound``). A *point* in one configuration is a
-micro-batch order and a lead (the encoder runs that many micro-batches ahead of the backbone,
-``segment_priorities``): DIP's segment priorities with the segments of one micro-batch and
-modality sharing theirs (DIP Sec. 5.1).
+micro-batch order, a lead (encoder forwards run that many micro-batches ahead of the backbone) and
+a lag (encoder backwards rank that many micro-batches behind it; ``Problem.point_keys``): DIP's
+segment priorities (DIP Sec. 5.1), with a micro-batch's encoder forward and backward segments
+placed apart.
 
 Search, per batch:
 
-1. every configuration's packing order at lead 0 (its ``balanced`` plan), one greedy run each;
+1. every configuration's packing order at lead and lag 0 (its ``balanced`` plan), one greedy run each;
 2. a scan: in every configuration whose lower bound can still beat the best table so far, lowest
-   bound first, the packing order and both latency-sorted orders at every lead (``LEADS``; the
-   previous batch's lead first: a warm start);
+   bound first, the packing order and both latency-sorted orders at every lead, each with the
+   largest lag (encoder backwards fill the backbone's gaps) and with ``lag = -lead`` (one priority
+   per micro-batch and modality, as DIP); the previous batch's lead and lag first (a warm start);
 3. hill climbing in the configurations whose best is fastest after the scan (the previous batch's
-   choice among them): random moves (one micro-batch moved to another position, two swapped, or
-   the lead changed by one), a move kept when its table is faster;
+   choice among them): random moves (one micro-batch moved to another position, two swapped, the
+   lead or the lag changed by one), a move kept when its table is faster;
 4. it stops when the moves are done, or when ``evaluations`` greedy runs are spent
    (deterministic), or past a wall-clock deadline (anytime: the best table so far).
 
 Why hill climbing and not DIP's MCTS: at GBS 128 a configuration holds 2-20 micro-batches, and one
-greedy run costs about 1-2 ms in Python, so a plan affords a few hundred runs; MCTS with random
-rollouts needs far more to rank its subtrees, and its rollouts mostly score random orders. Moves
-around the best order spend every run near good tables. ``benchmarks/separated.py`` compares the
-result with the exhaustive optimum over orders and leads where that is small enough to enumerate.
+greedy run costs about 1 ms in Python, so a plan affords a few hundred runs; MCTS with random
+rollouts needs far more to rank its subtrees. Measured (``benchmarks/separated.py --audit``):
+enumerating every order, lead and lag of every configuration of up to 5 micro-batches (and a 20x
+longer climb in larger ones) finds no faster plan on the heavy-encoder presets, and at most 0.33 %
+on 13B; random per-action priorities (20 s per configuration) and CP-SAT on the raw scheduling
+problem (60 s) found nothing faster than this space's best either (docs/benchmarks.md). So what
+remains of the gap to the lower bound is the bound's, or outside the greedy's tables.
 
 Memory: every table the greedy returns fits each rank's limit (the greedy admits a micro-batch
 only when its forward memory fits on every rank), and a configuration with no fitting table has
@@ -34,6 +39,7 @@ none.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -42,7 +48,7 @@ import numpy as np
 from pipetune.cost.cost_model import CostModel, MicroBatchShapes
 from pipetune.cost.stage_layout import StageLayout
 from pipetune.packing.groups import Packing
-from pipetune.plan.interleave import Interleaved, Problem, segment_priorities
+from pipetune.plan.interleave import Interleaved, Problem
 from pipetune.schedule.table import ScheduleTable
 from pipetune.simulate.lower_bound import placement_lower_bound
 from pipetune.simulate.simulator import Latencies
@@ -60,10 +66,11 @@ class Configuration:
     lat: Latencies
     problem: Problem
     lower_bound_s: float
-    base: Interleaved | None  # packing order, lead 0
+    base: Interleaved | None  # packing order, lead 0, lag 0
     best: Interleaved | None = None
     order: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     lead: int = 0
+    lag: int = 0
 
     @property
     def best_s(self) -> float:
@@ -73,16 +80,24 @@ class Configuration:
     def base_s(self) -> float:
         return self.base.makespan if self.base is not None else np.inf
 
+    @property
+    def lags(self) -> tuple[int, int]:
+        """The range of useful lags: ``lag >= m`` puts every encoder backward after all backbone work."""
+        return -LEADS[-1], self.packing.num_micro_batches
+
+    def point(self) -> tuple:
+        return tuple(self.order.tolist()), self.lead, self.lag
+
 
 def configuration(cost: CostModel, packing: Packing, shapes: MicroBatchShapes, mbs: int, limit: np.ndarray) -> Configuration:
-    """``packing`` under ``cost``'s layout (its ``image_sub_batch``), scored in packing order at lead 0."""
+    """``packing`` under ``cost``'s layout (its ``image_sub_batch``), scored in packing order at lead and lag 0."""
     costs = cost.stage_costs(shapes)
     lat = Latencies.from_costs(costs)
     parent = tuple(costs.sub_batches.parent.tolist())
     problem = Problem(cost.placement(), parent, lat, name=f"separated B={cost.layout.image_sub_batch}")
     proto = ScheduleTable(placement=problem.placement, num_micro_batches=packing.num_micro_batches, ranks=(), sub_mb_parent=parent)
     identity = np.arange(packing.num_micro_batches)
-    base = problem.run(*segment_priorities(identity, parent, 0), limit)
+    base = problem.run_keys(problem.point_keys(identity, 0, 0), limit)
     c = Configuration(mbs, cost.layout.image_sub_batch, packing, lat, problem, placement_lower_bound(proto, lat, limit), base)
     c.best, c.order = base, identity
     return c
@@ -111,49 +126,67 @@ class Budget:
         return True
 
 
-def scan(c: Configuration, limit: np.ndarray, budget: Budget, *, first_lead: int = 0) -> None:
-    """Step 2 of the module doc on ``c``, in place."""
+def scan(c: Configuration, limit: np.ndarray, budget: Budget, *, warm: tuple[int, int] | None = None) -> None:
+    """Step 2 of the module doc on ``c``, in place (``warm``: the previous batch's lead and lag, tried first)."""
     m = c.packing.num_micro_batches
     parent = np.asarray(c.problem.sub_mb_parent, np.int64)
     work = (c.lat.fwd + c.lat.bwd).sum(axis=1) + np.bincount(parent, weights=c.lat.encoder.sum(axis=1), minlength=m)
     longest = np.lexsort((np.arange(m), -work))
-    seen = {(tuple(c.order.tolist()), c.lead)}
+    lo, hi = c.lags
+    shifts = [(lead, lag) for lag in (hi, None) for lead in LEADS]
+    if warm is not None:
+        shifts.insert(0, (warm[0], int(np.clip(warm[1], lo, hi))))
+    seen = {c.point()}
     for order in (np.arange(m), longest, longest[::-1]):
-        for lead in sorted(LEADS, key=lambda x: (x != first_lead, x)):
-            if (tuple(order.tolist()), lead) in seen:
+        for lead, lag in shifts:
+            point = (tuple(order.tolist()), lead, -lead if lag is None else lag)
+            if point in seen:
                 continue
             if not budget.spend():
                 return
-            seen.add((tuple(order.tolist()), lead))
-            _try(c, order, lead, limit)
+            seen.add(point)
+            _try(c, *point, limit)
 
 
 def climb(c: Configuration, limit: np.ndarray, budget: Budget, rng: np.random.Generator, moves: int) -> None:
     """Step 3 of the module doc on ``c``, in place: up to ``moves`` moves from its best point."""
     m = c.packing.num_micro_batches
-    seen = {(tuple(c.order.tolist()), c.lead)}
+    lo, hi = c.lags
+    seen = {c.point()}
     for _ in range(moves):
-        order, lead = c.order.copy(), c.lead
-        move = rng.integers(3) if m > 1 else 2
+        order, lead, lag = list(c.order.tolist()), c.lead, c.lag
+        move = rng.integers(4) if m > 1 else 2 + rng.integers(2)
         if move == 0:
             i, j = rng.choice(m, 2, replace=False)
-            order = np.insert(np.delete(order, i), j, order[i])
+            order.insert(j, order.pop(i))
         elif move == 1:
             i, j = rng.choice(m, 2, replace=False)
-            order[[i, j]] = order[[j, i]]
-        else:
+            order[i], order[j] = order[j], order[i]
+        elif move == 2:
             lead = int(np.clip(lead + rng.choice((-1, 1)), LEADS[0], LEADS[-1]))
-        key = (tuple(order.tolist()), lead)
-        if key in seen:
+        else:
+            lag = int(np.clip(lag + rng.choice((-1, 1)), lo, hi))
+        point = (tuple(order), lead, lag)
+        if point in seen:
             continue
         if not budget.spend():
             return
-        seen.add(key)
-        _try(c, order, lead, limit)
+        seen.add(point)
+        _try(c, *point, limit)
 
 
-def _try(c: Configuration, order: np.ndarray, lead: int, limit: np.ndarray) -> None:
+def _try(c: Configuration, order: tuple, lead: int, lag: int, limit: np.ndarray) -> None:
     """Run the greedy on one point; keep it in ``c`` when it is faster."""
-    g = c.problem.run(*segment_priorities(order, c.problem.sub_mb_parent, lead), limit)
+    g = c.problem.run_keys(c.problem.point_keys(order, lead, lag), limit)
     if g is not None and g.makespan < c.best_s - 1e-12:
-        c.best, c.order, c.lead = g, order, lead
+        c.best, c.order, c.lead, c.lag = g, np.asarray(order, np.int64), lead, lag
+
+
+def exhaustive(c: Configuration, limit: np.ndarray) -> None:
+    """Every point of ``c`` (all orders, leads and lags), in place: the optimum of the search space,
+    to measure the search against (``benchmarks/separated.py --audit``; m! x 4 x (m + 4) runs)."""
+    lo, hi = c.lags
+    for order in itertools.permutations(range(c.packing.num_micro_batches)):
+        for lead in LEADS:
+            for lag in range(lo, hi + 1):
+                _try(c, order, lead, lag, limit)

@@ -6,13 +6,14 @@ one micro-batch size, its micro-batches in packing order, scheduled by the dual-
 every table fits), at the layout's image sub-microbatch size ``B``.
 
 ``reorder`` and ``pipetune`` run the joint search of ``pipetune.plan.segment_search``: ``reorder``
-over orders and encoder leads at the fixed size and ``B``; ``pipetune`` also over every micro-batch
-size that fits and over ``B`` and ``B / 2`` per batch (the plan carries its ``B``; the runtime pads
-each sub-microbatch to it). The search spends at most ``EVALUATIONS`` greedy runs per batch
+over orders and encoder leads and lags at the fixed size and ``B``; ``pipetune`` also over every
+micro-batch size that fits and over ``B`` and ``B / 2`` per batch (the plan carries its ``B``; the
+runtime pads each sub-microbatch to it). The search spends at most ``EVALUATIONS`` greedy runs per batch
 (``CLIMB`` hill-climbing moves in each of the ``TOP_CONFIGURATIONS`` best configurations), starts
 from the previous batch's choice, and past a ``deadline`` returns the best table found so far.
 The plan's lower bound is the smallest over every configuration it considered, so its gap says how
-far the plan is from anything that search space allows (memory ignored).
+far the plan is from anything that search space allows (memory enters the bound only through its
+memory and window terms).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pipetune.cost.cost_model import CostModel, MicroBatchShapes
 from pipetune.data.batch import BatchMeta
 from pipetune.packing.config import PackerKind, PackingConfig
 from pipetune.plan.candidate import Candidate
-from pipetune.plan.interleave import Interleaved, segment_priorities
+from pipetune.plan.interleave import Interleaved
 from pipetune.plan.mode import Mode
 from pipetune.plan.plan import IterationPlan, plan_from_table
 from pipetune.plan.planner import Planner
@@ -45,7 +46,7 @@ class SeparatedPlanner(Planner):
 
     def __init__(self, config, model, cost: CostModel):
         super().__init__(config, model, cost)
-        self._warm: tuple[int, int, int] | None = None  # the previous batch's (mbs, B, lead)
+        self._warm: tuple[int, int, int, int] | None = None  # the previous batch's (mbs, B, lead, lag)
 
     def _cost_for(self, B: int) -> CostModel:
         return self.cost if B == self.cost.layout.image_sub_batch else self.cost.with_layout(replace(self.cost.layout, image_sub_batch=B))
@@ -61,10 +62,29 @@ class SeparatedPlanner(Planner):
         limit = self.budget - self.states
         c = configuration(self.cost, packing, shapes, mbs, limit)
         fits = c.base is not None
-        best = c.base or c.problem.run(*segment_priorities(c.order, c.problem.sub_mb_parent, 0))
+        best = c.base or c.problem.run_keys(c.problem.point_keys(c.order, 0, 0))
         out = Candidate(mbs, packing, c.lat, None, best.makespan, c.lower_bound_s, fits)
         out.best_s, out.order, out.schedule = (best.makespan if fits else np.inf), c.order, best
         return out
+
+    def configurations(self, meta: BatchMeta, sizes, *, adaptive: bool, deadline: float | None = None) -> list[Configuration]:
+        """The search's configurations of one batch (``segment_search``), each scored at its base
+        point; a size that packs the same micro-batches as a smaller one is left out, and past
+        ``deadline`` no further size is added once one fits."""
+        limit = self.budget - self.states
+        configs: list[Configuration] = []
+        packings = set()
+        for mbs in sizes:
+            if deadline is not None and time.perf_counter() > deadline and any(np.isfinite(c.best_s) for c in configs):
+                break
+            packing, shapes = self._packing(meta, mbs, PackerKind.BALANCED)
+            groups = tuple(map(tuple, packing.groups()))
+            if groups in packings:
+                continue
+            packings.add(groups)
+            for B in sub_batch_sizes(self.cost.layout, adaptive):
+                configs.append(configuration(self._cost_for(B), packing, shapes, mbs, limit))
+        return configs
 
     def _plan(self, meta: BatchMeta, deadline: float | None) -> IterationPlan:
         mode = self.config.mode
@@ -73,13 +93,7 @@ class SeparatedPlanner(Planner):
         t0 = time.perf_counter()
         sizes = range(1, self.max_mbs + 1) if mode is Mode.PIPETUNE else [self.fixed_mbs]
         limit = self.budget - self.states
-        configs: list[Configuration] = []
-        for mbs in sizes:
-            if deadline is not None and time.perf_counter() > deadline and any(np.isfinite(c.best_s) for c in configs):
-                break
-            packing, shapes = self._packing(meta, mbs, PackerKind.BALANCED)
-            for B in sub_batch_sizes(self.cost.layout, mode is Mode.PIPETUNE):
-                configs.append(configuration(self._cost_for(B), packing, shapes, mbs, limit))
+        configs = self.configurations(meta, sizes, adaptive=mode is Mode.PIPETUNE, deadline=deadline)
         score = lambda c: c.best_s * self._factor(c.mbs)  # noqa: E731
         warm = self._warm
         first = lambda c: warm is not None and (c.mbs, c.image_sub_batch) == warm[:2]  # noqa: E731
@@ -87,7 +101,7 @@ class SeparatedPlanner(Planner):
         best = min(configs, key=score)
         for c in sorted(configs, key=lambda c: c.lower_bound_s * self._factor(c.mbs)):
             if np.isfinite(c.base_s) and c.lower_bound_s * self._factor(c.mbs) < score(best):
-                scan(c, limit, budget, first_lead=warm[2] if first(c) else 0)
+                scan(c, limit, budget, warm=warm[2:] if first(c) else None)
                 best = min(best, c, key=score)
         rng = np.random.default_rng((self.config.seed, meta.step))
         for c in sorted(configs, key=lambda c: (not first(c), score(c)))[:TOP_CONFIGURATIONS]:
@@ -101,9 +115,9 @@ class SeparatedPlanner(Planner):
                     f"{self.budget / 2**30:.1f} GiB per GPU (trained-encoder activations of its images); "
                     "lower --max-seq-len, recompute the encoder or add memory"
                 )
-            best.best = best.problem.run(*segment_priorities(best.order, best.problem.sub_mb_parent, 0))
+            best.best = best.problem.run_keys(best.problem.point_keys(best.order, 0, 0))
         self.last_mbs = best.mbs
-        self._warm = (best.mbs, best.image_sub_batch, best.lead)
+        self._warm = (best.mbs, best.image_sub_batch, best.lead, best.lag)
         bound = min(c.lower_bound_s for c in configs)
         return self._table_plan(meta, best.packing, best.order, best.mbs, best.image_sub_batch, best.lat, best.best,
                                 time.perf_counter() - t0, lower_bound_s=bound)

@@ -29,7 +29,11 @@ of its actions
     makespan >= min_{a in J} head_a + sum_{a in J} dur_a + min_{a in J} tail_a
 
 (the first of ``J`` to start cannot start earlier, the last cannot end earlier, and its tail still
-follows it). The bound is the largest value over all ranks and all sets ``{a : head_a >= h,
+follows it). The same argument bounds the head of a micro-batch's first backbone forward: all its
+sub-microbatches' encoder forwards on one rank (or of one chunk) run one at a time before it, so
+it cannot start before their smallest head + their work + their shortest chain to it; likewise the
+tail of its last backbone backward holds all its encoder backwards (``group_bound``: a flow of
+many sub-microbatches through the encoder's ranks, not one sub-microbatch's chain). The bound is the largest value over all ranks and all sets ``{a : head_a >= h,
 tail_a >= q}`` (for given ``h`` and ``q`` no set does better): the optimum of the rank's
 preemptive one-machine relaxation. With ``J`` one action it is the critical path; with ``J`` all of
 a rank's actions it is the co-located bound's ``fill + work + drain``, so on a co-located placement
@@ -43,6 +47,16 @@ start to its freeing action's start (a saved activation: the rest of the forward
 backward back to its chunk), so ``makespan * limit_r >= sum over rank r's buffers of bytes x that
 time``. It applies when no action floats (every rank sends its first chunk's output to another
 rank, as in DIP's layout with two or more ranks); else it is left out.
+
+And a bound from *windows* (``window_bound``): on a rank whose last backbone chunk is ``s``, all
+of micro-batch ``i``'s buffers there (its activations, image features, encoder activations) are
+allocated by actions that start no later than ``F(s, i)`` and freed by actions that end no earlier
+than ``B(s, i)``, so from the start of ``F(s, i)`` to the end of ``B(s, i)`` the rank holds all
+of them (``need_i``; at least the chain ``F(s..S-1), B(S-1..s)`` long). Windows that pairwise
+overlap share the start of the latest ``F`` among them, where the simulator counts all their
+bytes. So micro-batches with ``need_i > limit / 2`` have disjoint windows (a one-machine bound
+over their windows), and windows scaled by ``need_i / limit`` fit one after another (the same bound
+with those durations).
 
 ``makespan_lower_bound`` and ``placement_lower_bound`` without a limit ignore memory, so they may
 be unreachable, never too high. Contention only adds time.
@@ -108,7 +122,8 @@ def heads_and_tails(placement: Placement, sub_mb_parent, lat: Latencies) -> dict
         hEF[:, c] = hEF[:, c - 1] + enc[:, c - 1] + hop(er, c - 1) * lat.encoder_p2p[:n]
     hF = np.zeros((m, S))
     if n:
-        np.maximum.at(hF[:, 0], parent, hEF[:, -1] + enc[:, -1] + feat)
+        to_f = (hEF[:, -1] + enc[:, -1] + feat)[:, None] - hEF - enc  # end of EF(j, c) to the start of F(parent_j, 0)
+        hF[:, 0] = group_bound(parent, er, m, hEF, enc, to_f)
     for s in range(1, S):
         hF[:, s] = hF[:, s - 1] + fwd[:, s - 1] + hop(bb, s - 1) * p2p
     hB = np.zeros((m, S))
@@ -121,7 +136,8 @@ def heads_and_tails(placement: Placement, sub_mb_parent, lat: Latencies) -> dict
     if trained and n:
         for c in range(1, E):
             tEB[:, c] = tEB[:, c - 1] + encb[:, c - 1] + hop(er, c - 1) * lat.encoder_p2p[:n]
-        np.maximum.at(tB[:, 0], parent, feat + encb[:, -1] + tEB[:, -1])
+        from_b = (feat + encb[:, -1] + tEB[:, -1])[:, None] - encb - tEB  # end of B(parent_j, 0) to the start of EB(j, c)
+        tB[:, 0] = group_bound(parent, er, m, from_b, encb, tEB)
         hEB[:, -1] = np.maximum(hEF[:, -1] + enc[:, -1], hB[parent, 0] + bwd[parent, 0] + feat)
         for c in range(E - 2, -1, -1):
             hEB[:, c] = np.maximum(hEF[:, c] + enc[:, c], hEB[:, c + 1] + encb[:, c + 1] + hop(er, c) * lat.encoder_p2p[:n])
@@ -139,6 +155,25 @@ def heads_and_tails(placement: Placement, sub_mb_parent, lat: Latencies) -> dict
     out = {"F": (hF, fwd, tF), "B": (hB, bwd, tB), "EF": (hEF, enc, tEF)}
     if trained:
         out["EB"] = (hEB, encb, tEB)
+    return out
+
+
+def group_bound(parent: np.ndarray, ranks: np.ndarray, m: int, head: np.ndarray, dur: np.ndarray, tail: np.ndarray) -> np.ndarray:
+    """``[m]``: for each micro-batch ``i``, the largest ``min head + sum dur + min tail`` over three
+    kinds of sets of its sub-microbatches' encoder actions (``[n, E]`` arrays; ``ranks[c]``: chunk
+    ``c``'s rank): one action, one chunk's, one rank's. With ``tail`` the chain to a backbone action
+    that needs them all (or ``head`` the chain from one they all need), a bound on the time between
+    the two (module doc)."""
+    n, E = head.shape
+    out = np.zeros(m)
+    np.maximum.at(out, np.repeat(parent, E), (head + dur + tail).ravel())
+    for groups, per in ((np.arange(E), E), (np.asarray(ranks, np.int64), int(max(ranks)) + 1)):
+        key = (parent[:, None] * per + groups[None, :]).ravel()
+        lo_h, lo_t = np.full(m * per, np.inf), np.full(m * per, np.inf)
+        np.minimum.at(lo_h, key, head.ravel())
+        np.minimum.at(lo_t, key, tail.ravel())
+        total = np.bincount(key, weights=dur.ravel(), minlength=m * per)
+        out = np.maximum(out, np.where(np.isfinite(lo_h), lo_h + total + lo_t, 0.0).reshape(m, per).max(axis=1))
     return out
 
 
@@ -189,6 +224,47 @@ def memory_bound(placement: Placement, sub_mb_parent, lat: Latencies, memory_lim
     return float(per_rank.max())
 
 
+def window_bound(placement: Placement, sub_mb_parent, lat: Latencies, memory_limit, parts) -> float:
+    """The bound from micro-batch windows (module doc): per rank holding backbone chunks, the
+    one-machine bound over the windows of micro-batches that pairwise cannot share the rank's
+    memory, and over all windows with each one's bytes x length / limit as its duration."""
+    bb, er = np.array(placement.backbone), np.array(placement.encoder, np.int64)
+    E, S, R = len(er), len(bb), placement.num_ranks
+    if (E and (er[1] if E > 1 else bb[0]) == er[0]) or (S > 1 and bb[1] == bb[0]):
+        return 0.0  # as memory_bound: an action may float
+    fwd, bwd, p2p = lat.fwd, lat.bwd, lat.p2p
+    m = fwd.shape[0]
+    hF, tB = parts["F"][0], parts["B"][2]
+    need = np.zeros((m, R))
+    np.add.at(need.T, bb, lat.activation_bytes.T)
+    parent = np.asarray(sub_mb_parent, np.int64)
+    n = len(parent) if E else 0
+    if n:
+        np.add.at(need[:, bb[0]], parent, lat.image_feature_bytes[:n])
+        if placement.encoder_trained:
+            for c, r in enumerate(er):
+                np.add.at(need[:, r], parent, lat.encoder_activation_bytes[:n, c])
+    limit = np.broadcast_to(np.asarray(memory_limit, np.float64), (R,))
+    length = np.zeros((m, S))  # start of F(s, i) to the end of B(s, i)
+    length[:, -1] = fwd[:, -1] + bwd[:, -1]
+    for c in range(S - 2, -1, -1):
+        length[:, c] = fwd[:, c] + bwd[:, c] + 2 * float(bb[c] != bb[c + 1]) * p2p + length[:, c + 1]
+    out = 0.0
+    for r in range(R):
+        chunks = np.flatnonzero(bb == r)
+        if not len(chunks):
+            continue
+        s = chunks[-1]
+        if (need[:, r] > limit[r]).any():
+            return np.inf
+        big = need[:, r] > limit[r] / 2
+        if big.any():
+            out = max(out, one_machine_bound(hF[big, s], length[big, s], tB[big, s]))
+        if limit[r] > 0:
+            out = max(out, one_machine_bound(hF[:, s], need[:, r] * length[:, s] / limit[r], tB[:, s]))
+    return out
+
+
 def placement_lower_bound(table: ScheduleTable, lat: Latencies, memory_limit=None) -> float:
     """The bound for any placement (see the module doc); ``table`` gives the placement and the
     sub-microbatches, its rank lists are not read. With ``memory_limit`` (bytes per rank, or one
@@ -201,4 +277,6 @@ def placement_lower_bound(table: ScheduleTable, lat: Latencies, memory_limit=Non
         for c, r in enumerate(rank_of[kind]):
             per_rank[r].append((h[:, c], d[:, c], t[:, c]))
     bound = max(one_machine_bound(*(np.concatenate(x) for x in zip(*cols))) for cols in per_rank)
-    return bound if memory_limit is None else max(bound, memory_bound(p, table.sub_mb_parent, lat, memory_limit))
+    if memory_limit is None:
+        return bound
+    return max(bound, memory_bound(p, table.sub_mb_parent, lat, memory_limit), window_bound(p, table.sub_mb_parent, lat, memory_limit, parts))

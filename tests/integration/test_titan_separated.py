@@ -55,6 +55,28 @@ def test_separated_muse_glimmer_gives_the_unsplit_models_gradients(datamix2_dir,
     assert r1["loss"] == pytest.approx(r1["loss_ref"], rel=1e-5)
 
 
+@pytest.mark.parametrize("trained", [True, False])
+def test_the_separated_search_s_plans_give_the_unsplit_models_gradients(datamix2_dir, tmp_path, trained):
+    """The plan ``SeparatedPlanner`` finds for the batch (its micro-batch size, ``B``, order, lead
+    and lag) runs in strict message order with the unsplit model's loss and gradients."""
+    from pipetune.schedule.table import Action
+
+    r0, r1 = _run(datamix2_dir, tmp_path, trained=trained, sub_batch=4, search=True)
+    assert r0["ranks"] == r1["ranks"] and r0["order"] == r1["order"]
+    ranks = [[Action.parse(a) for a in r] for r in r0["ranks"]]
+    assert all(any(a.is_encoder for a in r) and any(not a.is_encoder for a in r) for r in ranks)
+    if trained:  # encoder backwards wait on the backbone's, so the two interleave
+        assert any(a.is_encoder and not b.is_encoder and c.is_encoder for r in ranks for a, b, c in zip(r, r[1:], r[2:]))
+    compared = set(r0["errors"]) | set(r1["errors"])
+    assert compared == set(r0["reference"])
+    assert any(n.startswith("vision_encoder.layers.") for n in compared) == trained
+    for r in (r0, r1):
+        assert not r["zero_grads"]
+        worst = max(r["errors"], key=r["errors"].get)
+        assert r["errors"][worst] < 1e-4, f"{worst}: relative gradient error {r['errors'][worst]:.2e}"
+    assert r1["loss"] == pytest.approx(r1["loss_ref"], rel=1e-5)
+
+
 def test_the_trainers_parallelize_wrapper_cuts_each_part_to_its_encoder_chunks():
     """What ``PipeTuneTrainer`` hands TorchTitan for a separated job, on the meta device: every
     stage's fqns keep ``vision_encoder`` (a nested fqn would drop it), and the ``parallelize_fn``

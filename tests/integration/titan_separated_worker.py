@@ -3,7 +3,9 @@ DIP's separated layout, its model parts built as ``PipeTuneTrainer`` builds them
 tests/test_titan_separated.py, not by pytest).
 
 usage: python titan_separated_worker.py DATA_DIR OUT_DIR OPTIONS_JSON  (RANK, WORLD_SIZE, MASTER_PORT in env)
-Options: ``trained`` (train the ViT), ``sub_batch`` (B), ``seed`` (of the random plan order).
+Options: ``trained`` (train the ViT), ``sub_batch`` (B), ``seed`` (of the random plan order),
+``search`` (run the separated planner's plan instead: its micro-batch size, ``B``, order, lead and
+lag, found by ``pipetune.plan.segment_search`` on an analytical H100 table of this model).
 
 Both ranks build the whole model from one seed (the reference), then split it with the trainer's
 ``layout_fqns`` and TorchTitan's own splitter, cut each part's ``vision_encoder`` to the rank's
@@ -28,7 +30,9 @@ from titan_reference import unsplit_step
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.pipeline_parallel import _split_module
 
-from pipetune.cost import StageLayout
+from pipetune.config import load_hardware
+from pipetune.cost import CostModel, StageLayout, analytical_table
+from pipetune.plan import PlannerConfig
 from pipetune.packing import PackingConfig
 from torchtitan_patches.data import DataLoaderConfig
 from torchtitan_patches.runtime.executor import ImageShapes, PlanExecutor
@@ -72,8 +76,17 @@ def main() -> None:
     cfg = DataLoaderConfig(data=data, gbs=12, max_seq_len=SEQ, packing=PackingConfig(max_seq_len=SEQ))
     meta = cfg.build(model).meta(0)
     B = opts.get("sub_batch", 2)
-    plan, images = packed_separated_plan(np.random.default_rng(opts.get("seed", 0)), model, meta, ranks=world, segments=len(CHUNKS) // world,
-                                         image_sub_batch=B, trained=trained, max_seq_len=SEQ)
+    if opts.get("search"):
+        layout = StageLayout.even(model.backbone.n_layers, world).separated(model.encoder.n_layers, len(CHUNKS) // world, B)
+        assert list(layout.encoder_chunks) == CHUNKS
+        h100 = load_hardware("h100")
+        cost = CostModel(analytical_table(model, h100, max_tokens=SEQ, max_images=64), layout)
+        plan = PlannerConfig(max_seq_len=SEQ, memory_bytes=h100.memory_bytes).build(model, cost).plan(meta)
+        images = plan.shapes(meta).images
+        B = plan.image_sub_batch
+    else:
+        plan, images = packed_separated_plan(np.random.default_rng(opts.get("seed", 0)), model, meta, ranks=world,
+                                             segments=len(CHUNKS) // world, image_sub_batch=B, trained=trained, max_seq_len=SEQ)
     groups = [list(mb) for mb in plan.micro_batches]
     batch = next(iter(cfg.build(model, packing_source=lambda m: groups)))
     res = ex.run(batch, plan)
@@ -85,7 +98,8 @@ def main() -> None:
     ranges = plan.image_ranges(images)
     result = {"errors": errors, "reference": sorted(ref), "zero_grads": sorted(n for n in got if not ref[n].any()), "loss": res.loss, "loss_ref": ref_loss, "chunks": local,
               "blocks": sorted(int(k) for k in part.vision_encoder.layers.keys()),
-              "padded": sum(n < B for _, _, n in ranges), "order": list(plan.order)}
+              "padded": sum(n < B for _, _, n in ranges), "order": list(plan.order),
+              "ranks": [list(r) for r in plan.ranks]}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()

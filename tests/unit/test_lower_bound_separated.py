@@ -5,13 +5,13 @@ co-located bound on the co-located layout, so gaps mean the same on both layouts
 import numpy as np
 import pytest
 from random_schedules import random_separated_table
-from test_separated import random_case
+from test_separated import one_micro_batch_needs, random_case
 
 from pipetune.cost.cost_model import rank_work
-from pipetune.plan.interleave import interleave, segment_priorities
+from pipetune.plan.interleave import Problem, interleave, segment_priorities
 from pipetune.schedule import Placement, Schedule, ScheduleTable
 from pipetune.simulate import Latencies, simulate
-from pipetune.simulate.lower_bound import makespan_lower_bound, memory_bound, placement_lower_bound
+from pipetune.simulate.lower_bound import heads_and_tails, makespan_lower_bound, memory_bound, placement_lower_bound, window_bound
 
 
 def random_latencies(rng, table: ScheduleTable) -> Latencies:
@@ -72,3 +72,56 @@ def test_a_rank_that_may_hold_nothing_has_no_table():
     lat = random_latencies(np.random.default_rng(1), table)
     assert placement_lower_bound(table, lat, np.zeros(table.placement.num_ranks)) == np.inf
     assert placement_lower_bound(table, lat, None) < np.inf
+
+
+def test_the_bound_never_exceeds_the_makespan_of_search_tables_under_tight_memory():
+    """Greedy tables of random search points (orders, leads, lags) under limits from one
+    micro-batch's need up, where memory decides the table: the bound with that limit, its window
+    term included, is never above the simulated makespan."""
+    rng = np.random.default_rng(38)
+    hits = 0
+    for _ in range(300):
+        placement, parent, lat = random_case(rng)
+        limit = one_micro_batch_needs(placement, parent, lat) * rng.uniform(1.0, 2.0)
+        problem = Problem(placement, parent, lat)
+        m = lat.fwd.shape[0]
+        g = problem.run_keys(problem.point_keys(rng.permutation(m), int(rng.integers(0, 4)), int(rng.integers(-3, m + 1))), limit)
+        res = simulate(g.table, lat)
+        bound = placement_lower_bound(g.table, lat, limit)
+        assert bound <= res.makespan * (1 + 1e-12)
+        hits += window_bound(placement, parent, lat, limit, heads_and_tails(placement, parent, lat)) > placement_lower_bound(g.table, lat)
+    assert hits > 30  # the window term decides the bound in many of them
+
+
+def test_a_flow_of_equal_sub_micro_batches_is_bounded_exactly():
+    """One micro-batch whose images fill many equal sub-microbatches: its encoder forwards (and
+    backwards) pass the ranks as a flow shop, and the bound counts the whole flow before the
+    backbone's first forward (and after its last backward), not one sub-microbatch's chain."""
+    for trained in (False, True):
+        placement = Placement.separated(3, 3, encoder_trained=trained)
+        n = 6
+        ones = lambda *shape: np.ones(shape)  # noqa: E731
+        lat = Latencies(ones(1, 3), 2 * ones(1, 3), 0.5 * ones(n, 3), np.zeros(1), ones(1, 3), ones(n),
+                        encoder_bwd=ones(n, 3) if trained else None, encoder_p2p=np.zeros(n), feature_p2p=np.zeros(n),
+                        encoder_activation_bytes=ones(n, 3) if trained else None)
+        table = interleave(placement, (0,) * n, lat, np.zeros(1, np.int64), np.zeros(n, np.int64)).table
+        span = simulate(table, lat).makespan
+        assert span == pytest.approx((n + 2) * 0.5 + 9 + ((n + 2) * 1.0 if trained else 0.0))
+        assert placement_lower_bound(table, lat) == pytest.approx(span)
+
+
+def test_micro_batches_that_cannot_share_a_rank_s_memory_are_bounded_one_after_another():
+    """Two micro-batches, each needing more than half of a rank's limit: whatever the order, the
+    second one's forward starts after the first one's backward on that rank, and the bound (its
+    window term) counts both round trips."""
+    placement = Placement.separated(2, 2, encoder_trained=False)
+    lat = Latencies(np.ones((2, 2)), np.ones((2, 2)), np.full((2, 2), 0.1), np.zeros(2), np.ones((2, 2)), np.full(2, 0.2),
+                    encoder_p2p=np.zeros(2), feature_p2p=np.zeros(2))
+    limit = np.full(2, 1.5)
+    problem = Problem(placement, (0, 1), lat)
+    spans = [problem.run_keys(problem.point_keys(order, 0, 0), limit).makespan for order in ((0, 1), (1, 0))]
+    proto = ScheduleTable(placement=placement, num_micro_batches=2, ranks=(), sub_mb_parent=(0, 1))
+    bound = placement_lower_bound(proto, lat, limit)
+    assert placement_lower_bound(proto, lat) < bound <= min(spans) * (1 + 1e-12)
+    assert bound == pytest.approx(0.2 + 2 * 4.0)  # an encoder chain, then two windows of F, F, B, B on rank 0
+    assert min(spans) == pytest.approx(bound + 0.2)  # the greedy admits the second micro-batch's encoder only then

@@ -6,10 +6,11 @@ past a deadline the search still returns a valid plan (its best so far)."""
 import numpy as np
 import pytest
 from test_lowering_fifo import check
-from test_separated import H100, heavy  # noqa: F401  (the fixture)
+from test_separated import H100, heavy, random_case  # noqa: F401  (the fixture)
 
 from pipetune.plan import IterationPlan, PlannerConfig
-from pipetune.plan.segment_search import sub_batch_sizes
+from pipetune.plan.interleave import Problem, segment_priorities
+from pipetune.plan.segment_search import exhaustive, sub_batch_sizes
 from pipetune.simulate import simulate
 
 
@@ -48,3 +49,27 @@ def test_past_the_deadline_the_search_returns_its_best_so_far(heavy):  # noqa: F
     assert not plan.fallback and plan.mbs == 1 and max(plan.peak_bytes) <= planner.budget
     assert simulate(plan.table(), plan.latencies(cost, metas[0])).makespan == pytest.approx(plan.predicted_s)
     check(plan.table())
+
+
+def test_the_search_space_holds_dip_s_shared_segment_priorities():
+    """A lag of minus the lead gives every micro-batch's encoder segments one priority, as
+    ``segment_priorities`` (DIP): the same tables."""
+    rng = np.random.default_rng(5)
+    for _ in range(30):
+        placement, parent, lat = random_case(rng)
+        problem = Problem(placement, parent, lat)
+        order, lead = rng.permutation(lat.fwd.shape[0]), int(rng.integers(0, 4))
+        assert problem.run_keys(problem.point_keys(order, lead, -lead)).lists == problem.run(*segment_priorities(order, parent, lead)).lists
+
+
+def test_the_search_finds_the_best_point_of_small_configurations(heavy):  # noqa: F811
+    """Every order, lead and lag of every configuration of at most 4 micro-batches, enumerated: none
+    beats the search's plan (which also weighs the larger configurations)."""
+    model, cost, metas = heavy
+    planner = PlannerConfig(max_seq_len=4096, memory_bytes=H100.memory_bytes).build(model, cost)
+    plan = planner.plan(metas[0])
+    small = [c for c in planner.configurations(metas[0], range(1, planner.max_mbs + 1), adaptive=True) if c.packing.num_micro_batches <= 4]
+    assert len(small) >= 4
+    for c in small:
+        exhaustive(c, planner.budget - planner.states)
+    assert plan.predicted_s <= min(c.best_s for c in small) + 1e-9
