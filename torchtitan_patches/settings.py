@@ -17,6 +17,7 @@ from pipetune.calibrate.online import OnlineCalibrator
 from pipetune.cost import CostModel
 from pipetune.plan import Mode
 from pipetune.plan.guard import Guard, GuardConfig
+from pipetune.plan.planner_config import SplitBackward
 
 __all__ = ["CalibrationSettings", "GuardSettings", "PipeTuneSettings", "ReplaySettings"]
 
@@ -133,6 +134,15 @@ class PipeTuneSettings(Configurable):
         """Count each step's host-device synchronisations per rank into the step records (a check;
         on CPU it slows the step: ``torchtitan_patches.runtime.host_sync``)."""
 
+        split_backward: str = "off"
+        """Split every backbone backward into its input gradient and its weight gradient, which
+        plans defer into bubbles (zero-bubble pipelining, ZB-H1's rule): ``off``; ``on``; ``auto``:
+        the planner chooses per iteration, whichever is predicted faster within ``memory_gib``. The
+        ``InterleavedZeroBubble`` schedule means ``on``. Limits: co-located even or explicit
+        layouts, no data or tensor parallelism; a split chunk holds its activations until its
+        weight gradient and, from its input gradient on, the output gradient of every weight's
+        operation, which the planner's memory model does not count yet."""
+
         jitter_draws: int = 0
         """Score plans by their expected time over this many draws of per-action jitter (0: the
         deterministic simulation; else >= 2). Needs ``calibration.online_window``: the spread is
@@ -144,6 +154,8 @@ class PipeTuneSettings(Configurable):
 
         def __post_init__(self) -> None:
             Mode(self.mode)
+            if self.split_backward not in {s.value for s in SplitBackward}:
+                raise ValueError(f"pipetune.split_backward must be one of {[s.value for s in SplitBackward]}, got {self.split_backward!r}")
             _at_least("", self, 0, "plan_ahead", "max_mbs", "mbs", "image_grid")
             if self.budget_s <= 0 or self.memory_gib <= 0:
                 raise ValueError("pipetune.budget_s and pipetune.memory_gib must be positive")

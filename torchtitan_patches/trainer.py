@@ -35,10 +35,16 @@ parallelism micro-batches are padded to a multiple of the TP degree and each pip
 share of the sequence. Gradients of parameters every TP rank holds whole are summed over TP
 (``runtime.tensor_parallel``) and the clipping norm is the whole model's (``runtime.grad_norm``).
 
-Limits: one stage per rank (1F1B/GPipe-style splits); no context parallelism; DIP's separated
-layout only without data or tensor parallelism (``titan.job_checks`` refuses the rest at config
-time). Compute in ``training.mixed_precision_param`` (with FSDP its mixed-precision policy
-casts the weights, without it autocast); the CUDA path has not yet run on a GPU.
+Schedules: TorchTitan's ``1F1B`` (and ``GPipe``) give one backbone chunk per rank;
+``Interleaved1F1B`` gives ``V`` chunks per rank (TorchTitan's stages per rank, ``V x P`` parts from
+its ``pipelining_fn`` split, chunk ``c`` on rank ``c mod P``), whose parts the executor runs as
+chunks of one plan; ``InterleavedZeroBubble`` the same with every backbone backward split into
+input and weight gradients (``pipetune.split_backward``: off, on, or auto, chosen per iteration).
+
+Limits: no context parallelism; DIP's separated layout, virtual stages and split backward only
+without data or tensor parallelism (``titan.job_checks`` refuses the rest at config time).
+Compute in ``training.mixed_precision_param`` (with FSDP its mixed-precision policy casts the
+weights, without it autocast); the CUDA path has not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -79,7 +85,7 @@ from torchtitan_patches.settings import PipeTuneSettings
 from torchtitan_patches.compat.cpu_device import use_cpu
 from torchtitan_patches.titan.dataloader import PipeTuneTitanDataLoader
 from torchtitan_patches.titan.job_checks import check_table, refuse_unsupported
-from torchtitan_patches.titan.model_parts import choose_layout, local_encoder_chunks, sample_job_batches, split_for_layout
+from torchtitan_patches.titan.model_parts import choose_layout, local_encoder_chunks, sample_job_batches, schedule_family, split_for_layout
 from torchtitan_patches.titan.model_spec import planning_model_config, stage_runtime
 from torchtitan_patches.compat.torch_compat import add_missing_torch_apis
 
@@ -137,14 +143,18 @@ class PipeTuneTrainer(Trainer):
         self.table = load_latency_table(pt.latency_table, model=self.planning_model, tp=config.parallelism.tensor_parallel_degree)
         check_table(self.table, device_type="cuda" if torch.cuda.is_available() else "cpu", dtype=config.training.mixed_precision_param,
                     where=pt.latency_table)
-        self.layout = choose_layout(config, self.planning_model, self.table, lambda: self._sample(config))
-        logger.info(f"pipetune layout ({pt.layout}): backbone layers per stage {self.layout.layers_per_stage()}"
+        self.chunks_per_rank, self.split_backward = schedule_family(config)
+        self.layout = choose_layout(config, self.planning_model, self.table, lambda: self._sample(config), chunks_per_rank=self.chunks_per_rank)
+        per = "chunk (chunk c on rank c mod P)" if self.chunks_per_rank > 1 else "stage"
+        logger.info(f"pipetune layout ({pt.layout}): backbone layers per {per} {self.layout.layers_per_stage()}; "
+                    f"split backward {self.split_backward.value}"
                     + (f"; separated encoder, blocks per chunk {[hi - lo for lo, hi in self.layout.encoder_chunks]}, "
                        f"{self.layout.image_sub_batch} images per sub-microbatch" if self.layout.is_separated else ""))
         split_for_layout(config, self.layout)
         super().__init__(config)
-        if len(self.model_parts) != 1:
-            raise ValueError("PipeTuneTrainer runs one pipeline stage per rank (a flat 1F1B-style split)")
+        if len(self.model_parts) != self.chunks_per_rank:
+            raise ValueError(f"PipeTuneTrainer planned {self.chunks_per_rank} backbone chunks per rank; TorchTitan's split gave "
+                             f"{len(self.model_parts)} model parts")
         self._build_pipetune(config)
 
     def _sample(self, config: Config):
@@ -191,27 +201,30 @@ class PipeTuneTrainer(Trainer):
         self.records_path = Path(config.dump_folder) / "pipetune" / "steps.jsonl"
 
     def _build_executor(self, pt: PipeTuneSettings.Config, pp: int) -> PlanExecutor:
-        """This rank's backbone stage and encoder chunks (meta-initialised: each rank materialised
-        only its own part) behind a ``PlanExecutor`` on its pipeline (TorchTitan's ``pp`` mesh)."""
-        part, stage = self.model_parts[0], self.stage
+        """This rank's backbone chunks (TorchTitan's parts of stages ``r, r + P, ...``, in that
+        order) and encoder chunks (meta-initialised: each rank materialised only its own parts)
+        behind a ``PlanExecutor`` on its pipeline (TorchTitan's ``pp`` mesh)."""
+        stage, chunks_total = self.stage, pp * self.chunks_per_rank
+        parts = dict(zip(range(stage, chunks_total, pp), self.model_parts))
         runtime = stage_runtime(self.config.model_spec)
-        if pt.freeze_vision_encoder and getattr(part, "vision_encoder", None) is not None:
-            part.vision_encoder.requires_grad_(False)  # AdamW skips parameters without gradients
-            for name in runtime.trained_with_frozen_encoder:
-                getattr(part.vision_encoder, name).requires_grad_(True)
+        for part in parts.values():
+            if pt.freeze_vision_encoder and getattr(part, "vision_encoder", None) is not None:
+                part.vision_encoder.requires_grad_(False)  # AdamW skips parameters without gradients
+                for name in runtime.trained_with_frozen_encoder:
+                    getattr(part.vision_encoder, name).requires_grad_(True)
         sizes = [None] * dist.get_world_size()
-        dist.all_gather_object(sizes, sum(p.numel() * p.element_size() for p in part.parameters()), group=self.control)
+        dist.all_gather_object(sizes, sum(p.numel() * p.element_size() for part in parts.values() for p in part.parameters()), group=self.control)
         if self.rank == 0:
             logger.info("pipetune: parameter bytes per rank " + ", ".join(f"rank {r} {b / 2**20:.1f} MiB" for r, b in enumerate(sizes)))
-        backbone = runtime.stage(part, is_first=stage == 0, is_last=stage == pp - 1)
+        backbone = {c: runtime.stage(part, is_first=c == 0, is_last=c == chunks_total - 1) for c, part in parts.items()}
         enc = self.planning_model.encoder
         if self.layout.is_separated:
             ranges = self.layout.encoder_chunks
-            chunks = runtime.encoder_chunks(part, ranges, local_encoder_chunks(stage, pp, ranges), image_grid=pt.image_grid)
+            chunks = runtime.encoder_chunks(parts[stage], ranges, local_encoder_chunks(stage, pp, ranges), image_grid=pt.image_grid)
         else:
-            chunks = runtime.encoder_chunks(part, [(0, enc.n_layers)], [0], image_grid=pt.image_grid) if enc is not None and backbone.is_first else {}
+            chunks = runtime.encoder_chunks(parts[0], [(0, enc.n_layers)], [0], image_grid=pt.image_grid) if enc is not None and 0 in parts else {}
         return PlanExecutor(
-            {stage: backbone}, chunks, dim=self.planning_model.backbone.dim, rank=stage, group=self.parallel_dims.get_mesh("pp").get_group(),
+            backbone, chunks, dim=self.planning_model.backbone.dim, rank=stage, group=self.parallel_dims.get_mesh("pp").get_group(),
             control_group=self.control, replica=self.replica, sequence_shards=self.sequence_shards, image_shapes=ImageShapes.of(enc) if enc is not None else None,
             device=self.device, strict_order=pt.strict_order, count_host_syncs=pt.count_host_syncs, compute_dtype=TORCH_DTYPE_MAP[self.config.training.mixed_precision_param],
             loss_fn=lambda logits, labels, n: self.loss_fn(logits, labels, n)[0])  # a Python divisor: no upload per micro-batch
@@ -233,7 +246,7 @@ class PipeTuneTrainer(Trainer):
 
         def planner(mode: Mode, mbs: int | None, max_mbs: int = pt.max_mbs):
             return PlannerConfig(mode=mode, max_seq_len=seq, memory_bytes=memory, max_mbs=max_mbs, mbs=mbs, seed=seed,
-                                 jitter_draws=pt.jitter_draws).build(self.planning_model, self.profiled)
+                                 jitter_draws=pt.jitter_draws, split_backward=self.split_backward).build(self.planning_model, self.profiled)
 
         def replicas(p, *, balanced: bool = False) -> ReplicaPlanner:
             return ReplicaPlanner(p, self.replicas, balanced=balanced)
@@ -241,7 +254,8 @@ class PipeTuneTrainer(Trainer):
         tuned = replicas(planner(Mode(pt.mode), pt.mbs or None), balanced=Mode(pt.mode) is not Mode.ORIGINAL)
         calibration = [replicas(planner(Mode.BALANCED, k)) for k in range(1, tuned.max_mbs + 1)] if pt.calibration.steps else []
         baseline = replicas(best_static_planner(self.planning_model, self.profiled, self._sample(config), max_seq_len=seq,
-                                                memory_bytes=memory, seed=seed, max_mbs=pt.max_mbs, jitter_draws=pt.jitter_draws)) if pt.guarded else None
+                                                memory_bytes=memory, seed=seed, max_mbs=pt.max_mbs, jitter_draws=pt.jitter_draws,
+                                                split_backward=self.split_backward)) if pt.guarded else None
         if baseline is not None:
             logger.info(f"pipetune guard: baseline = {baseline.config.mode.value} packing at mbs {baseline.fixed_mbs}"
                         + (", round-robin over replicas" if self.replicas > 1 else "") + " (best fixed configuration on 8 sampled batches)")

@@ -1,11 +1,13 @@
-"""One rank of a 2-process gloo pipeline test (run by tests/test_pipeline_runtime.py, not by pytest).
+"""One rank of a gloo pipeline test (run by tests/test_pipeline_runtime.py, not by pytest).
 
 usage: python pipeline_worker.py SCENARIO DATA_DIR OUT_DIR [OPTIONS_JSON]  (RANK, WORLD_SIZE, MASTER_PORT in env)
 Writes OUT_DIR/rank{r}.json with what the scenario measured. Options: ``strict`` (every message
 with one tag, so gloo matches by order as NCCL does), ``dtype`` (``fp32`` or ``bf16``), ``layout``
 (``even``, ``uneven`` = 3+1 layers, ``two_per_rank`` = four 1-layer stages, V-shaped on 2 ranks),
 ``trained`` (train the vision encoder: its backward runs as the plan's own encoder backward
-actions); separated scenarios: ``segments`` (K), ``sub_batch`` (B), ``seed`` (of the random order).
+actions); separated scenarios: ``segments`` (K), ``sub_batch`` (B), ``seed`` (of the random order);
+``interleaved_grads`` (any world size): ``chunks_per_rank`` (V), ``split`` (split backward), ``mbs``,
+``gbs``, ``trained``, ``seed``.
 """
 
 from __future__ import annotations
@@ -20,18 +22,22 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.pipelining._backward import stage_backward_input
 from random_schedules import packed_separated_plan
 
 from pipetune.config import load_model_config
 from pipetune.cost import StageLayout
 from pipetune.packing import PackingConfig
-from pipetune.plan.plan import build_plan
+from pipetune.plan.plan import build_plan, plan_from_table
 from pipetune.schedule import Action, Op, onto_ranks, place_encoders
+from pipetune.schedule.schedules import list_scheduled
 from pipetune.schedule.lowering import Direction, MessageKind, Post, Wait, lower
 from torchtitan_patches.data import DataLoaderConfig
-from torchtitan_patches.model.vlm import build_encoder_chunks, build_stages, build_vlm
+from torchtitan_patches.model.packed_attention import varlen_metadata
+from torchtitan_patches.model.vlm import build_encoder_chunks, build_stages, build_vlm, token_loss_sum
 from torchtitan_patches.runtime import executor as executor_module
 from torchtitan_patches.runtime.executor import ImageShapes, PlanExecutor, PlanMismatchError
+from torchtitan_patches.runtime.memory import SavedActivations, storage_bytes
 from torchtitan_patches.runtime.reference import reference_step, whole_model_names
 
 MAX_SEQ_LEN = 256
@@ -216,6 +222,103 @@ def swapped_order(rank, world, data, opts):
     reference_step(encoder, whole, batch)
     ref = {n: p.grad for n, p in whole.named_parameters() if p.grad is not None}
     return {"worst_rel": max(rel_err(g, ref[n]) for n, g in grads(stages).items()), "loss": res.loss}
+
+
+def interleaved_setup(rank: int, world: int, opts: dict):
+    """The tiny model (``world * V`` layers if it has fewer) in ``world * V`` backbone chunks, chunk
+    ``c`` on rank ``c mod world`` (TorchTitan's ``Interleaved1F1B`` layout); every message on one
+    tag; activation memory measured."""
+    V = opts.get("chunks_per_rank", 2)
+    model = load_model_config("tiny")
+    model = replace(model, backbone=replace(model.backbone, n_layers=max(model.backbone.n_layers, V * world)),
+                    encoder=replace(model.encoder, frozen=not opts.get("trained")))
+    ranges = list(StageLayout.even(model.backbone.n_layers, V * world).layer_ranges)
+    encoder, stages = build_stages(model, ranges, [c for c in range(V * world) if c % world == rank], max_seq_len=4 * MAX_SEQ_LEN,
+                                   seed=0, attention_backend="sdpa")
+    ex = PlanExecutor(stages, encoder, dim=model.backbone.dim, rank=rank, strict_order=True, measure_activations=True)
+    return model, stages, ex
+
+
+def interleaved_plan(model, meta, world: int, opts: dict):
+    """Balanced packing at ``mbs``, a random order (``seed``), the planner's interleaved 1F1B or
+    zero-bubble table (``split``) of ``chunks_per_rank`` chunks per rank; a frozen encoder's last two
+    forwards pre-computed."""
+    mbs = opts.get("mbs", 2)
+    packing = PackingConfig(packer="balanced", mbs=mbs, max_seq_len=MAX_SEQ_LEN).build(model)(meta.table.lengths, meta.step)
+    groups = [meta.table.ids[g].tolist() for g in packing.groups()]
+    order = np.random.default_rng(opts.get("seed", 0)).permutation(len(groups)).tolist()
+    trained = not model.encoder.frozen
+    table = list_scheduled(world, opts.get("chunks_per_rank", 2), order, split_backward=opts.get("split", False), encoder=True,
+                           encoder_trained=trained)
+    if not trained and len(order) > 2:
+        table = place_encoders(table, {order[-1]: 1, order[-2]: 0})
+    return plan_from_table(table, step=meta.step, micro_batches=groups, order=order, mbs=mbs, max_seq_len=MAX_SEQ_LEN).validate()
+
+
+def chunk_bytes_per_token(model, stages, encoder, mb) -> dict:
+    """Activation bytes per token of one forward of each of this rank's chunks on micro-batch
+    ``mb`` (its loss on the last chunk), and a trained encoder's per image: what the plan's memory
+    model multiplies by each micro-batch's tokens (images). ``held``: per chunk and token, the
+    output gradients torch's ``stage_backward_input`` keeps for the weight gradient (a split
+    backward's memory beside the activations)."""
+    inputs = [mb.tokens, mb.positions, mb.pixel_values]
+    exclude = [*inputs, *(t for m in (*stages.values(), *([encoder] if encoder else [])) for t in (*m.parameters(), *m.buffers()))]
+    kwargs = {"positions": mb.positions[None], "masks": varlen_metadata(mb.cu_seqlens, "cpu"), "image_spans": mb.image_spans}
+    trained = encoder is not None and not model.encoder.frozen
+    out = {}
+    if encoder is not None:
+        with SavedActivations(exclude) as saved, torch.set_grad_enabled(trained):
+            feats = encoder(mb.pixel_values, mb.image_grids)
+            if trained:
+                out["encoder_per_image"] = saved.live_bytes() / mb.num_images
+    for c, stage in stages.items():
+        if stage.is_first:
+            x = mb.tokens[None]
+            extra = {"image_features": feats.detach().requires_grad_(trained)}
+        else:
+            x, extra = torch.randn(1, mb.num_tokens, model.backbone.dim, requires_grad=True), {}
+        with SavedActivations(exclude) as saved:
+            y = stage(x, **kwargs, **extra)
+            if stage.is_last:
+                y = token_loss_sum(y, mb.labels[None]) / mb.num_label_tokens
+            out[c] = saved.live_bytes() / mb.num_tokens
+        inputs = [t for t in (x, extra.get("image_features")) if t is not None and t.requires_grad]
+        if inputs:
+            _, groups = stage_backward_input([y], None if stage.is_last else [torch.ones_like(y)], inputs,
+                                             (p for p in stage.parameters() if p.requires_grad))
+            held = [g for group in groups for grads in group.get("grads") or () for g in grads or () if g is not None]
+            out[f"held{c}"] = storage_bytes(held) / mb.num_tokens
+        del y
+    return out
+
+
+def interleaved_grads(rank, world, data, opts):
+    """An interleaved (``chunks_per_rank``) and/or split-backward plan against the single-process
+    reference: per parameter the norm-wise relative gradient error; the activation memory the run
+    measured and each chunk's bytes per token (for the test's prediction)."""
+    model, stages, ex = interleaved_setup(rank, world, opts)
+    gbs = opts.get("gbs", 12)
+    meta = loader(model, data, gbs, None).meta(0)
+    plan = interleaved_plan(model, meta, world, opts)
+    batch = batch_for(model, data, gbs, plan)
+    largest = max(batch.micro_batches, key=lambda mb: (mb.num_images > 0, mb.num_tokens))
+    per_token = chunk_bytes_per_token(model, stages, ex.encoder.get(0), largest)
+    res = ex.run(batch, plan)
+    got = grads(stages, ex.encoder)
+    ref_encoder, whole = build_vlm(model, max_seq_len=4 * MAX_SEQ_LEN, seed=0, attention_backend="sdpa")
+    ref_loss = reference_step(ref_encoder, whole, batch)
+    ref = grads({0: whole}, {0: ref_encoder})
+    acts = [Action.parse(a) for a in plan.ranks[rank]]
+    return {
+        "stages": sorted(stages), "plan": plan.to_json(), "order": list(plan.order), "loss": res.loss, "loss_ref": ref_loss,
+        "errors": {n: rel_err(g, ref[n]) for n, g in got.items()}, "ref_params_here": sorted(n for n in ref if n in got) == sorted(got),
+        "zero_grads": [n for n, g in got.items() if not g.abs().max() > 0],
+        "ops": sorted({a.op.value for a in acts}), "encoder_backward": sum(a.is_encoder and a.op is Op.BACKWARD for a in acts),
+        "precomputed": sum(t.precomputed for t in res.timeline),
+        "activation_trace": res.activation_trace, "activation_peak": res.activation_peak_bytes, "bytes_per_token": per_token,
+        "tokens": [mb.num_tokens for mb in batch.micro_batches], "images": [mb.num_images for mb in batch.micro_batches],
+        "timeline": [str(t.action) for t in res.timeline],
+    }
 
 
 ENCODER_LAYERS = 5  # cut into 2 * K chunks: uneven for K = 2 (2+1+1+1 layers)

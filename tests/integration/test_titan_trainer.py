@@ -14,6 +14,7 @@ from titan_jobs import job_args as _args, torchrun as _torchrun
 from titan_reference import unsplit_step
 from configs import config_registry
 from torchtitan_patches.titan.model_spec import planning_model_config
+from pipetune.plan.plan import IterationPlan
 from pipetune.plan.plan_source import load_replay
 from pipetune.records import StepKind, StepRecord
 
@@ -61,19 +62,23 @@ def _unsplit_gradients(weights: dict, batch, *, trained: bool = False) -> dict:
     return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("layout", ["5,3", "separated"])
-def test_step_one_gradients_equal_the_unsplit_model(job, tmp_path, monkeypatch, layout):
+@pytest.mark.parametrize("layout, schedule, trained", [("5,3", "1F1B", False), ("separated", "1F1B", True),
+                                                       ("1,3,2,2", "Interleaved1F1B", False), ("even", "InterleavedZeroBubble", True)])
+def test_step_one_gradients_equal_the_unsplit_model(job, tmp_path, monkeypatch, layout, schedule, trained):
     """``5,3``: an uneven co-located split with a frozen encoder (pre-computed when the planner
     finds it faster on this machine's table; pre-computation's gradients are proven for any placement
     in test_pipeline_runtime); ``separated``: DIP's layout with a trained encoder cut into chunks on both ranks
-    and padded image sub-microbatches. Every parameter's gradient (none of them zero) equals the
-    unsplit model's, and no rank's action loop synchronised host and device (counted as on a GPU:
-    ``runtime.host_sync``)."""
+    and padded image sub-microbatches; TorchTitan's ``Interleaved1F1B``: four parts from its split,
+    two per rank (chunk c on rank c mod 2), of 1, 3, 2 and 2 layers; ``InterleavedZeroBubble``: the
+    same with every backbone backward split into input and weight gradients, a trained encoder
+    taking its features' gradients from chunk 0's input-gradient action. Every parameter's gradient
+    (none of them zero) equals the unsplit model's, and no rank's action loop synchronised host and
+    device (counted as on a GPU: ``runtime.host_sync``)."""
     from torchtitan.distributed import utils as dist_utils
 
     monkeypatch.setattr(dist_utils, "_spmd_backend", "partial_dtensor")
-    trained = layout == "separated"
     extra = ["--pipetune.no-freeze_vision_encoder", "--pipetune.latency_table", str(job / "table_trained.json")] if trained else []
+    extra += ["--parallelism.pipeline_parallel_schedule", schedule]
     # no gradient clipping: the gradients compared are the step's own, before TorchTitan scales them
     _torchrun([str(WORKER), str(tmp_path)] + _args(job, tmp_path / "dump", "--training.steps", "1", "--pipetune.layout", layout,
                                                    "--training.max_norm", "1e9", "--pipetune.count_host_syncs", *extra))
@@ -81,8 +86,11 @@ def test_step_one_gradients_equal_the_unsplit_model(job, tmp_path, monkeypatch, 
     batch = ranks[0]["batch"]
     assert any(mb.num_images for mb in batch.micro_batches), "the batch should exercise the vision encoder"
     record = _records(tmp_path / "dump")[0]
-    assert record.separated == trained
+    assert record.separated == (layout == "separated")
     assert record.host_syncs == [0, 0]
+    plan = IterationPlan.from_json(record.plan)
+    assert plan.placement.chunks_per_rank == (1 if schedule == "1F1B" else 2)
+    assert plan.table().split_backward == (schedule == "InterleavedZeroBubble")
     weights = {k: v for r in ranks for k, v in r["weights"].items()}
     reference = _unsplit_gradients(weights, batch, trained=trained)
     pipelined = {k: v for r in ranks for k, v in r["grads"].items()}
@@ -269,7 +277,6 @@ def _replaying_the_records_learns_what_the_job_learnt(job: Path, recs: list[Test
     from pipetune.cost import CostModel, StageLayout, load_latency_table
     from pipetune.data import Overlong
     from pipetune.packing import PackingConfig
-    from pipetune.plan.plan import IterationPlan
     from pipetune.plan.replicas import ReplicaPlans
     from torchtitan_patches.data import DataLoaderConfig
 

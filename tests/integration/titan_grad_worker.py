@@ -15,11 +15,11 @@ from torchtitan.config import ConfigManager
 def main() -> None:
     out, argv = sys.argv[1], sys.argv[2:]
     trainer = ConfigManager().parse_args(argv).build()
-    part = trainer.model_parts[0]
+    parts = trainer.model_parts  # several with an interleaved schedule; their names are the whole model's
     with torch.no_grad():  # Muse Glimmer zero-initialises its norm weights: at init only the final norm would get a gradient
-        for name, p in part.named_parameters():
+        for name, p in (np for part in parts for np in part.named_parameters()):
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode()))), alpha=0.05)
-    weights = {k: v.detach().clone() for k, v in part.state_dict().items()}
+    weights = {k: v.detach().clone() for part in parts for k, v in part.state_dict().items()}
     seen = []
 
     def batches():
@@ -29,7 +29,7 @@ def main() -> None:
 
     trainer.step = 1
     trainer.train_step(batches())
-    grads = {n: p.grad.detach().clone() for n, p in part.named_parameters() if p.grad is not None}
+    grads = {n: p.grad.detach().clone() for part in parts for n, p in part.named_parameters() if p.grad is not None}
     torch.save({"weights": weights, "grads": grads, "batch": seen[0]}, os.path.join(out, f"rank{dist.get_rank()}.pt"))
     trainer.close()
     dist.destroy_process_group()

@@ -9,7 +9,9 @@ import pytest
 from configs import config_registry
 from pipetune.cost import LatencyTable
 from pipetune.cost.latency_table import Curve
+from pipetune.plan.planner_config import SplitBackward
 from torchtitan_patches.titan.job_checks import check_table, refuse_unsupported
+from torchtitan_patches.titan.model_parts import schedule_family
 
 
 @pytest.fixture(autouse=True)
@@ -39,11 +41,75 @@ def test_one_stage_schedules_pass(schedule):
     refuse_unsupported(config)
 
 
-@pytest.mark.parametrize("schedule", ["Interleaved1F1B", "ZBVZeroBubble", "DualPipeV", "PipelineScheduleSingle"])
-def test_other_schedules_refused(schedule):
+@pytest.mark.parametrize("schedule, chunks, split", [("1F1B", 1, "off"), ("Interleaved1F1B", 2, "off"), ("interleaved1f1b", 2, "off"),
+                                                     ("InterleavedZeroBubble", 2, "on")])
+def test_interleaved_schedules_pass_as_virtual_stages(schedule, chunks, split):
+    """TorchTitan's loop-style schedules: two chunks per rank by default, as TorchTitan builds them;
+    InterleavedZeroBubble splits every backward."""
     config = config_registry.muse_glimmer_mm()
     config.parallelism.pipeline_parallel_schedule = schedule
-    assert "set --parallelism.pipeline_parallel_schedule 1F1B" in _refused(config, "parallelism.pipeline_parallel_schedule")
+    refuse_unsupported(config)
+    assert schedule_family(config) == (chunks, SplitBackward(split))
+
+
+@pytest.mark.parametrize("per_stage, chunks", [(3, 2), (1, 5), (2, None), (6, None)])
+def test_layers_per_stage_sets_an_interleaved_schedules_chunks_per_rank(per_stage, chunks):
+    """TorchTitan's rule on Muse Glimmer's 8 layers: ceil((8 + 1 + 1) / layers per stage) stages,
+    a multiple of PP 2 and at least two per rank (2 gives 5 stages; 6 gives 2, one per rank)."""
+    config = config_registry.muse_glimmer_mm()
+    config.parallelism.pipeline_parallel_schedule = "Interleaved1F1B"
+    config.parallelism.pipeline_parallel_layers_per_stage = per_stage
+    if chunks is None:
+        assert "leave it unset for two chunks per rank" in _refused(config, "parallelism.pipeline_parallel_layers_per_stage")
+    else:
+        refuse_unsupported(config)
+        assert schedule_family(config)[0] == chunks
+
+
+@pytest.mark.parametrize("schedule, fix", [("ZBVZeroBubble", "InterleavedZeroBubble"), ("DualPipeV", "InterleavedZeroBubble"),
+                                           ("PipelineScheduleSingle", "1F1B"), ("LoopedBFS", "1F1B")])
+def test_other_schedules_refused(schedule, fix):
+    config = config_registry.muse_glimmer_mm()
+    config.parallelism.pipeline_parallel_schedule = schedule
+    message = _refused(config, "parallelism.pipeline_parallel_schedule")
+    assert f"set --parallelism.pipeline_parallel_schedule {fix}" in message
+    assert ("V-shaped" in message) == (fix != "1F1B")
+
+
+@pytest.mark.parametrize("degree", ["data_parallel_shard_degree", "tensor_parallel_degree"])
+def test_virtual_stages_and_split_backward_refused_beside_data_or_tensor_parallelism(monkeypatch, degree):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    config = config_registry.muse_glimmer_mm()
+    setattr(config.parallelism, degree, 2)
+    config.parallelism.pipeline_parallel_schedule = "Interleaved1F1B"
+    assert "2 chunks per rank run without data or tensor parallelism" in _refused(config, "parallelism.pipeline_parallel_schedule")
+    config.parallelism.pipeline_parallel_schedule = "1F1B"
+    config.pipetune.split_backward = "auto"
+    assert "split backward run without data" in _refused(config, "pipetune.split_backward auto")
+
+
+@pytest.mark.parametrize("layout", ["auto", "separated"])
+def test_virtual_stages_and_split_backward_need_an_even_or_explicit_layout(layout):
+    config = config_registry.muse_glimmer_mm()
+    config.pipetune.layout = layout
+    config.parallelism.pipeline_parallel_schedule = "InterleavedZeroBubble"
+    assert "2 chunks per rank and split backward" in _refused(config, f"pipetune.layout {layout}")
+    config.parallelism.pipeline_parallel_schedule = "1F1B"
+    config.pipetune.split_backward = "on"
+    _refused(config, f"pipetune.layout {layout}")
+    config.pipetune.split_backward = "off"
+    refuse_unsupported(config)
+
+
+def test_split_backward_setting():
+    from torchtitan_patches.settings import PipeTuneSettings
+
+    with pytest.raises(ValueError, match="pipetune.split_backward must be one of"):
+        PipeTuneSettings.Config(split_backward="sometimes")
+    config = config_registry.muse_glimmer_mm()
+    config.parallelism.pipeline_parallel_schedule = "InterleavedZeroBubble"
+    config.pipetune.split_backward = "auto"
+    assert "always splits backwards" in _refused(config, "pipetune.split_backward auto")
 
 
 def test_schedule_csv_refused():

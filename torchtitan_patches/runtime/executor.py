@@ -50,6 +50,18 @@ length, the order is arbitrary, and a rank may hold chunks of two modules whose 
   graph kept). When it is trained, every chunk boundary is a detached leaf: stage 0's backward
   stops at the image features and leaves their gradient per sub-microbatch, and the plan's own
   encoder backward actions carry it back chunk by chunk;
+* virtual stages: a rank may hold several backbone chunks (``Placement.interleaved``: chunk ``c``
+  on rank ``c mod P``, TorchTitan's ``Interleaved1F1B`` layout), each its own module in ``stages``;
+  which chunk is first or last is the chunk's, not the rank's;
+* split backward (zero-bubble plans): a backbone chunk's ``I`` runs torch's own
+  ``stage_backward_input`` (``torch.distributed.pipelining._backward``), which computes the input
+  gradient (on chunk 0 with a trained encoder, the image features'), keeps the graph from where
+  each weight meets the input's path on, with the gradients arriving there, and drops the rest;
+  its ``W`` runs ``stage_backward_weight`` on what ``I`` kept, which frees it. Where a chunk's
+  inputs need no gradient (chunk 0 beside a frozen encoder, or a micro-batch without images),
+  ``I`` computes nothing and ``W`` runs the whole backward, as torch does for its first stage
+  (``_WeightGrad``). Between ``I`` and ``W`` a chunk holds its saved activations and, besides them,
+  the output gradient of every weight's operation (the plan's memory model counts the former);
 * a backbone stage is any module with ``is_first`` / ``is_last`` and the keyword interface of
   ``BackboneStage`` (pipetune's model, or ``torchtitan_patches.titan.stages.TitanStage`` around a
   TorchTitan model part); an encoder chunk any module with ``is_first`` / ``is_last`` and
@@ -79,6 +91,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from pipetune.config.model import EncoderConfig
 from pipetune.plan.plan import IterationPlan, PlanError
@@ -89,6 +102,7 @@ from torchtitan_patches.data.micro_batch import GlobalBatch, PackedMicroBatch
 from torchtitan_patches.model.packed_attention import varlen_metadata
 from torchtitan_patches.model.vlm import BackboneStage, token_loss_sum
 from torchtitan_patches.runtime.host_sync import HostSyncCounter
+from torchtitan_patches.runtime.memory import SavedActivations, storage_bytes
 from torchtitan_patches.runtime.timing import Clock
 
 MAX_MICRO_BATCHES = 1 << 16
@@ -124,7 +138,11 @@ class StepResult:
     counted); ``peak_bytes`` the most memory the device's allocator held during the step (CUDA's
     ``max_memory_allocated``: weights, gradients and optimizer state included; None on CPU), to
     set beside the plan's ``peak_bytes``; ``host_syncs`` the host-device synchronisations of the
-    step's action loop (None: not counted)."""
+    step's action loop (None: not counted). With ``measure_activations``: ``activation_trace``, after
+    each action of ``timeline`` (and first at the step's start), the bytes of activations this rank
+    holds: tensors saved for backward still alive (``runtime.memory``) and the output gradients
+    split backwards keep for their weight-gradient actions; ``activation_peak_bytes`` the most of
+    their sum (what the plan's memory model predicts, without weights and messages)."""
 
     losses: dict[int, float] = field(default_factory=dict)
     timeline: list[TimedAction] = field(default_factory=list)
@@ -132,6 +150,11 @@ class StepResult:
     overhead_s: float = 0.0
     peak_bytes: float | None = None
     host_syncs: int | None = None
+    activation_trace: list[tuple[int, int]] | None = None
+
+    @property
+    def activation_peak_bytes(self) -> int | None:
+        return max(saved + held for saved, held in self.activation_trace) if self.activation_trace is not None else None
 
     @property
     def loss(self) -> float | None:
@@ -140,9 +163,10 @@ class StepResult:
 
 def _tag(m: Message) -> int:
     """A tag both sides derive from the message alone: what it carries, from which chunk, which
-    direction, for which unit."""
+    direction (a split backward's ``I`` is a backward: its gradient and the same chunk's forward
+    activation may pass between the same two ranks, as with two chunks per rank), for which unit."""
     kind = list(MessageKind).index(m.kind)
-    return ((3 * m.src.chunk + kind) * 2 + int(m.src.op is Op.BACKWARD)) * MAX_MICRO_BATCHES + m.unit
+    return ((3 * m.src.chunk + kind) * 2 + int(m.src.op.is_backward)) * MAX_MICRO_BATCHES + m.unit
 
 
 def content_digest(mb: PackedMicroBatch) -> str:
@@ -174,6 +198,8 @@ class PlanExecutor:
     pipeline carries its ``1 / sequence_shards`` of the tokens); 1 otherwise.
     ``count_host_syncs``: count the synchronisations of each step's action loop
     (``runtime.host_sync``: a check, with overhead on CPU) into ``StepResult.host_syncs``.
+    ``measure_activations``: record the activation memory after every action
+    (``StepResult.activation_trace``; a check: a Python hook on every tensor autograd saves).
     ``control_group`` carries the per-step digest exchange (default: ``group``; on NCCL pass a
     gloo group); it may span several replicas (``replica``: the data-parallel replica whose plan
     this rank runs; only ranks of one replica must agree). ``device`` defaults to the stages'.
@@ -196,6 +222,7 @@ class PlanExecutor:
         sequence_shards: int = 1,
         loss_fn: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
         count_host_syncs: bool = False,
+        measure_activations: bool = False,
     ):
         self.stages = stages
         self.encoder = dict(encoder) if isinstance(encoder, dict) else {} if encoder is None else {0: encoder}
@@ -213,6 +240,7 @@ class PlanExecutor:
         self.encoder_trained = any(p.requires_grad for chunk in self.encoder.values() for p in chunk.parameters())
         self.clock = Clock(self.device)
         self.count_host_syncs = count_host_syncs
+        self.measure_activations = measure_activations
 
     def _autocast(self):
         if self.compute_dtype == torch.float32:
@@ -302,7 +330,10 @@ class PlanExecutor:
         timeline.start()
         st = _StepState(batch, plan, table, StepResult(overhead_s=overhead), self._on_device(batch, plan), images)
         counter = HostSyncCounter(self.device) if self.count_host_syncs else None
-        with counter or nullcontext():
+        if self.measure_activations:
+            st.memory = SavedActivations([*self._weights_and_buffers(), *(t for d in st.dev for t in d.values() if isinstance(t, torch.Tensor))])
+            st.res.activation_trace = [(0, 0)]
+        with counter or nullcontext(), st.memory or nullcontext():
             done = self._loop(st, steps, timeline)
         st.res.host_syncs = counter.count if counter is not None else None
         spans, st.res.elapsed_s = timeline.finish()
@@ -328,13 +359,25 @@ class PlanExecutor:
                     timeline.begin()
                     if a.op is Op.FORWARD:
                         (self._encoder_forward if a.is_encoder else self._forward)(st, a)
+                    elif a.is_encoder:
+                        self._encoder_backward(st, a)
+                    elif a.op is Op.BACKWARD_WEIGHT:
+                        st.weight_grads.pop(a).run()
                     else:
-                        (self._encoder_backward if a.is_encoder else self._backward)(st, a)
+                        self._backward(st, a)
                     timeline.end()
                     done.append(a)
+                    if st.memory is not None:
+                        st.res.activation_trace.append((st.memory.live_bytes(), storage_bytes(
+                            t for w in st.weight_grads.values() for t in w.held())))
         for work, _ in st.sends:
             work.wait()
         return done
+
+    def _weights_and_buffers(self):
+        for module in (*self.stages.values(), *self.encoder.values()):
+            yield from module.parameters()
+            yield from module.buffers()
 
     def _on_device(self, batch: GlobalBatch, plan: IterationPlan) -> list[dict]:
         """Per micro-batch, the tensors this rank's chunks use, moved to the device (non-blocking),
@@ -480,20 +523,73 @@ class PlanExecutor:
         st.saved[a] = (x, y)
 
     def _backward(self, st: "_StepState", a: Action) -> None:
+        """A whole backward ``B``, or a split one's input gradient ``I`` (which leaves its chunk's
+        ``W`` what it needs: ``_WeightGrad``); either hands the input gradients on: to the previous
+        chunk, or from chunk 0 the image features' to the last encoder chunk."""
         s, j = a.chunk, a.unit
         x, y = st.saved.pop(Action(s, Op.FORWARD, j))
-        if self.stages[s].is_last:
-            y.backward()
-        else:
+        grad = None
+        if not self.stages[s].is_last:
             (grad,) = self._take(st, a).values()
+        leaves = st.leaves.pop(j, ()) if s == 0 else ()
+        if a.op is Op.BACKWARD:
             torch.autograd.backward(y, grad)
+        else:
+            inputs = [x] if s > 0 else [leaf for _, leaf in leaves if leaf is not None]
+            weights = [p for p in self.stages[s].parameters() if p.requires_grad]
+            st.weight_grads[Action(s, Op.BACKWARD_WEIGHT, j)] = _WeightGrad.split(y, grad, inputs, weights, where=a)
         if s > 0:
             self._give(st, a, x.grad)
             return
         last = len(st.plan.placement.encoder) - 1
-        for k, leaf in st.leaves.pop(j, ()):
+        for k, leaf in leaves:
             grad = None if leaf is None else leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
             self._give(st, a, grad, to=Action(last, Op.BACKWARD, k, Module.ENCODER))
+
+
+@dataclass
+class _WeightGrad:
+    """What a split backward's ``W`` needs from its ``I``: torch's parameter groups
+    (``stage_backward_input``: the graph from where each weight meets the input's path on, kept
+    alive, and the gradients that arrived there), or, where no input of the chunk needs a
+    gradient (chunk 0 without a trained encoder's features), the output and its gradient: ``I``
+    then has nothing to compute and ``W`` runs the whole backward, torch's rule for the first stage
+    (``PipelineStage.backward_weight_one_chunk``), since without a differentiable input torch's
+    parameter groups capture no weight."""
+
+    weights: list[nn.Parameter]
+    groups: list[dict] | None = None
+    output: torch.Tensor | None = None
+    grad: torch.Tensor | None = None
+
+    @classmethod
+    def split(cls, output: torch.Tensor, grad: torch.Tensor | None, inputs: list[torch.Tensor], weights: list[nn.Parameter],
+              *, where: Action) -> "_WeightGrad":
+        """Run the input gradient of ``output`` (a loss when ``grad`` is None) into each input's
+        ``.grad``; return what the weight gradient needs."""
+        if not inputs:
+            return cls(weights, output=output, grad=grad)
+        dinputs, groups = stage_backward_input([output], None if grad is None else [grad], inputs, iter(weights))
+        if all(d is None for d in dinputs):  # no group would hold a weight: W would silently add nothing
+            raise RuntimeError(f"{where}: the chunk's output does not depend on its inputs, so a split backward cannot find "
+                               "its weights' gradients; run this plan with whole backwards")
+        return cls(weights, groups=groups)
+
+    def run(self) -> None:
+        """Accumulate the weights' gradients (``W``)."""
+        if self.groups is None:
+            torch.autograd.backward(self.output, self.grad)
+        else:
+            stage_backward_weight(iter(self.weights), self.groups)
+
+    def held(self):
+        """The gradients kept for ``run`` (memory a split backward holds beside the saved activations)."""
+        if self.groups is None:
+            yield self.grad
+            return
+        for group in self.groups:
+            for grads in group.get("grads") or ():
+                yield from (g for g in grads or () if isinstance(g, torch.Tensor))
 
 
 def _part(first: bool, last: bool) -> str:
@@ -506,7 +602,8 @@ class _StepState:
     ``(micro-batch, first image, images)``, posted receives, pending sends, outputs waiting to be
     sent, saved inputs and outputs of forwards for their backward (by forward action), same-rank
     hand-overs between chunks (by message), a trained encoder's feature leaves per micro-batch
-    waiting for stage 0's backward, losses."""
+    waiting for stage 0's backward, losses, what split backwards' ``W`` actions need (by ``W``
+    action), and the activation tracker (``measure_activations``)."""
 
     batch: GlobalBatch
     plan: IterationPlan
@@ -521,6 +618,8 @@ class _StepState:
     local: dict = field(default_factory=dict)
     leaves: dict = field(default_factory=dict)
     losses: dict = field(default_factory=dict)
+    weight_grads: dict = field(default_factory=dict)
+    memory: SavedActivations | None = None
 
 
 def _precomputed(plan: IterationPlan, rank: int) -> set[Action]:

@@ -6,11 +6,15 @@ not TorchTitan's schedule or micro-batching) or fail deep in set-up. ``refuse_un
 each into a one-line ``ValueError`` that names the setting (as its command-line path) and says what
 to set instead; ``check_table`` does the same for a latency table made for another device or dtype.
 
-Refused: pipeline schedules other than 1F1B and GPipe, and schedule CSV files (pipetune's plans
-use one stage per rank); a ``training.global_batch_size`` that asks for gradient accumulation;
+Refused: pipeline schedules other than 1F1B, GPipe and the interleaved ones pipetune runs as
+virtual stages (``Interleaved1F1B``, ``InterleavedZeroBubble``), V-shaped ones (``ZBVZeroBubble``,
+``DualPipeV``) by name, and schedule CSV files; virtual stages or split backward beside data or
+tensor parallelism or DIP's separated layout, or with a searched layout (``_families``); a
+``training.global_batch_size`` that asks for gradient accumulation;
 context parallelism, FSDP resharding after forward, CPU offload, DIP's separated layout beside data
 or tensor parallelism; TorchTitan's validator; a micro-batch size or stage split set through
-TorchTitan's pipeline settings (pipetune chooses both); model families whose planning shapes are
+TorchTitan's pipeline settings (pipetune chooses both; ``pipeline_parallel_layers_per_stage``
+only sets an interleaved schedule's stages per rank, as in TorchTitan); model families whose planning shapes are
 not mapped (``PLANNED_MODELS``), and what the Qwen3.5 mapping lacks (``_qwen3_5``).
 
 Limits, plainly: the data-parallel degree is known before ``init_distributed`` only from the config
@@ -24,7 +28,8 @@ arithmetic); the batch is ``dataloader.gbs``. Scale-out limits are in ``_scale_o
 
 from __future__ import annotations
 
-from torchtitan_patches.titan.model_parts import replicas_of
+from pipetune.plan.planner_config import SplitBackward
+from torchtitan_patches.titan.model_parts import INTERLEAVED_SCHEDULES, replicas_of, schedule_family
 
 __all__ = ["PLANNED_MODELS", "check_table", "refuse_unsupported"]
 
@@ -34,7 +39,12 @@ maps (its schema checks then refuse flavours it cannot express)."""
 
 SCHEDULES = ("1F1B", "GPipe")
 """The one-stage-per-rank schedules (torch's names, matched case-insensitively as torch does); the
-torch schedule TorchTitan builds from them is not run, pipetune's plans are."""
+torch schedule TorchTitan builds from them (or from an interleaved one, ``INTERLEAVED_SCHEDULES``) is
+not run, pipetune's plans are."""
+
+V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
+"""Schedules whose stages sit V-shaped (rank ``r`` holds chunks ``r`` and ``2P - 1 - r``), which
+pipetune's planner does not make."""
 
 LAYOUT_SETTINGS = {
     "module_fqns_per_model_part": None,
@@ -62,10 +72,13 @@ def refuse_unsupported(config) -> None:
                          "every step's micro-batch size itself: leave it 1 and bound the size with --pipetune.max_mbs "
                          "(or fix it with --pipetune.mbs in the original and balanced modes)")
     for name, default in LAYOUT_SETTINGS.items():
+        if name == "pipeline_parallel_layers_per_stage" and par.pipeline_parallel_schedule.lower() in INTERLEAVED_SCHEDULES:
+            continue  # the stages per rank (schedule_family), as TorchTitan reads it; the layers per chunk are pipetune.layout's
         if getattr(par, name) != default:
             raise ValueError(f"parallelism.{name} {getattr(par, name)}: pipetune splits the model by pipetune.layout and would "
                              f"ignore this: leave it at TorchTitan's default ({default}) and choose the split with --pipetune.layout "
                              "(even, counts such as 3,5, auto or separated)")
+    _families(config)
     _accumulation(config)
     _scale_out(config)
     _qwen3_5(config)
@@ -116,12 +129,40 @@ def _model(spec) -> None:
 
 def _schedule(par) -> None:
     name = par.pipeline_parallel_schedule
-    if name.lower() not in {s.lower() for s in SCHEDULES}:
-        raise ValueError(f"parallelism.pipeline_parallel_schedule {name}: pipetune's plans use one stage per rank; interleaved "
-                         "and zero-bubble schedules are not supported yet: set --parallelism.pipeline_parallel_schedule 1F1B")
+    if name.lower() in {s.lower() for s in V_SHAPED}:
+        raise ValueError(f"parallelism.pipeline_parallel_schedule {name}: V-shaped stage placements are not supported; pipetune "
+                         "runs interleaved ones (chunk c on rank c mod P): set --parallelism.pipeline_parallel_schedule "
+                         "InterleavedZeroBubble (or Interleaved1F1B, or 1F1B with --pipetune.split_backward on)")
+    if name.lower() not in {s.lower() for s in SCHEDULES} | set(INTERLEAVED_SCHEDULES):
+        raise ValueError(f"parallelism.pipeline_parallel_schedule {name}: pipetune runs 1F1B, GPipe, Interleaved1F1B and "
+                         "InterleavedZeroBubble plans: set --parallelism.pipeline_parallel_schedule 1F1B")
     if par.pipeline_parallel_schedule_csv:
         raise ValueError(f"parallelism.pipeline_parallel_schedule_csv {par.pipeline_parallel_schedule_csv}: pipetune plans "
                          "every step's schedule itself and would not run this file: unset it")
+
+
+def _families(config) -> None:
+    """Virtual stages (``V >= 2``) and split backward run co-located, even or explicit layouts
+    without data or tensor parallelism for now (the runtime's FSDP step and TP reduction hold one
+    part per rank and reduce after whole backwards; the layout search and the separated planner
+    make neither)."""
+    par, pt = config.parallelism, config.pipetune
+    if par.pipeline_parallel_schedule.lower() == "interleavedzerobubble" and pt.split_backward == SplitBackward.AUTO:
+        raise ValueError("pipetune.split_backward auto: InterleavedZeroBubble always splits backwards: use Interleaved1F1B to "
+                         "let the planner choose per iteration, or leave pipetune.split_backward off")
+    chunks, split = schedule_family(config)
+    if chunks == 1 and split is SplitBackward.OFF:
+        return
+    setting = (f"parallelism.pipeline_parallel_schedule {par.pipeline_parallel_schedule}" if chunks > 1
+               else f"pipetune.split_backward {split.value}")
+    what = " and ".join(([f"{chunks} chunks per rank"] if chunks > 1 else []) + (["split backward"] if split is not SplitBackward.OFF else []))
+    if pt.layout in ("auto", "separated"):
+        raise ValueError(f"pipetune.layout {pt.layout}: {what} ({setting}) run on even or explicit co-located layouts: use "
+                         "--pipetune.layout even or layer counts (one per chunk)")
+    if replicas_of(config) > 1 or par.tensor_parallel_degree > 1:
+        raise ValueError(f"{setting}: {what} run without data or tensor parallelism for now: set "
+                         "--parallelism.data_parallel_shard_degree 1 and --parallelism.tensor_parallel_degree 1, or use the 1F1B "
+                         "schedule with --pipetune.split_backward off")
 
 
 def _accumulation(config) -> None:

@@ -4,13 +4,18 @@ The layout (``pipetune.layout``: even, explicit counts, searched, or DIP's separ
 chosen before TorchTitan builds the model and handed to its splitter as
 ``parallelism.module_fqns_per_model_part``, so planner and runtime agree on it. Layouts that are
 searched are scored on batches sampled from the job's own data with the job's latency table.
+
+Virtual stages: with TorchTitan's ``Interleaved1F1B`` or ``InterleavedZeroBubble`` schedule the
+layout has ``V x P`` backbone chunks (``schedule_family``: V as TorchTitan derives its stages per
+rank), and TorchTitan's splitter gives rank ``r`` the parts of chunks ``r, r + P, ...`` (its "loop"
+style), in that order: chunk ``c`` on rank ``c mod P``, ``Placement.interleaved``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
+import math
 import os
 
 from torchtitan.config import TORCH_DTYPE_MAP
@@ -20,6 +25,7 @@ from pipetune.cost import CostModel, LatencyTable, StageLayout
 from pipetune.data.batch import BatchMeta
 from pipetune.data.storage import open_dataset
 from pipetune.plan.layout_search import LayoutSearch, sample_batches
+from pipetune.plan.planner_config import SplitBackward
 from pipetune.schedule.table import Placement
 from torchtitan_patches.compat.muse_glimmer_tp import convert_first_block_input
 from torchtitan_patches.runtime.data_parallel import shard_part
@@ -38,6 +44,35 @@ def layout_fqns(layout: StageLayout, parts: list[str], *, separated: bool = Fals
     fqns[0][:0] = [*(p for p in parts if not (separated and p == "vision_encoder")), "tok_embeddings"]
     fqns[-1] += ["norm", "lm_head"]
     return [["vision_encoder", *f] for f in fqns] if separated else fqns
+
+
+INTERLEAVED_SCHEDULES: dict[str, SplitBackward | None] = {"interleaved1f1b": None, "interleavedzerobubble": SplitBackward.ON}
+"""TorchTitan's "loop" schedules pipetune runs as virtual stages (lower-case names, as torch matches
+them), with the split backward each implies (``None``: ``pipetune.split_backward`` decides)."""
+
+
+def schedule_family(config) -> tuple[int, SplitBackward]:
+    """Backbone chunks per rank and split backward of a job: ``V = 1`` for one-stage schedules;
+    for interleaved ones TorchTitan's stages per rank (``_get_pipeline_metadata``: from
+    ``pipeline_parallel_layers_per_stage``, ``ceil((layers + 2) / layers_per_stage) / P``, else 2);
+    ``InterleavedZeroBubble`` always splits backwards, the others as ``pipetune.split_backward``
+    says. ``ValueError`` for a layers-per-stage that does not give a whole V >= 2."""
+    par = config.parallelism
+    name = par.pipeline_parallel_schedule.lower()
+    split = SplitBackward(config.pipetune.split_backward)
+    if name not in INTERLEAVED_SCHEDULES:
+        return 1, split
+    split = INTERLEAVED_SCHEDULES[name] or split
+    per_stage, pp = par.pipeline_parallel_layers_per_stage, par.pipeline_parallel_degree
+    if per_stage is None:
+        return 2, split
+    stages = math.ceil((len(config.model_spec.model.layers) + par.pipeline_parallel_first_stage_less_layers
+                        + par.pipeline_parallel_last_stage_less_layers) / per_stage)
+    if stages % pp or stages // pp < 2:
+        raise ValueError(f"parallelism.pipeline_parallel_layers_per_stage {per_stage}: gives {stages} stages, which is not a "
+                         f"multiple >= 2 of the {pp} pipeline ranks ({par.pipeline_parallel_schedule} runs at least two chunks per "
+                         "rank): choose a value that does, or leave it unset for two chunks per rank")
+    return stages // pp, split
 
 
 def local_encoder_chunks(rank: int, pp: int, chunk_ranges) -> list[int]:
@@ -102,14 +137,17 @@ def for_pipetune(parallelize_fn, encoder_chunks=()):
     return parallelize
 
 
-def choose_layout(config, model: ModelConfig, table: LatencyTable, sample) -> StageLayout:
-    """``even`` or explicit counts; ``separated``: the partitioner's layout; ``auto``: the faster
-    of the best co-located split and the separated layout on the sampled batches (``sample()``,
-    called only for those two). The separated planner scores deterministic times only, so
-    jitter-aware jobs stay co-located, and so do data- and tensor-parallel jobs (``titan.job_checks``)."""
+def choose_layout(config, model: ModelConfig, table: LatencyTable, sample, *, chunks_per_rank: int = 1) -> StageLayout:
+    """``even`` or explicit counts (``chunks_per_rank x P`` of them with virtual stages);
+    ``separated``: the partitioner's layout; ``auto``: the faster of the best co-located split and
+    the separated layout on the sampled batches (``sample()``, called only for those two). The
+    separated planner scores deterministic times only, so jitter-aware jobs stay co-located, and so
+    do data- and tensor-parallel jobs (``titan.job_checks``, which also keeps virtual stages to
+    even or explicit layouts)."""
     layout, pp = config.pipetune.layout, config.parallelism.pipeline_parallel_degree
     if layout not in ("auto", "separated"):
-        return StageLayout.parse(layout, model.backbone.n_layers, pp)
+        parsed = StageLayout.parse(layout, model.backbone.n_layers, pp * chunks_per_rank)
+        return dataclasses.replace(parsed, chunks_per_rank=chunks_per_rank)
     search = layout_search(config, model, table, sample())
     if layout == "separated":
         return search.partition().layout
