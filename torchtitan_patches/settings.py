@@ -139,9 +139,9 @@ class PipeTuneSettings(Configurable):
         plans defer into bubbles (zero-bubble pipelining, ZB-H1's rule): ``off``; ``on``; ``auto``:
         the planner chooses per iteration, whichever is predicted faster within ``memory_gib``. The
         ``InterleavedZeroBubble`` schedule means ``on``. Limits: co-located even or explicit
-        layouts, no data or tensor parallelism; a split chunk holds its activations until its
+        layouts, no data or tensor parallelism. A split chunk holds its activations until its
         weight gradient and, from its input gradient on, the output gradient of every weight's
-        operation, which the planner's memory model does not count yet."""
+        operation: more memory than 1F1B, which the planner counts."""
 
         jitter_draws: int = 0
         """Score plans by their expected time over this many draws of per-action jitter (0: the

@@ -110,8 +110,9 @@ class StageCosts:
     """Seconds and bytes: backbone per micro-batch (rows) and stage (columns); encoder per
     sub-microbatch (``sub_batches``) and encoder chunk. ``p2p``, ``encoder_p2p`` and
     ``feature_p2p`` are one message of each kind (see the module doc; a gradient costs as much).
-    ``bwd_input``: the input-gradient part of ``bwd`` (``INPUT_GRAD_SHARE``). ``contention``: the
-    table's (see ``pipetune.simulate.contention``)."""
+    ``bwd_input``: the input-gradient part of ``bwd`` (``INPUT_GRAD_SHARE``); ``weight_grad_bytes``
+    what a split backward holds from ``I`` to ``W`` (``CostModel.weight_grad_bytes``).
+    ``contention``: the table's (see ``pipetune.simulate.contention``)."""
 
     fwd: np.ndarray
     bwd: np.ndarray
@@ -126,6 +127,7 @@ class StageCosts:
     image_feature_bytes: np.ndarray
     extrapolated: int
     bwd_input: np.ndarray | None = None
+    weight_grad_bytes: np.ndarray | None = None
     contention: float = 0.0
 
 
@@ -298,6 +300,24 @@ class CostModel:
         act[:, -1] += shapes.tokens * mem["head_bytes_per_token"]
         return act
 
+    def weight_grad_bytes(self, shapes: MicroBatchShapes) -> np.ndarray:
+        """Bytes per (micro-batch, stage) that a split backward holds from ``I`` to ``W``: the
+        gradient of every weight operation's output, which its weight gradient multiplies (per
+        token: q, k, v, o (and the output gate), the FFN's three projections, both norms; the
+        head and final norm on the last stage; the embedding, and per image token the projector's
+        layers, on the first). Linear-attention layers are counted as full-attention ones."""
+        model = self.table.model
+        b, enc = model.backbone, model.encoder
+        kv = 2 * b.n_kv_heads * (b.dim // b.n_heads)
+        per_layer = (b.dim * (5 + b.output_gate) + kv + 2 * b.ffn_dim) * self.dtype_bytes / self.table.tp
+        out = shapes.tokens[:, None] * (self.layers[None, :] * per_layer)
+        out[:, -1] += shapes.tokens * (b.vocab_size + b.dim) * self.dtype_bytes / self.table.tp
+        out[:, 0] += shapes.tokens * b.dim * self.dtype_bytes / self.table.tp
+        if enc is not None:
+            widths = sum(enc.projector_hidden or (b.dim,)) + b.dim
+            out[:, 0] += self.image_units(shapes) * model.tokens_per_image * widths * self.dtype_bytes / self.table.tp
+        return out
+
     def _message(self, nbytes: np.ndarray) -> np.ndarray:
         return self.table.p2p["latency_s"] + nbytes / self.table.p2p["bytes_per_s"]
 
@@ -330,10 +350,17 @@ class CostModel:
         if enc is not None and multi:
             encoder_p2p = self._message(images * enc.patches_per_image * enc.dim * self.dtype_bytes)
             feature_p2p = self._message(images * enc.tokens_per_image * enc.merged_dim * self.dtype_bytes)
+        weight_grad = self.weight_grad_bytes(shapes)
+        # stage 0's input needs a gradient only for a trained encoder's images: elsewhere its I has
+        # nothing to do and W runs the whole backward (torch's first-stage rule)
+        idle = ~(self.encoder_trainable & (shapes.images > 0))
+        bwd_input[idle, 0] = 0.0
+        weight_grad[idle, 0] = 0.0
         return StageCosts(
             fwd=fwd,
             bwd=bwd,
             bwd_input=bwd_input,
+            weight_grad_bytes=weight_grad,
             p2p=self._message(shapes.tokens * model.backbone.dim * self.dtype_bytes) if S > 1 else np.zeros(m),
             activation_bytes=self.activation_bytes(shapes),
             sub_batches=sub,

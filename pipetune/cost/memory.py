@@ -43,15 +43,16 @@ def model_state_bytes(cost: CostModel, *, frozen_weight_bytes: int = 2) -> np.nd
     return per_rank / tp
 
 
-def worst_case_activation_bytes(cost: CostModel, tokens: int) -> np.ndarray:
+def worst_case_activation_bytes(cost: CostModel, tokens: int, *, split_backward: bool = False) -> np.ndarray:
     """Activation bytes per stage of one micro-batch of ``tokens`` tokens, all of them image tokens,
-    leaving out a trained ViT's activations: those depend on how many images the data puts in a
+    (with ``split_backward``, plus the output gradients held from ``I`` to ``W``), leaving out a
+    trained ViT's activations: those depend on how many images the data puts in a
     micro-batch (a 8192-token micro-batch of 169-token images would hold 48 images, ~33 GB at
     DIP's sizes), so the planner checks them on every candidate plan's simulated peak instead."""
     tpi = cost.table.model.tokens_per_image
     images = tokens // tpi if tpi else 0
     shapes = MicroBatchShapes(np.array([tokens]), np.array([0]), np.array([tokens]), np.array([images]))
-    return cost.activation_bytes(shapes)[0]
+    return cost.activation_bytes(shapes)[0] + (cost.weight_grad_bytes(shapes)[0] if split_backward else 0.0)
 
 
 def stage_peak_bytes(cost: CostModel, mbs: int, max_seq_len: int, *, split_backward: bool = False) -> np.ndarray:
@@ -61,7 +62,7 @@ def stage_peak_bytes(cost: CostModel, mbs: int, max_seq_len: int, *, split_backw
     p = cost.placement()
     caps = np.array(activation_caps(p.num_ranks, p.chunks_per_rank))
     in_flight = np.full_like(caps, caps.max()) if split_backward else caps
-    chunk = worst_case_activation_bytes(cost, mbs * max_seq_len)
+    chunk = worst_case_activation_bytes(cost, mbs * max_seq_len, split_backward=split_backward)
     worst = np.zeros(p.num_ranks)
     np.maximum.at(worst, np.array(p.backbone), chunk)
     return model_state_bytes(cost) + in_flight * worst

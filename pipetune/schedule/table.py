@@ -77,6 +77,7 @@ class Buffer(Enum):
     ACTIVATION = 0
     ENCODER_ACTIVATION = 1
     FEATURES = 2
+    WEIGHT_GRAD = 3
 
 
 class Action(NamedTuple):
@@ -310,11 +311,16 @@ class ScheduleTable(Placed):
         action)``, both actions on one rank: a forward's saved activations (a trained encoder's
         too) until its backward; a sub-microbatch's image features on the rank of backbone chunk 0,
         from the encoder forward that makes them there (co-located) or from backbone chunk 0's
-        forward that receives them, until backbone chunk 0's backward (the projector keeps them)."""
+        forward that receives them, until backbone chunk 0's backward (the projector keeps them);
+        with a split backward, from ``I`` to ``W``, the output gradients of the chunk's weight
+        operations, which the weight gradient still needs (torch keeps them in its parameter groups)."""
         p = self.placement
         release = self.release_op(Module.BACKBONE)
         out = [(Buffer.ACTIVATION, s, j, Action(s, Op.FORWARD, j), Action(s, release, j))
                for s in range(p.num_stages) for j in range(self.num_micro_batches)]
+        if self.split_backward:
+            out += [(Buffer.WEIGHT_GRAD, s, j, Action(s, Op.BACKWARD_INPUT, j), Action(s, Op.BACKWARD_WEIGHT, j))
+                    for s in range(p.num_stages) for j in range(self.num_micro_batches)]
         last = len(p.encoder) - 1
         for k, j in enumerate(self.sub_mb_parent):
             if p.encoder_trained:

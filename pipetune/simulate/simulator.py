@@ -39,7 +39,8 @@ class Latencies:
     held there). Left out, encoder arrays are zeros with one chunk and ``n = m``, and ``p2p`` and
     ``activation_bytes`` zeros. ``bwd_input``: the input-gradient part of ``bwd`` (``[m, S]``),
     what a split backward's ``I`` action takes (``W`` takes the rest); left out, half of ``bwd``
-    (a stage of matmuls: both gradients cost one forward each). ``contention``: the slow-down of work while another rank is busy
+    (a stage of matmuls: both gradients cost one forward each). ``weight_grad_bytes`` (``[m, S]``):
+    what a split backward holds from ``I`` to ``W`` (zeros when left out). ``contention``: the slow-down of work while another rank is busy
     (``pipetune.simulate.contention``); every makespan adds it times the concurrent time.
     """
 
@@ -54,6 +55,7 @@ class Latencies:
     feature_p2p: np.ndarray | None = field(default=None, kw_only=True)
     encoder_activation_bytes: np.ndarray | None = field(default=None, kw_only=True)
     bwd_input: np.ndarray | None = field(default=None, kw_only=True)
+    weight_grad_bytes: np.ndarray | None = field(default=None, kw_only=True)
     contention: float = field(default=0.0, kw_only=True)
 
     def __post_init__(self) -> None:
@@ -62,7 +64,8 @@ class Latencies:
         enc = np.zeros((n, 1)) if self.encoder is None else np.asarray(self.encoder, np.float64)
         enc = enc[:, None] if enc.ndim == 1 else enc
         shapes = {"encoder": enc.shape, "p2p": (m,), "activation_bytes": self.fwd.shape, "image_feature_bytes": (n,),
-                  "encoder_bwd": enc.shape, "encoder_p2p": (n,), "feature_p2p": (n,), "encoder_activation_bytes": enc.shape}
+                  "encoder_bwd": enc.shape, "encoder_p2p": (n,), "feature_p2p": (n,), "encoder_activation_bytes": enc.shape,
+                  "weight_grad_bytes": self.fwd.shape}
         for name, shape in shapes.items():
             given = getattr(self, name)
             object.__setattr__(self, name, np.zeros(shape) if given is None else np.asarray(given, np.float64).reshape(shape))
@@ -77,6 +80,7 @@ class Latencies:
         return cls(costs.fwd, costs.bwd, costs.encoder, costs.p2p, costs.activation_bytes, costs.image_feature_bytes,
                    encoder_bwd=costs.encoder_bwd, encoder_p2p=costs.encoder_p2p, feature_p2p=costs.feature_p2p,
                    encoder_activation_bytes=costs.encoder_activation_bytes, bwd_input=costs.bwd_input,
+                   weight_grad_bytes=costs.weight_grad_bytes,
                    contention=costs.contention)
 
     @classmethod
@@ -122,7 +126,7 @@ def message_costs(lat: Latencies, kind: MessageKind) -> np.ndarray:
 def buffer_bytes(lat: Latencies, kind: Buffer) -> np.ndarray:
     """Bytes of one buffer of ``kind`` per unit (``[units, chunks]``; image features ``[units]``)."""
     return {Buffer.ACTIVATION: lat.activation_bytes, Buffer.ENCODER_ACTIVATION: lat.encoder_activation_bytes,
-            Buffer.FEATURES: lat.image_feature_bytes}[kind]
+            Buffer.FEATURES: lat.image_feature_bytes, Buffer.WEIGHT_GRAD: lat.weight_grad_bytes}[kind]
 
 
 def _gather(dag: CompiledSchedule, lat: Latencies, orders: np.ndarray) -> _Gathered:
@@ -151,7 +155,7 @@ def _gather(dag: CompiledSchedule, lat: Latencies, orders: np.ndarray) -> _Gathe
     for kind in Buffer:
         idx = np.flatnonzero(dag.buf_kind == kind.value)
         if len(idx):
-            arr, p = buffer_bytes(lat, kind), (orders if kind is Buffer.ACTIVATION else subs)
+            arr, p = buffer_bytes(lat, kind), (orders if kind in (Buffer.ACTIVATION, Buffer.WEIGHT_GRAD) else subs)
             buf_bytes[:, idx] = arr[p[:, dag.buf_unit[idx]], dag.buf_chunk[idx]] if arr.ndim == 2 else arr[p[:, dag.buf_unit[idx]]]
     return _Gathered(dur, comm, float_dur, buf_bytes)
 

@@ -61,7 +61,7 @@ length, the order is arbitrary, and a rank may hold chunks of two modules whose 
   inputs need no gradient (chunk 0 beside a frozen encoder, or a micro-batch without images),
   ``I`` computes nothing and ``W`` runs the whole backward, as torch does for its first stage
   (``_WeightGrad``). Between ``I`` and ``W`` a chunk holds its saved activations and, besides them,
-  the output gradient of every weight's operation (the plan's memory model counts the former);
+  the output gradient of every weight's operation (the plan's memory model counts both);
 * a backbone stage is any module with ``is_first`` / ``is_last`` and the keyword interface of
   ``BackboneStage`` (pipetune's model, or ``torchtitan_patches.titan.stages.TitanStage`` around a
   TorchTitan model part); an encoder chunk any module with ``is_first`` / ``is_last`` and
