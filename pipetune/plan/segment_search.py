@@ -139,13 +139,8 @@ def scan(c: Configuration, limit: np.ndarray, budget: Budget, *, warm: tuple[int
     seen = {c.point()}
     for order in (np.arange(m), longest, longest[::-1]):
         for lead, lag in shifts:
-            point = (tuple(order.tolist()), lead, -lead if lag is None else lag)
-            if point in seen:
-                continue
-            if not budget.spend():
+            if not _visit(c, (tuple(order.tolist()), lead, -lead if lag is None else lag), seen, budget, limit):
                 return
-            seen.add(point)
-            _try(c, *point, limit)
 
 
 def climb(c: Configuration, limit: np.ndarray, budget: Budget, rng: np.random.Generator, moves: int) -> None:
@@ -166,13 +161,19 @@ def climb(c: Configuration, limit: np.ndarray, budget: Budget, rng: np.random.Ge
             lead = int(np.clip(lead + rng.choice((-1, 1)), LEADS[0], LEADS[-1]))
         else:
             lag = int(np.clip(lag + rng.choice((-1, 1)), lo, hi))
-        point = (tuple(order), lead, lag)
-        if point in seen:
-            continue
-        if not budget.spend():
+        if not _visit(c, (tuple(order), lead, lag), seen, budget, limit):
             return
-        seen.add(point)
-        _try(c, *point, limit)
+
+
+def _visit(c: Configuration, point: tuple, seen: set, budget: Budget, limit: np.ndarray) -> bool:
+    """Try ``point`` unless already seen; False once the budget is spent (the caller stops)."""
+    if point in seen:
+        return True
+    if not budget.spend():
+        return False
+    seen.add(point)
+    _try(c, *point, limit)
+    return True
 
 
 def _try(c: Configuration, order: tuple, lead: int, lag: int, limit: np.ndarray) -> None:
