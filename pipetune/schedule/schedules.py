@@ -123,9 +123,9 @@ def list_scheduled(num_ranks: int, chunks_per_rank: int, order: Sequence[int], *
     sequence is 1F1B's: ``activation_caps(P, V)[r]`` warm-up forwards, then one backward and one
     forward in turn, then the remaining backwards. Megatron's sequence needs whole rounds, so a
     short last round is padded with phantom micro-batches whose actions are then left out (a
-    runnable sequence stays runnable without whole micro-batches). With ``split_backward`` each backward is its
-    ``I``, and the ``W`` actions are placed by a unit-time run (``UNIT_TIME``: F 1, B 2, I 1, W 1;
-    messages free): a rank runs its oldest deferred ``W`` when its next action is not ready yet (a
+    runnable sequence stays runnable without whole micro-batches). With ``split_backward`` each
+    backward is its ``I``, and the ``W`` actions are placed by a unit-time run (``UNIT_TIME``:
+    F 1, B 2, I 1, W 1; messages free): a rank runs its oldest deferred ``W`` when its next action is not ready yet (a
     bubble) or is a forward while the rank holds ``caps[r]`` micro-batches' activations, and the
     rest at the end. ``caps`` defaults to the largest of 1F1B's caps on every rank: ZB-H1's rule
     (no rank holds more than 1F1B's first rank; later ranks defer their ``W`` into the drain's
