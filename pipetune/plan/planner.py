@@ -18,7 +18,7 @@ Schedule families: with ``PlannerConfig.split_backward=auto`` every packing is t
 1F1B table and its zero-bubble twin (backwards split into ``I`` and ``W``); orders are ranked on
 the faster one and the best few re-timed on the other. The stage layout's ``chunks_per_rank``
 makes both interleaved. Memory decides too: a family whose simulated peak does not fit is not
-chosen. The lower bound then holds for split tables (``makespan_lower_bound``).
+chosen. The lower bound then holds for split tables (``placement_lower_bound`` of a split table).
 
 Modes (the paper's ablation): ``original`` = random first-fit packing at the fixed maximum mbs in
 packing order; ``balanced`` = Alg. 1 at that mbs; ``reorder`` = ``balanced`` + ordering and
@@ -60,7 +60,7 @@ from pipetune.plan.plan import IterationPlan, build_plan
 from pipetune.plan.precompute import move_encoders_into_gaps
 from pipetune.simulate.dag import CompiledSchedule, compile_schedule
 from pipetune.simulate.jitter import JitteredLatencies, expected_makespan, jitter
-from pipetune.simulate.lower_bound import makespan_lower_bound
+from pipetune.simulate.lower_bound import placement_lower_bound
 from pipetune.simulate.simulator import Latencies, evaluate
 
 if TYPE_CHECKING:
@@ -157,8 +157,9 @@ class Planner:
         return c
 
     def _lower_bound(self, lat: Latencies) -> float:
-        """A bound on every table the planner may choose for these latencies."""
-        return makespan_lower_bound(lat, self.cost.placement(), split_backward=True in self.families)
+        """A bound on every table the planner may choose for these latencies (a split table's bound
+        holds for whole backwards too)."""
+        return placement_lower_bound(self._dag(lat.fwd.shape[0], True in self.families).table, lat)
 
     def _fits(self, peaks: np.ndarray) -> np.ndarray:
         return ((peaks + self.states[None, :]) <= self.budget).all(axis=1)

@@ -39,6 +39,13 @@ preemptive one-machine relaxation. With ``J`` one action it is the critical path
 a rank's actions it is the co-located bound's ``fill + work + drain``, so on a co-located placement
 it is never below ``makespan_lower_bound`` (tested).
 
+Split backwards (a table whose backbone backwards are ``I`` then ``W``): the chains pass through
+``I`` only, and each ``W`` is one more action with the head of its ``I``'s end and no tail (its
+``I``'s tail is at least the ``W``). Whole backwards are the special case of a ``W`` right after
+its ``I``, so a split table's bound holds for both; on interleaved placements this is what makes
+the bound see that a rank's later chunks cannot start before the pipeline has filled up to them
+(``makespan_lower_bound`` uses only the lowest chunk's fill and drain).
+
 With a per-rank memory limit (``placement_lower_bound(..., memory_limit)``), also a bound from
 memory: the simulator counts a rank's memory along its own action order, so at any moment the
 buffers whose allocating action has started and whose freeing action has not yet started fit
@@ -101,10 +108,14 @@ def makespan_lower_bound(lat: Latencies, placement: Placement | None = None, *, 
     return float(max(per_rank.max(), chain.max()))
 
 
-def heads_and_tails(placement: Placement, sub_mb_parent, lat: Latencies) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+def heads_and_tails(placement: Placement, sub_mb_parent, lat: Latencies, *,
+                    split_backward: bool = False) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """``{kind: (head, duration, tail)}``, each ``[units, chunks]``, for the kinds ``F``, ``B``
-    (backbone) and ``EF``, ``EB`` (encoder; ``EB`` only when trained), see the module doc."""
-    fwd, bwd, p2p = lat.fwd, lat.bwd, lat.p2p
+    (backbone; with ``split_backward`` its input-gradient part, the ``I`` actions, and ``W``
+    after it) and ``EF``, ``EB`` (encoder; ``EB`` only when trained), see the module doc."""
+    fwd, p2p = lat.fwd, lat.p2p
+    bwd = lat.bwd_input if split_backward else lat.bwd  # what a backbone backward hands on
+    weight = lat.bwd - bwd
     m, S = fwd.shape
     bb = np.array(placement.backbone)
     hop = lambda ranks, c: float(ranks[c] != ranks[c + 1])  # noqa: E731  1 if chunks c, c+1 sit on different ranks
@@ -141,8 +152,9 @@ def heads_and_tails(placement: Placement, sub_mb_parent, lat: Latencies) -> dict
         hEB[:, -1] = np.maximum(hEF[:, -1] + enc[:, -1], hB[parent, 0] + bwd[parent, 0] + feat)
         for c in range(E - 2, -1, -1):
             hEB[:, c] = np.maximum(hEF[:, c] + enc[:, c], hEB[:, c + 1] + encb[:, c + 1] + hop(er, c) * lat.encoder_p2p[:n])
+    tB[:, 0] = np.maximum(tB[:, 0], weight[:, 0])  # a split backward's W still follows its I
     for s in range(1, S):
-        tB[:, s] = tB[:, s - 1] + bwd[:, s - 1] + hop(bb, s - 1) * p2p
+        tB[:, s] = np.maximum(tB[:, s - 1] + bwd[:, s - 1] + hop(bb, s - 1) * p2p, weight[:, s])
     tF = np.zeros((m, S))
     tF[:, -1] = bwd[:, -1] + tB[:, -1]
     for s in range(S - 2, -1, -1):
@@ -153,6 +165,8 @@ def heads_and_tails(placement: Placement, sub_mb_parent, lat: Latencies) -> dict
         for c in range(E - 2, -1, -1):
             tEF[:, c] = np.maximum(tEF[:, c + 1] + enc[:, c + 1] + hop(er, c) * lat.encoder_p2p[:n], encb[:, c] + tEB[:, c] if trained else 0.0)
     out = {"F": (hF, fwd, tF), "B": (hB, bwd, tB), "EF": (hEF, enc, tEF)}
+    if split_backward:
+        out["W"] = (hB + bwd, weight, np.zeros_like(weight))
     if trained:
         out["EB"] = (hEB, encb, tEB)
     return out
@@ -266,17 +280,19 @@ def window_bound(placement: Placement, sub_mb_parent, lat: Latencies, memory_lim
 
 
 def placement_lower_bound(table: ScheduleTable, lat: Latencies, memory_limit=None) -> float:
-    """The bound for any placement (see the module doc); ``table`` gives the placement and the
-    sub-microbatches, its rank lists are not read. With ``memory_limit`` (bytes per rank, or one
-    for all), a bound on the tables that fit it."""
+    """The bound for any placement (see the module doc); ``table`` gives the placement, the
+    sub-microbatches and whether backwards are split (a split table's bound holds for whole
+    backwards too); its rank lists are not read. With ``memory_limit`` (bytes per rank, or one
+    for all), a bound on the tables that fit it (whole backwards only: the memory terms are left
+    out for split tables)."""
     p = table.placement
-    parts = heads_and_tails(p, table.sub_mb_parent, lat)
-    rank_of = {"F": p.backbone, "B": p.backbone, "EF": p.encoder, "EB": p.encoder}
+    parts = heads_and_tails(p, table.sub_mb_parent, lat, split_backward=table.split_backward)
+    rank_of = {"F": p.backbone, "B": p.backbone, "W": p.backbone, "EF": p.encoder, "EB": p.encoder}
     per_rank: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = [[] for _ in range(p.num_ranks)]
     for kind, (h, d, t) in parts.items():
         for c, r in enumerate(rank_of[kind]):
             per_rank[r].append((h[:, c], d[:, c], t[:, c]))
     bound = max(one_machine_bound(*(np.concatenate(x) for x in zip(*cols))) for cols in per_rank)
-    if memory_limit is None:
+    if memory_limit is None or table.split_backward:
         return bound
     return max(bound, memory_bound(p, table.sub_mb_parent, lat, memory_limit), window_bound(p, table.sub_mb_parent, lat, memory_limit, parts))

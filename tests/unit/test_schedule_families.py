@@ -158,10 +158,11 @@ def test_zero_bubble_with_uneven_latencies_is_never_slower_than_1f1b_on_random_c
         assert zb <= plain + 1e-9
 
 
-def test_the_lower_bound_holds_for_every_family_and_is_the_old_one_for_1f1b():
-    from pipetune.simulate.lower_bound import makespan_lower_bound
+def test_the_lower_bounds_hold_for_every_family_and_the_placement_bound_is_the_tighter():
+    from pipetune.simulate.lower_bound import makespan_lower_bound, placement_lower_bound
 
     rng = np.random.default_rng(3)
+    tighter = 0
     for P, V, m, split in CASES[::2]:
         S = P * V
         fwd = rng.uniform(0.2, 2.0, (m, S)) / V
@@ -174,8 +175,13 @@ def test_the_lower_bound_holds_for_every_family_and_is_the_old_one_for_1f1b():
         span = simulate(table, lat).makespan
         relaxed = makespan_lower_bound(lat, table.placement, split_backward=True)
         assert relaxed <= span + 1e-9
+        split_table = list_scheduled(P, V, range(m), split_backward=True, encoder=True, encoder_trained=trained)
+        assert relaxed - 1e-9 <= placement_lower_bound(split_table, lat) <= span + 1e-9  # valid for whole backwards too
+        assert placement_lower_bound(split_table, lat) <= placement_lower_bound(table, lat) + 1e-9
+        tighter += placement_lower_bound(split_table, lat) > relaxed + 1e-9
         if not split:
             whole = makespan_lower_bound(lat, table.placement)
             assert relaxed <= whole + 1e-9 <= span + 2e-9
+    assert tighter > 0  # 59 of the 284 cases
     lat = Latencies(rng.uniform(0.5, 1, (6, 3)), rng.uniform(1, 2, (6, 3)), rng.uniform(0, 1, 6), rng.uniform(0, 0.1, 6))
     assert makespan_lower_bound(lat) == makespan_lower_bound(lat, Placement.colocated(3))
