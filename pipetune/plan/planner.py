@@ -56,8 +56,10 @@ from pipetune.packing.config import PackerKind, PackingConfig
 from pipetune.plan.candidate import Candidate
 from pipetune.plan.mode import Mode
 from pipetune.plan.ordering import candidate_orders
-from pipetune.plan.plan import IterationPlan, build_plan
+from pipetune.plan.plan import IterationPlan, plan_from_table
 from pipetune.plan.precompute import move_encoders_into_gaps
+from pipetune.schedule.schedules import in_order, list_scheduled, place_encoders
+from pipetune.schedule.table import Action, Op
 from pipetune.simulate.dag import CompiledSchedule, compile_schedule
 from pipetune.simulate.jitter import JitteredLatencies, expected_makespan, jitter
 from pipetune.simulate.lower_bound import placement_lower_bound
@@ -134,7 +136,7 @@ class Planner:
             table = self.config.schedule.build(self.cost.num_stages, range(m), encoder=self.encoder,
                                                encoder_trained=self.cost.encoder_trainable, chunks_per_rank=self.chunks_per_rank,
                                                split_backward=split_backward)
-            self._dags[key] = compile_schedule(table)
+            self._dags[key] = compile_schedule(table, validate=False)
         return self._dags[key]
 
     def _candidate(self, meta: BatchMeta, mbs: int, packer: PackerKind) -> Candidate:
@@ -198,6 +200,36 @@ class Planner:
             if spans[k] < c.best_s:
                 c.best_s, c.order, c.slots, c.dag = float(spans[k]), cands[k], slots[k], dag
 
+    def _time_weights(self, c: Candidate, order: np.ndarray) -> None:
+        """Try ``order``'s zero-bubble table with its ``W`` placed by this batch's latencies
+        (``list_scheduled``'s ``duration``; the cached tables place them by unit times, which
+        misses the bubbles of uneven micro-batches), with and without encoder pre-computation.
+        Done once per batch, for the best plan's packing and order: it compiles a table of its own."""
+        lat, m, V = c.lat, len(order), self.chunks_per_rank
+        enc = lat.encoder.sum(axis=1)[order] if self.encoder else np.zeros(m)
+        enc_bwd = lat.encoder_bwd.sum(axis=1)[order] if self.cost.encoder_trainable else np.zeros(m)
+        fwd, bwd, bwd_input, p2p = lat.fwd[order], lat.bwd[order], lat.bwd_input[order], lat.p2p[order]
+
+        def duration(a: Action) -> float:
+            if a.op is Op.FORWARD:
+                return fwd[a.unit, a.chunk] + (enc[a.unit] if a.chunk == 0 else 0.0)
+            if a.op is Op.BACKWARD_INPUT:
+                return bwd_input[a.unit, a.chunk] + (enc_bwd[a.unit] if a.chunk == 0 else 0.0)
+            return bwd[a.unit, a.chunk] - bwd_input[a.unit, a.chunk]
+
+        table = list_scheduled(self.cost.num_stages // V, V, range(m), split_backward=True, encoder=self.encoder,
+                               encoder_trained=self.cost.encoder_trainable, duration=duration, delay=lambda q, a: p2p[a.unit])
+        dag = compile_schedule(table, validate=False)
+        slots = dag.float_slot[None]
+        if self.encoder and self.config.precompute and not self.cost.encoder_trainable:
+            slots = np.vstack([slots, move_encoders_into_gaps(dag, lat, np.tile(order, (len(PRECOMPUTE_OVERFLOWS), 1)),
+                                                              PRECOMPUTE_OVERFLOWS)])
+        spans, fits = self._evaluate(dag, lat, c.noisy, np.tile(order, (len(slots), 1)), slots)
+        spans = np.where(fits, spans, np.inf)
+        k = int(np.argmin(spans))
+        if spans[k] < c.best_s:
+            c.best_s, c.order, c.slots, c.dag = float(spans[k]), order, slots[k], dag
+
     def plan(self, meta: BatchMeta, *, deadline: float | None = None) -> IterationPlan:
         """The plan for one batch; past ``deadline`` (``time.perf_counter()`` seconds) the fallback."""
         with self._lock:
@@ -226,6 +258,8 @@ class Planner:
                     self._improve(c)
                     if self._score(c) < self._score(best):
                         best = c
+                if True in self.families:
+                    self._time_weights(best, best.order)
             if mode is Mode.PIPETUNE and not np.isfinite(best.best_s):
                 raise ValueError(
                     f"step {meta.step}: no micro-batch size in 1..{self.max_mbs} fits this batch in "
@@ -247,20 +281,17 @@ class Planner:
         moved = {order[k]: int(pos[s]) for k, s in enumerate(c.slots) if s != c.dag.float_slot[k]}
         peak = evaluate(c.dag, c.lat, c.order[None], c.slots[None], memory=True).peak_bytes[0]
         ids = meta.table.ids
-        return build_plan(
+        table = in_order(c.dag.table, order)
+        if moved:
+            table = place_encoders(table, moved)
+        return plan_from_table(
+            table,
             step=meta.step,
             mode=self.config.mode,
             mbs=c.mbs,
             max_seq_len=self.config.max_seq_len,
-            num_stages=self.cost.num_stages,
             micro_batches=[ids[g] for g in c.packing.groups()],
             order=order,
-            encoder=self.encoder,
-            encoder_trained=self.cost.encoder_trainable,
-            schedule=self.config.schedule,
-            chunks_per_rank=self.chunks_per_rank,
-            split_backward=c.dag.table.split_backward,
-            encoder_before=moved,
             predicted_s=c.best_s if np.isfinite(c.best_s) else c.base_s,
             lower_bound_s=lower_bound_s,
             peak_bytes=tuple(float(x) for x in peak + self.states),

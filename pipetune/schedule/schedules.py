@@ -18,8 +18,9 @@ packing gives).
 
 from __future__ import annotations
 
+import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from enum import StrEnum
 
@@ -114,7 +115,9 @@ def activation_caps(num_ranks: int, chunks_per_rank: int) -> tuple[int, ...]:
 
 
 def list_scheduled(num_ranks: int, chunks_per_rank: int, order: Sequence[int], *, split_backward: bool = False,
-                   encoder: bool = False, encoder_trained: bool = False, caps: Sequence[int] | None = None) -> ScheduleTable:
+                   encoder: bool = False, encoder_trained: bool = False, caps: Sequence[int] | None = None,
+                   duration: Callable[[Action], float] | None = None,
+                   delay: Callable[[Action, Action], float] | None = None) -> ScheduleTable:
     """Interleaved 1F1B (``chunks_per_rank >= 2``) and zero-bubble (``split_backward``) tables.
 
     Backbone chunk ``c`` sits on rank ``c mod P``. Each rank's forwards and backwards follow
@@ -124,12 +127,16 @@ def list_scheduled(num_ranks: int, chunks_per_rank: int, order: Sequence[int], *
     forward in turn, then the remaining backwards. Megatron's sequence needs whole rounds, so a
     short last round is padded with phantom micro-batches whose actions are then left out (a
     runnable sequence stays runnable without whole micro-batches). With ``split_backward`` each
-    backward is its ``I``, and the ``W`` actions are placed by a unit-time run (``UNIT_TIME``:
-    F 1, B 2, I 1, W 1; messages free): a rank runs its oldest deferred ``W`` when its next action is not ready yet (a
-    bubble) or is a forward while the rank holds ``caps[r]`` micro-batches' activations, and the
-    rest at the end. ``caps`` defaults to the largest of 1F1B's caps on every rank: ZB-H1's rule
-    (no rank holds more than 1F1B's first rank; later ranks defer their ``W`` into the drain's
-    bubbles). ``ScheduleError`` when the sequence cannot run (no rank able to proceed).
+    backward is its ``I``, and the ``W`` actions are placed by a run of the sequences: a rank runs
+    its oldest deferred ``W`` when its next action is not ready yet (a bubble) or is a forward
+    while the rank holds ``caps[r]`` micro-batches' activations, and the rest at the end. The run
+    takes unit times (``UNIT_TIME``: F 1, B 2, I 1, W 1; messages free) unless given ``duration``
+    (each action's time; the co-located encoder's actions count in their chunk-0 forward and
+    gradient action) and ``delay`` (the message time from a producer to its consumer on another
+    rank): the planner passes a batch's latencies so that ``W`` fill the bubbles that batch has.
+    ``caps`` defaults to the largest of 1F1B's caps on every rank: ZB-H1's rule (no rank holds
+    more than 1F1B's first rank; later ranks defer their ``W`` into the drain's bubbles).
+    ``ScheduleError`` when the sequence cannot run (no rank able to proceed).
     """
     order = _check_order(order)
     m, P, V = len(order), num_ranks, chunks_per_rank
@@ -148,19 +155,32 @@ def list_scheduled(num_ranks: int, chunks_per_rank: int, order: Sequence[int], *
         steady = [a for k in range(len(fwd) - warm) for a in (bwd[k], fwd[warm + k])]
         seqs.append(deque(a for a in fwd[:warm] + steady + bwd[len(fwd) - warm:] if a.unit < m))
     table = ScheduleTable(placement, m, ((),) * P, split_backward=split_backward)
-    ends: dict[Action, int] = {}
+    duration = duration or (lambda a: UNIT_TIME[a.op])
+    delay = delay or (lambda q, a: 0)
+    ends: dict[Action, float] = {}
+    producers: dict[Action, tuple[Action, ...]] = {}
+
+    def ready_at(a: Action) -> float:
+        if a not in producers:
+            producers[a] = table.producers(a)
+        at = 0.0
+        for q in producers[a]:
+            if q not in ends:
+                return math.inf
+            at = max(at, ends[q] + (delay(q, a) if q.chunk % P != a.chunk % P else 0))
+        return at
+
     lists: list[list[Action]] = [[] for _ in range(P)]
     weights: list[deque[Action]] = [deque() for _ in range(P)]
-    free_at, live = [0] * P, [0] * P
-    t = 0
+    free_at, live = [0.0] * P, [0] * P
+    t = 0.0
     while any(seqs) or any(weights):
-        started = False
+        started, wake = False, []
         for r in range(P):
             if free_at[r] > t:
                 continue
-            nxt = seqs[r][0] if seqs[r] else None
-            ready = nxt is not None and all(ends.get(q, t + 1) <= t for q in table.producers(nxt))
-            if ready and not (nxt.op is Op.FORWARD and live[r] >= caps[r] and weights[r]):
+            at = ready_at(seqs[r][0]) if seqs[r] else math.inf
+            if at <= t and not (seqs[r][0].op is Op.FORWARD and live[r] >= caps[r] and weights[r]):
                 a = seqs[r].popleft()
                 live[r] += 1 if a.op is Op.FORWARD else -1 if a.op is Op.BACKWARD else 0
                 if a.op is Op.BACKWARD_INPUT:
@@ -169,16 +189,18 @@ def list_scheduled(num_ranks: int, chunks_per_rank: int, order: Sequence[int], *
                 a = weights[r].popleft()
                 live[r] -= 1
             else:
+                wake.append(at)
                 continue
             lists[r].append(a)
-            ends[a] = free_at[r] = t + UNIT_TIME[a.op]
+            ends[a] = free_at[r] = t + duration(a)
             started = True
-        if not started and all(f <= t for f in free_at):
+        later = [x for x in free_at + wake if t < x < math.inf]
+        if not started and not later:
             stuck = ", ".join(f"rank {r} at {seqs[r][0]}" for r in range(P) if seqs[r])
             raise ScheduleError(f"the {P} x {V} interleaved sequence of {m} micro-batches cannot run ({stuck})")
-        t = min([f for f in free_at if f > t], default=t + 1)
+        t = min(later, default=t)
     name = ("Interleaved" if V > 1 else "") + ("ZB" if split_backward else "1F1B")
-    return _table(lists, m, placement, name, caps, split_backward).validate()
+    return _table(lists, m, placement, name, caps, split_backward)
 
 
 class Schedule(StrEnum):
@@ -201,6 +223,17 @@ class Schedule(StrEnum):
                                   encoder=encoder, encoder_trained=encoder_trained)
         generator = {Schedule.ONE_F_ONE_B: one_f_one_b, Schedule.GPIPE: gpipe, Schedule.SERIAL: serial}[self]
         return generator(num_stages, order, encoder=encoder, encoder_trained=encoder_trained)
+
+
+def in_order(table: ScheduleTable, order: Sequence[int]) -> ScheduleTable:
+    """A co-located table built over positions (unit ``k``: the ``k``-th micro-batch to enter,
+    and its images) with position ``k`` given to micro-batch ``order[k]``: the generators' table
+    for ``order`` from their table for ``range(m)``, and the same for a table the planner built
+    over positions (a valid table stays valid: the dependencies are per unit)."""
+    order = _check_order(order)
+    if len(order) != table.num_micro_batches or (table.encoder and table.sub_mb_parent != tuple(range(len(order)))):
+        raise ScheduleError(f"in_order needs a co-located table of {len(order)} micro-batches with one encoder unit per micro-batch")
+    return replace(table, ranks=tuple(tuple(a._replace(unit=order[a.unit]) for a in r) for r in table.ranks))
 
 
 def place_encoders(table: ScheduleTable, before: dict[int, int]) -> ScheduleTable:

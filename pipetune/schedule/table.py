@@ -301,9 +301,11 @@ class ScheduleTable(Placed):
         point of its rank's list before its consumers (a co-located encoder's forward, i.e. encoder
         pre-computation). The simulator attaches such actions to the next action of their rank
         instead of giving them nodes."""
+        if a.op is not Op.FORWARD or a.chunk or self.producers(a):
+            return False
         rank = self.placement.rank_of(a)
         consumers = self.consumers(a)
-        return (not self.producers(a) and all(self.placement.rank_of(c) == rank for c in consumers)
+        return (all(self.placement.rank_of(c) == rank for c in consumers)
                 and any((c.module, c.chunk) != (a.module, a.chunk) for c in consumers))
 
     def buffers(self) -> list[tuple["Buffer", int, int, Action, Action]]:

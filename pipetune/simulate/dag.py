@@ -105,9 +105,12 @@ class CompiledSchedule:
         return Action(int(self.chunk[n]), op, int(self.unit[n]), module)
 
 
-def compile_schedule(table: ScheduleTable) -> CompiledSchedule:
-    """Validate ``table`` and order its non-floating actions topologically (``ScheduleError`` on deadlock)."""
-    table.validate()
+def compile_schedule(table: ScheduleTable, *, validate: bool = True) -> CompiledSchedule:
+    """Validate ``table`` and order its non-floating actions topologically (``ScheduleError`` on
+    deadlock). ``validate=False`` skips the full check for a table a generator just built (valid
+    by construction, which the generators' tests check): the planner's hot path."""
+    if validate:
+        table.validate()
     p = table.placement
     floating = sorted({a for acts in table.ranks for a in acts if table.floats(a)}, key=lambda a: (a.module != Module.ENCODER, a.chunk, a.unit))
     is_float = set(floating)
@@ -115,12 +118,15 @@ def compile_schedule(table: ScheduleTable) -> CompiledSchedule:
     done: dict[Action, int] = {}
     ptr = [0] * len(work)
     order: list[tuple[Action, int, list[Action]]] = []
+    needs: dict[Action, list[Action]] = {}  # a rank's next action is asked again on every sweep until it is ready
     while True:
         progressed = False
         for r, acts in enumerate(work):
             while ptr[r] < len(acts):
                 a = acts[ptr[r]]
-                deps = [q for q in table.producers(a) if q not in is_float]
+                if a not in needs:
+                    needs[a] = [q for q in table.producers(a) if q not in is_float]
+                deps = needs[a]
                 if any(d not in done for d in deps):
                     break
                 done[a] = len(order)

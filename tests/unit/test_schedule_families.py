@@ -16,7 +16,7 @@ import itertools
 import numpy as np
 import pytest
 
-from pipetune.schedule.schedules import Schedule, UNIT_TIME, activation_caps, list_scheduled, one_f_one_b
+from pipetune.schedule.schedules import Schedule, UNIT_TIME, activation_caps, in_order, list_scheduled, one_f_one_b
 from pipetune.schedule.table import Action, Buffer, Module, Op, Placement, ScheduleError, ScheduleTable
 from pipetune.simulate.simulator import Latencies, simulate
 from test_lowering_fifo import check as assert_runs_in_order
@@ -66,10 +66,45 @@ CASES = [(P, V, m, split) for P in (2, 3, 4, 5, 8) for V in (1, 2, 3, 4) for m i
 def test_every_family_runs_for_any_micro_batch_count_on_an_in_order_transport():
     rng = np.random.default_rng(0)
     for P, V, m, split in CASES:
-        table = list_scheduled(P, V, rng.permutation(m), split_backward=split)
+        table = list_scheduled(P, V, rng.permutation(m), split_backward=split).validate()
         assert table.placement == Placement.interleaved(P, V) and table.split_backward == split
         if m <= P + 2 and P <= 4:
             assert_runs_in_order(table)
+
+
+def test_weights_placed_by_a_batch_s_latencies_move_only_w_and_stay_runnable():
+    """``duration``/``delay``: the run that places ``W`` takes real times. Each rank's forwards and
+    input gradients keep their order (the sequence is Megatron's either way); only ``W`` moves."""
+    rng = np.random.default_rng(4)
+    moved = 0
+    for P, V, m, _ in CASES[::4]:
+        S = P * V
+        fwd = rng.uniform(0.2, 2.0, (m, S))
+        bwd_input, weight, p2p = fwd * rng.uniform(0.5, 1.5, (m, S)), fwd * rng.uniform(0.5, 1.5, (m, S)), rng.uniform(0, 0.3, m)
+        order = rng.permutation(m)
+
+        def duration(a):
+            table = {Op.FORWARD: fwd, Op.BACKWARD_INPUT: bwd_input, Op.BACKWARD_WEIGHT: weight}[a.op]
+            return table[order[a.unit], a.chunk]
+
+        timed = list_scheduled(P, V, range(m), split_backward=True, duration=duration, delay=lambda q, a: p2p[order[a.unit]]).validate()
+        unit = list_scheduled(P, V, range(m), split_backward=True)
+        without_w = lambda t: [[a for a in r if a.op is not Op.BACKWARD_WEIGHT] for r in t.ranks]  # noqa: E731
+        assert without_w(timed) == without_w(unit)
+        moved += timed.ranks != unit.ranks
+        if m <= P + 2 and P <= 4:
+            assert_runs_in_order(timed)
+    assert moved > 0
+
+
+def test_a_table_over_positions_relabelled_by_an_order_is_the_table_of_that_order():
+    rng = np.random.default_rng(5)
+    for P, V, m, split in CASES[::5]:
+        order = rng.permutation(m)
+        assert in_order(list_scheduled(P, V, range(m), split_backward=split, encoder=True), order) == \
+            list_scheduled(P, V, order, split_backward=split, encoder=True)
+        if V == 1 and not split:
+            assert in_order(one_f_one_b(P, range(m), encoder=True), order) == one_f_one_b(P, order, encoder=True)
 
 
 @pytest.mark.parametrize("P,m", [(4, 8), (4, 16), (8, 16), (8, 32)])
