@@ -191,14 +191,18 @@ def group_bound(parent: np.ndarray, ranks: np.ndarray, m: int, head: np.ndarray,
     return out
 
 
-def one_machine_bound(head: np.ndarray, dur: np.ndarray, tail: np.ndarray) -> float:
+def one_machine_bound(head: np.ndarray, dur: np.ndarray, tail: np.ndarray, *, max_levels: int = 128) -> float:
     """``max over h, q of h + q + sum(dur[head >= h and tail >= q])`` over non-empty sets: the
-    preemptive one-machine bound of one rank's actions (module doc)."""
+    preemptive one-machine bound of one rank's actions (module doc). Of the tails, ``max_levels``
+    evenly spread ones are tried as ``q`` (each still gives a valid bound; all of them when there
+    are no more), which keeps the work linear in the actions."""
     if not len(head):
         return 0.0
     order = np.argsort(-head, kind="stable")
     h, p, q = head[order], dur[order], tail[order]
     levels = np.unique(q)
+    if len(levels) > max_levels:
+        levels = levels[np.linspace(0, len(levels) - 1, max_levels).round().astype(np.int64)]
     has = q[:, None] >= levels[None, :]
     work = np.cumsum(p[:, None] * has, axis=0)  # [i, k]: the i + 1 latest-released actions with tail >= levels[k]
     value = np.where(np.cumsum(has, axis=0) > 0, h[:, None] + levels[None, :] + work, -np.inf)
