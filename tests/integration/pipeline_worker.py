@@ -30,7 +30,7 @@ from pipetune.cost import StageLayout
 from pipetune.packing import PackingConfig
 from pipetune.plan.plan import build_plan, plan_from_table
 from pipetune.schedule import Action, Op, onto_ranks, place_encoders
-from pipetune.schedule.schedules import list_scheduled
+from pipetune.schedule.schedules import UNIT_TIME, list_scheduled
 from pipetune.schedule.lowering import Direction, MessageKind, Post, Wait, lower
 from torchtitan_patches.data import DataLoaderConfig
 from torchtitan_patches.model.packed_attention import varlen_metadata
@@ -241,15 +241,17 @@ def interleaved_setup(rank: int, world: int, opts: dict):
 
 def interleaved_plan(model, meta, world: int, opts: dict):
     """Balanced packing at ``mbs``, a random order (``seed``), the planner's interleaved 1F1B or
-    zero-bubble table (``split``) of ``chunks_per_rank`` chunks per rank; a frozen encoder's last two
+    zero-bubble table (``split``; its ``W`` placed by uneven durations, as the planner places them
+    by a batch's latencies) of ``chunks_per_rank`` chunks per rank; a frozen encoder's last two
     forwards pre-computed."""
     mbs = opts.get("mbs", 2)
     packing = PackingConfig(packer="balanced", mbs=mbs, max_seq_len=MAX_SEQ_LEN).build(model)(meta.table.lengths, meta.step)
     groups = [meta.table.ids[g].tolist() for g in packing.groups()]
     order = np.random.default_rng(opts.get("seed", 0)).permutation(len(groups)).tolist()
     trained = not model.encoder.frozen
+    uneven = lambda a: UNIT_TIME[a.op] * (1 + (5 * a.unit + 3 * a.chunk) % 4)  # noqa: E731  W placed as by a batch's latencies
     table = list_scheduled(world, opts.get("chunks_per_rank", 2), order, split_backward=opts.get("split", False), encoder=True,
-                           encoder_trained=trained)
+                           encoder_trained=trained, duration=uneven)
     if not trained and len(order) > 2:
         table = place_encoders(table, {order[-1]: 1, order[-2]: 0})
     return plan_from_table(table, step=meta.step, micro_batches=groups, order=order, mbs=mbs, max_seq_len=MAX_SEQ_LEN).validate()
