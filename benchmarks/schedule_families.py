@@ -14,8 +14,10 @@ Printed per row: mean iteration time (s) of pipetune in each space and of that b
 configuration; pipetune's cut against it; pipetune's mean gap to its lower bound; the ceiling
 ``best static / pipetune's bound - 1``: no plan the planner could find for those packings beats
 the bound, so pipetune cannot cut the best static configuration by more than that (the bound is
-``makespan_lower_bound`` for the space: per rank, with split backwards relaxed); search time p50 /
-max (ms, one thread; noisy unless the machine is quiet).
+``placement_lower_bound`` of the space's split table, which holds for whole backwards too); search
+time p50 / max (ms, one thread; noisy unless the machine is quiet). Compiled tables are cached per
+micro-batch count, so early iterations of a run search slower than later ones: all are counted.
+``--gbs 1024`` measures the search at the issue's larger batch.
 """
 
 from __future__ import annotations
@@ -40,11 +42,12 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=20_000)
     ap.add_argument("--pp", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--mixes", nargs="+", default=["datamix1", "datamix2", "datamix3"])
+    ap.add_argument("--gbs", type=int, default=128)
     args = ap.parse_args()
     model = load_model_config("13b")
     hw = load_hardware("a100")
     table = analytical_table(model, hw, tp=4)
-    print(f"13b + SigLIP, A100 estimate, TP 4, GBS 128, max_seq_len 8192, {args.iters} iterations; times in s")
+    print(f"13b + SigLIP, A100 estimate, TP 4, GBS {args.gbs}, max_seq_len 8192, {args.iters} iterations; times in s")
     print(f"{'PP':>2} {'mix':9} " + " ".join(f"{name:>8}" for name, _, _ in SPACES)
           + f" {'best static':>12} {'(its space)':40} {'cut':>6} {'gap LB':>7} {'ceiling':>8} {'search p50/max':>15}")
     for pp in args.pp:
@@ -53,7 +56,7 @@ def main() -> None:
             runs = {}
             for name, V, split in SPACES:
                 cost = CostModel(table, replace(StageLayout.even(model.backbone.n_layers, pp * V), chunks_per_rank=V))
-                runs[name] = compare_modes(model, cost, data, gbs=128, max_seq_len=8192, memory_bytes=hw.memory_bytes, iters=args.iters,
+                runs[name] = compare_modes(model, cost, data, gbs=args.gbs, max_seq_len=8192, memory_bytes=hw.memory_bytes, iters=args.iters,
                                            modes=(Mode.PIPETUNE,), split_backward=split)
             best_name = min(runs, key=lambda n: runs[n]["best-static"].iter_s.mean())
             static = runs[best_name]["best-static"]

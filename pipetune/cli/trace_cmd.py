@@ -21,7 +21,7 @@ from pipetune.data import BatchStream, batch_meta
 from pipetune.packing import PackingConfig
 from pipetune.schedule import Schedule
 from pipetune.simulate import Latencies, simulate
-from pipetune.simulate.lower_bound import makespan_lower_bound
+from pipetune.simulate.lower_bound import placement_lower_bound
 from pipetune.simulate.trace import write_trace
 
 
@@ -67,7 +67,7 @@ def run(args) -> int:
     summary = {
         "micro_batches": packing.num_micro_batches,
         "makespan_s": result.makespan,
-        "lower_bound_s": makespan_lower_bound(lat),
+        "lower_bound_s": placement_lower_bound(table, lat),
         "bubble_ratio": result.bubble_ratio,
         "idle_s": result.idle.tolist(),
         "peak_activation_gib": (result.peak_bytes / 2**30).tolist(),
