@@ -18,7 +18,10 @@ Schedule families: with ``PlannerConfig.split_backward=auto`` every packing is t
 1F1B table and its zero-bubble twin (backwards split into ``I`` and ``W``); orders are ranked on
 the faster one and the best few re-timed on the other. The stage layout's ``chunks_per_rank``
 makes both interleaved. Memory decides too: a family whose simulated peak does not fit is not
-chosen. The lower bound then holds for split tables (``placement_lower_bound`` of a split table).
+chosen. The cached zero-bubble tables place ``W`` by unit times; for the best plan, its order's
+zero-bubble table is rebuilt once with ``W`` placed by the batch's own latencies (uneven
+micro-batches leave bubbles where unit times see none), and kept when faster and within memory.
+The lower bound then holds for split tables (``placement_lower_bound`` of a split table).
 
 Modes (the paper's ablation): ``original`` = random first-fit packing at the fixed maximum mbs in
 packing order; ``balanced`` = Alg. 1 at that mbs; ``reorder`` = ``balanced`` + ordering and
