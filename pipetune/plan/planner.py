@@ -62,11 +62,11 @@ from pipetune.plan.ordering import candidate_orders
 from pipetune.plan.plan import IterationPlan, plan_from_table
 from pipetune.plan.precompute import move_encoders_into_gaps
 from pipetune.schedule.schedules import in_order, list_scheduled, place_encoders
-from pipetune.schedule.table import Action, Op
+from pipetune.schedule.table import Module, Op
 from pipetune.simulate.dag import CompiledSchedule, compile_schedule
 from pipetune.simulate.jitter import JitteredLatencies, expected_makespan, jitter
 from pipetune.simulate.lower_bound import placement_lower_bound
-from pipetune.simulate.simulator import Latencies, evaluate
+from pipetune.simulate.simulator import Latencies, durations, evaluate
 
 if TYPE_CHECKING:
     from pipetune.plan.planner_config import PlannerConfig
@@ -209,19 +209,15 @@ class Planner:
         misses the bubbles of uneven micro-batches), with and without encoder pre-computation.
         Done once per batch, for the best plan's packing and order: it compiles a table of its own."""
         lat, m, V = c.lat, len(order), self.chunks_per_rank
-        enc = lat.encoder.sum(axis=1)[order] if self.encoder else np.zeros(m)
-        enc_bwd = lat.encoder_bwd.sum(axis=1)[order] if self.cost.encoder_trainable else np.zeros(m)
-        fwd, bwd, bwd_input, p2p = lat.fwd[order], lat.bwd[order], lat.bwd_input[order], lat.p2p[order]
-
-        def duration(a: Action) -> float:
-            if a.op is Op.FORWARD:
-                return fwd[a.unit, a.chunk] + (enc[a.unit] if a.chunk == 0 else 0.0)
-            if a.op is Op.BACKWARD_INPUT:
-                return bwd_input[a.unit, a.chunk] + (enc_bwd[a.unit] if a.chunk == 0 else 0.0)
-            return bwd[a.unit, a.chunk] - bwd_input[a.unit, a.chunk]
-
+        times = {op: durations(lat, Module.BACKBONE, op)[order] for op in (Op.FORWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)}
+        if self.encoder:  # the co-located encoder's actions count in their chunk-0 forward and input gradient
+            times[Op.FORWARD][:, 0] += durations(lat, Module.ENCODER, Op.FORWARD).sum(axis=1)[order]
+            if self.cost.encoder_trainable:
+                times[Op.BACKWARD_INPUT][:, 0] += durations(lat, Module.ENCODER, Op.BACKWARD).sum(axis=1)[order]
+        p2p = lat.p2p[order]
         table = list_scheduled(self.cost.num_stages // V, V, range(m), split_backward=True, encoder=self.encoder,
-                               encoder_trained=self.cost.encoder_trainable, duration=duration, delay=lambda q, a: p2p[a.unit])
+                               encoder_trained=self.cost.encoder_trainable, duration=lambda a: times[a.op][a.unit, a.chunk],
+                               delay=lambda q, a: p2p[a.unit])
         dag = compile_schedule(table, validate=False)
         slots = dag.float_slot[None]
         if self.encoder and self.config.precompute and not self.cost.encoder_trainable:
