@@ -23,27 +23,31 @@ from pipetune.simulate.simulator import Latencies, timelines
 def move_encoders_into_gaps(dag: CompiledSchedule, lat: Latencies, orders: np.ndarray, overflows: np.ndarray, *,
                             passes: int = 2) -> np.ndarray:
     """Encoder slots (node before which each slot's encoder runs), one row per (order, overflow)."""
-    rank0 = dag.rank_nodes[dag.table.placement.encoder[0]].tolist()
+    rank0 = dag.rank_nodes[dag.table.placement.encoder[0]]
     fwd_node = dag.float_slot
-    pos = {n: k for k, n in enumerate(rank0)}
+    pos = np.empty(dag.num_nodes, np.int64)
+    pos[rank0] = np.arange(len(rank0))
+    fwd_pos = pos[fwd_node]
     C = len(orders)
     slots = np.tile(fwd_node, (C, 1))
     enc = lat.encoder.sum(axis=1)[orders]
     active = np.ones(C, bool)
     for _ in range(passes):
         start, end, pre = timelines(dag, lat, orders, slots)
+        prev_end = np.vstack([np.zeros((1, C)), end[rank0[:-1]]])
+        gaps = (start[rank0] - prev_end - pre[rank0]) * (1 + overflows)  # room before each of stage 0's nodes
         for c in np.flatnonzero(active):
-            moved = False
-            waiting = sorted((k for k in range(orders.shape[1]) if slots[c, k] == fwd_node[k] and enc[c, k] > 0), key=lambda k: pos[fwd_node[k]])
-            for i, n in enumerate(rank0):
-                prev_end = end[rank0[i - 1], c] if i else 0.0
-                room = (start[n, c] - prev_end - pre[n, c]) * (1 + overflows[c])
-                while waiting and pos[fwd_node[waiting[0]]] <= i:
-                    waiting.pop(0)
-                while waiting and enc[c, waiting[0]] <= room:
-                    k = waiting.pop(0)
-                    slots[c, k] = n
-                    room -= enc[c, k]
+            waiting = np.flatnonzero((slots[c] == fwd_node) & (enc[c] > 0))
+            waiting = waiting[np.argsort(fwd_pos[waiting], kind="stable")].tolist()
+            e, wait_pos, j, moved = enc[c].tolist(), fwd_pos[waiting].tolist(), 0, False
+            for i in np.flatnonzero(gaps[:, c] > 0).tolist():  # encoders only move into room
+                while j < len(waiting) and wait_pos[j] <= i:
+                    j += 1
+                room = gaps[i, c]
+                while j < len(waiting) and e[waiting[j]] <= room:
+                    slots[c, waiting[j]] = rank0[i]
+                    room -= e[waiting[j]]
+                    j += 1
                     moved = True
             active[c] = moved
         if not active.any():

@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from enum import StrEnum
+from functools import lru_cache
 
 from pipetune.schedule.table import Action, Module, Op, Placement, ScheduleError, ScheduleTable
 
@@ -154,34 +155,36 @@ def list_scheduled(num_ranks: int, chunks_per_rank: int, order: Sequence[int], *
         warm = min(len(fwd), warmups[r], caps[r])
         steady = [a for k in range(len(fwd) - warm) for a in (bwd[k], fwd[warm + k])]
         seqs.append(deque(a for a in fwd[:warm] + steady + bwd[len(fwd) - warm:] if a.unit < m))
-    table = ScheduleTable(placement, m, ((),) * P, split_backward=split_backward)
+    producers = _backbone_producers(placement, m, split_backward)
     duration = duration or (lambda a: UNIT_TIME[a.op])
     delay = delay or (lambda q, a: 0)
     ends: dict[Action, float] = {}
-    producers: dict[Action, tuple[Action, ...]] = {}
 
     def ready_at(a: Action) -> float:
-        if a not in producers:
-            producers[a] = table.producers(a)
         at = 0.0
         for q in producers[a]:
-            if q not in ends:
+            end = ends.get(q)
+            if end is None:
                 return math.inf
-            at = max(at, ends[q] + (delay(q, a) if q.chunk % P != a.chunk % P else 0))
+            at = max(at, end + delay(q, a) if q.chunk % P != a.chunk % P else end)
         return at
 
     lists: list[list[Action]] = [[] for _ in range(P)]
     weights: list[deque[Action]] = [deque() for _ in range(P)]
     free_at, live = [0.0] * P, [0] * P
+    left = sum(map(len, seqs)) * (2 if split_backward else 1) - sum(a.op is Op.FORWARD for q in seqs for a in q) * split_backward
     t = 0.0
-    while any(seqs) or any(weights):
-        started, wake = False, []
+    while left:
+        started, later = False, math.inf  # later: the next time a rank frees up or an input arrives
         for r in range(P):
             if free_at[r] > t:
+                if free_at[r] < later:
+                    later = free_at[r]
                 continue
-            at = ready_at(seqs[r][0]) if seqs[r] else math.inf
-            if at <= t and not (seqs[r][0].op is Op.FORWARD and live[r] >= caps[r] and weights[r]):
-                a = seqs[r].popleft()
+            seq = seqs[r]
+            at = ready_at(seq[0]) if seq else math.inf
+            if at <= t and not (weights[r] and seq[0].op is Op.FORWARD and live[r] >= caps[r]):
+                a = seq.popleft()
                 live[r] += 1 if a.op is Op.FORWARD else -1 if a.op is Op.BACKWARD else 0
                 if a.op is Op.BACKWARD_INPUT:
                     weights[r].append(Action(a.chunk, Op.BACKWARD_WEIGHT, a.unit))
@@ -189,18 +192,30 @@ def list_scheduled(num_ranks: int, chunks_per_rank: int, order: Sequence[int], *
                 a = weights[r].popleft()
                 live[r] -= 1
             else:
-                wake.append(at)
+                if t < at < later:
+                    later = at
                 continue
             lists[r].append(a)
-            ends[a] = free_at[r] = t + duration(a)
+            ends[a] = free_at[r] = end = t + duration(a)
+            if t < end < later:
+                later = end
             started = True
-        later = [x for x in free_at + wake if t < x < math.inf]
-        if not started and not later:
+            left -= 1
+        if not started and later == math.inf:
             stuck = ", ".join(f"rank {r} at {seqs[r][0]}" for r in range(P) if seqs[r])
             raise ScheduleError(f"the {P} x {V} interleaved sequence of {m} micro-batches cannot run ({stuck})")
-        t = min(later, default=t)
+        if later < math.inf:
+            t = later
     name = ("Interleaved" if V > 1 else "") + ("ZB" if split_backward else "1F1B")
     return _table(lists, m, placement, name, caps, split_backward)
+
+
+@lru_cache(maxsize=64)
+def _backbone_producers(placement: Placement, m: int, split_backward: bool) -> dict[Action, tuple[Action, ...]]:
+    """Every backbone action's producers (kept per shape: the list scheduler asks for each many times)."""
+    table = ScheduleTable(placement, m, ((),) * placement.num_ranks, split_backward=split_backward)
+    ops = (Op.FORWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT) if split_backward else (Op.FORWARD, Op.BACKWARD)
+    return {a: table.producers(a) for a in (Action(c, op, j) for c in range(placement.num_stages) for op in ops for j in range(m))}
 
 
 class Schedule(StrEnum):

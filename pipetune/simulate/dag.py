@@ -19,13 +19,13 @@ forward pass over node indices times the whole schedule.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import numpy as np
 from scipy.sparse import csr_matrix
 
-from pipetune.schedule.lowering import Message, MessageKind
-from pipetune.schedule.table import Action, Module, Op, ScheduleError, ScheduleTable
+from pipetune.schedule.lowering import MessageKind
+from pipetune.schedule.table import Action, Module, Op, Placement, ScheduleError, ScheduleTable
 
 KINDS = ((Module.BACKBONE, Op.FORWARD), (Module.BACKBONE, Op.BACKWARD), (Module.ENCODER, Op.FORWARD), (Module.ENCODER, Op.BACKWARD),
          (Module.BACKBONE, Op.BACKWARD_INPUT), (Module.BACKBONE, Op.BACKWARD_WEIGHT))
@@ -35,6 +35,29 @@ MESSAGE_KINDS = tuple(MessageKind)
 
 def kind_of(a: Action) -> int:
     return KIND[(a.module, a.op)]
+
+
+@dataclass(frozen=True)
+class Waves:
+    """A compiled schedule's nodes grouped by depth (a node's wave is one past the deepest of its
+    producers and its rank's previous node), so the simulator times a whole wave in one vectorised
+    step. A rank runs its nodes one after another, so a wave holds at most one node per rank.
+
+    Node arrays are laid out in wave order (``order``: the node at each position; ``inverse``:
+    back), wave ``w`` at positions ``bounds[w]:bounds[w + 1]``. A node starts at the latest of
+    its inputs' end plus cost: its rank's previous node plus the floating work attached to it, and
+    each producer on another rank plus its message (a producer on its own rank ends no later than
+    the rank's previous node). Wave ``w`` lists ``rows[w]`` inputs per node in ``src`` (positions
+    in wave order, ``N``: none, which ends at 0) and ``cost`` (rows of ``[floating work per
+    position (N); message costs (M); zero]``), row-major ``[rows[w], wave size]``, waves one after
+    another."""
+
+    order: np.ndarray
+    inverse: np.ndarray
+    bounds: np.ndarray
+    rows: np.ndarray
+    src: np.ndarray
+    cost: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -93,6 +116,36 @@ class CompiledSchedule:
         free = csr_matrix((np.ones(len(self.buf_free)), (self.buf_free, np.arange(len(self.buf_free)))), shape=shape)
         return alloc, free
 
+    @cached_property
+    def waves(self) -> "Waves":
+        """The nodes grouped by depth, for the simulator's vectorised pass (see ``Waves``)."""
+        N, M = self.num_nodes, len(self.msg_kind)
+        D = 1 + max((sum(e >= 0 for _, e in deps) for deps in self.edges), default=0)
+        src = np.full((N, D), N, np.int64)  # per node: its rank's previous node, then producers on other ranks
+        cost = np.full((N, D), N + M, np.int64)
+        src[:, 0] = np.where(self.rank_prev >= 0, self.rank_prev, N)
+        depth = np.zeros(N + 1, np.int64)
+        depth[N] = -1
+        prev = src[:, 0].tolist()
+        for n, deps in enumerate(self.edges):
+            deep, j = depth[prev[n]], 1
+            for d, e in deps:
+                deep = max(deep, depth[d])
+                if e >= 0:  # a producer on the same rank ends no later than the rank's previous node
+                    src[n, j], cost[n, j] = d, N + e
+                    j += 1
+            depth[n] = deep + 1
+        order = np.argsort(depth[:N], kind="stable")
+        pos = np.append(np.argsort(order), N)
+        src, cost = pos[src[order]], cost[order]
+        cost[:, 0] = np.arange(N)  # the floating work before the node, by its position
+        bounds = np.concatenate([[0], np.flatnonzero(np.diff(depth[order])) + 1, [N]])
+        used = np.maximum.reduceat((src < N) * np.arange(1, D + 1), bounds[:-1], axis=0).max(axis=1)
+        rows = np.maximum(used, 1)  # a wave's inputs sit in its first rows[w] columns
+        return Waves(order, pos[:N], bounds, rows,
+                     np.concatenate([src[lo:hi, :k].T.ravel() for lo, hi, k in zip(bounds[:-1], bounds[1:], rows)]),
+                     np.concatenate([cost[lo:hi, :k].T.ravel() for lo, hi, k in zip(bounds[:-1], bounds[1:], rows)]))
+
     def rank_position(self) -> np.ndarray:
         """Position of each node within its rank's node list."""
         pos = np.empty(self.num_nodes, np.int64)
@@ -105,32 +158,70 @@ class CompiledSchedule:
         return Action(int(self.chunk[n]), op, int(self.unit[n]), module)
 
 
+@dataclass(frozen=True)
+class _Shape:
+    """What a table's dependencies and memory are, which depends only on its placement, micro-batch
+    count, sub-microbatches and backward split, not on its orders: kept per shape, so compiling a
+    table the planner just generated walks only its rank lists. ``needs[a]``: ``a``'s producers
+    that are nodes, each with its message (kind index, unit) or ``None`` on the same rank;
+    ``floating``: the floating actions in the simulator's order; ``buffers``: as
+    ``ScheduleTable.buffers``."""
+
+    needs: dict[Action, tuple[tuple[Action, tuple[int, int] | None], ...]]
+    floating: tuple[Action, ...]
+    consumers: dict[Action, tuple[Action, ...]]
+    buffers: tuple[tuple[int, int, int, Action, Action], ...]
+
+
+@lru_cache(maxsize=64)
+def _shape(placement: Placement, num_micro_batches: int, sub_mb_parent: tuple[int, ...], split_backward: bool) -> _Shape:
+    t = ScheduleTable(placement, num_micro_batches, ((),) * placement.num_ranks, sub_mb_parent, split_backward=split_backward)
+    actions = t.expected_actions()
+    floating = tuple(sorted((a for a in actions if t.floats(a)), key=lambda a: (a.module != Module.ENCODER, a.chunk, a.unit)))
+    is_float = set(floating)
+
+    features, encoder_activation, activation = (MESSAGE_KINDS.index(k) for k in
+                                                (MessageKind.FEATURES, MessageKind.ENCODER_ACTIVATION, MessageKind.ACTIVATION))
+
+    rank_of = {Module.BACKBONE: placement.backbone, Module.ENCODER: placement.encoder}
+
+    def message(d: Action, a: Action) -> tuple[int, int] | None:  # Message(d, a)'s kind and unit, inlined: hot when cold
+        if rank_of[d.module][d.chunk] == rank_of[a.module][a.chunk]:
+            return None
+        if d.module is not a.module:
+            return features, (a.unit if a.is_encoder else d.unit)
+        return (encoder_activation if d.is_encoder else activation), d.unit
+
+    needs = {a: tuple((d, message(d, a)) for d in t.producers(a) if d not in is_float) for a in actions if a not in is_float}
+    buffers = tuple((kind.value, c, u, alloc, free) for kind, c, u, alloc, free in t.buffers())
+    return _Shape(needs, floating, {f: t.consumers(f) for f in floating}, buffers)
+
+
 def compile_schedule(table: ScheduleTable, *, validate: bool = True) -> CompiledSchedule:
     """Validate ``table`` and order its non-floating actions topologically (``ScheduleError`` on
     deadlock). ``validate=False`` skips the full check for a table a generator just built (valid
     by construction, which the generators' tests check): the planner's hot path."""
     if validate:
         table.validate()
-    p = table.placement
-    floating = sorted({a for acts in table.ranks for a in acts if table.floats(a)}, key=lambda a: (a.module != Module.ENCODER, a.chunk, a.unit))
+    shape = _shape(table.placement, table.num_micro_batches, table.sub_mb_parent, table.split_backward)
+    floating = shape.floating
     is_float = set(floating)
     work = [[a for a in acts if a not in is_float] for acts in table.ranks]
     done: dict[Action, int] = {}
     ptr = [0] * len(work)
-    order: list[tuple[Action, int, list[Action]]] = []
-    needs: dict[Action, list[Action]] = {}  # a rank's next action is asked again on every sweep until it is ready
+    order: list[Action] = []
+    order_rank: list[int] = []
+    needs = shape.needs
     while True:
         progressed = False
         for r, acts in enumerate(work):
             while ptr[r] < len(acts):
                 a = acts[ptr[r]]
-                if a not in needs:
-                    needs[a] = [q for q in table.producers(a) if q not in is_float]
-                deps = needs[a]
-                if any(d not in done for d in deps):
+                if any(d not in done for d, _ in needs[a]):
                     break
                 done[a] = len(order)
-                order.append((a, r, deps))
+                order.append(a)
+                order_rank.append(r)
                 ptr[r] += 1
                 progressed = True
         if all(q == len(a) for q, a in zip(ptr, work)):
@@ -139,16 +230,15 @@ def compile_schedule(table: ScheduleTable, *, validate: bool = True) -> Compiled
             stuck = ", ".join(f"rank {r} at {work[r][ptr[r]]}" for r in range(len(work)) if ptr[r] < len(work[r]))
             raise ScheduleError(f"schedule deadlocks: {stuck}")
     msg_kind, msg_unit, edges = [], [], []
-    for a, r, deps in order:
+    for a in order:
         mine = []
-        for d in deps:
-            if p.rank_of(d) == r:
+        for d, msg in needs[a]:
+            if msg is None:
                 mine.append((done[d], -1))
             else:
-                msg = Message(d, a)
                 mine.append((done[d], len(msg_kind)))
-                msg_kind.append(MESSAGE_KINDS.index(msg.kind))
-                msg_unit.append(msg.unit)
+                msg_kind.append(msg[0])
+                msg_unit.append(msg[1])
         edges.append(tuple(mine))
     rank_nodes = tuple(np.array([done[a] for a in acts], np.int64) for acts in work)
     rank_prev = np.full(len(order), -1, np.int64)
@@ -166,37 +256,29 @@ def compile_schedule(table: ScheduleTable, *, validate: bool = True) -> Compiled
         if pending:
             raise ScheduleError(f"{pending[0]} runs after every action that consumes it")
     float_slot = np.array([slot_of[f] for f in floating], np.int64)
-    float_first_use = np.array([min(done[c] for c in table.consumers(f)) for f in floating], np.int64)
-    bufs = _buffers(table, done, slot_of, {f: i for i, f in enumerate(floating)})
-    arr = lambda xs, k: np.array([x[k] for x in xs], np.int64)  # noqa: E731
+    float_first_use = np.array([min(done[c] for c in shape.consumers[f]) for f in floating], np.int64)
+    float_index = {f: i for i, f in enumerate(floating)}
+    at = lambda a: (slot_of[a], float_index[a]) if a in float_index else (done[a], -1)  # noqa: E731
+    bufs = np.array([(kind, c, u, *at(alloc), done[free]) for kind, c, u, alloc, free in shape.buffers], np.int64).reshape(-1, 6)
     return CompiledSchedule(
         table=table,
-        kind=np.array([kind_of(a) for a, _, _ in order], np.int8),
-        chunk=np.array([a.chunk for a, _, _ in order], np.int64),
-        unit=np.array([a.unit for a, _, _ in order], np.int64),
-        rank=np.array([r for _, r, _ in order], np.int64),
+        kind=np.array([KIND[(a.module, a.op)] for a in order], np.int8),
+        chunk=np.array([a.chunk for a in order], np.int64),
+        unit=np.array([a.unit for a in order], np.int64),
+        rank=np.array(order_rank, np.int64),
         edges=tuple(edges),
         msg_kind=np.array(msg_kind, np.int8),
         msg_unit=np.array(msg_unit, np.int64),
         rank_prev=rank_prev,
         rank_nodes=rank_nodes,
-        floating=tuple(floating),
+        floating=floating,
         float_slot=float_slot,
         float_first_use=float_first_use,
-        buf_kind=arr(bufs, 0),
-        buf_chunk=arr(bufs, 1),
-        buf_unit=arr(bufs, 2),
-        buf_alloc=arr(bufs, 3),
-        buf_float=arr(bufs, 4),
-        buf_free=arr(bufs, 5),
+        buf_kind=bufs[:, 0],
+        buf_chunk=bufs[:, 1],
+        buf_unit=bufs[:, 2],
+        buf_alloc=bufs[:, 3],
+        buf_float=bufs[:, 4],
+        buf_free=bufs[:, 5],
         one_to_one=not table.encoder or table.sub_mb_parent == tuple(range(table.num_micro_batches)),
     )
-
-
-def _buffers(table: ScheduleTable, node: dict, slot_of: dict, float_index: dict) -> list[tuple[int, int, int, int, int, int]]:
-    """``(kind, chunk, unit, alloc node, floating index or -1, free node)`` of every memory buffer."""
-
-    def at(a: Action) -> tuple[int, int]:
-        return (slot_of[a], float_index[a]) if a in float_index else (node[a], -1)
-
-    return [(kind.value, c, u, *at(alloc), node[free]) for kind, c, u, alloc, free in table.buffers()]

@@ -161,22 +161,24 @@ def _gather(dag: CompiledSchedule, lat: Latencies, orders: np.ndarray) -> _Gathe
 
 
 def _run(dag: CompiledSchedule, g: _Gathered, slots: np.ndarray):
-    """Core pass; ``slots[c, f]``: node before which floating action ``f`` runs.
+    """Core pass, one vectorised step per wave of nodes (``CompiledSchedule.waves``);
+    ``slots[c, f]``: node before which floating action ``f`` runs.
     Returns start, end, pre (floating work) as ``[N, C]``."""
     N, C = g.dur.shape
     pre = _per_node(slots, g.float_dur, N)
+    w = dag.waves
+    cost = np.vstack([pre[w.order], g.comm, np.zeros((1, C))])[w.cost]  # every input's cost, in wave order
+    dur = g.dur[w.order]
     start = np.empty((N, C))
-    end = np.empty((N, C))
-    zero = np.zeros(C)
-    prev = dag.rank_prev.tolist()
-    comm, dur = g.comm, g.dur
-    for n, deps in enumerate(dag.edges):
-        t = (end[prev[n]] if prev[n] >= 0 else zero) + pre[n]
-        for d, e in deps:
-            t = np.maximum(t, end[d] + comm[e] if e >= 0 else end[d])
-        start[n] = t
-        end[n] = t + dur[n]
-    return start, end, pre
+    end = np.zeros((N + 1, C))  # row N: "no node", ends at 0
+    e = 0
+    for lo, hi, k in zip(w.bounds[:-1].tolist(), w.bounds[1:].tolist(), w.rows.tolist()):
+        n = (hi - lo) * k
+        t = (end[w.src[e:e + n]] + cost[e:e + n]).reshape(k, hi - lo, C).max(axis=0)
+        start[lo:hi] = t
+        end[lo:hi] = t + dur[lo:hi]
+        e += n
+    return start[w.inverse], end[w.inverse], pre
 
 
 def _busy(dag: CompiledSchedule, start: np.ndarray, end: np.ndarray, pre: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -204,13 +206,9 @@ def _peak_memory(dag: CompiledSchedule, g: _Gathered, slots: np.ndarray) -> np.n
     free = freed @ g.buf_bytes.T
     peaks = np.zeros((C, len(dag.rank_nodes)))
     for r, nodes in enumerate(dag.rank_nodes):
-        mem = np.zeros(C)
-        peak = np.zeros(C)
-        for n in nodes.tolist():
-            mem = mem + alloc[n]
-            peak = np.maximum(peak, mem)
-            mem = mem - free[n]
-        peaks[:, r] = peak
+        if len(nodes):  # held after each node, plus that node's own allocation: the peak is at an allocation
+            a, f = alloc[nodes], free[nodes]
+            peaks[:, r] = np.maximum((np.cumsum(a - f, axis=0) + f).max(axis=0), 0.0)
     return peaks
 
 
