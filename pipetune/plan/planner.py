@@ -282,7 +282,7 @@ class Planner:
         ids = meta.table.ids
         table = in_order(c.dag.table, order)
         if moved:
-            table = place_encoders(table, moved)
+            table = place_encoders(table, moved, validate=False)  # the plan is validated before it runs
         return plan_from_table(
             table,
             step=meta.step,

@@ -155,13 +155,16 @@ def list_scheduled(num_ranks: int, chunks_per_rank: int, order: Sequence[int], *
         warm = min(len(fwd), warmups[r], caps[r])
         steady = [a for k in range(len(fwd) - warm) for a in (bwd[k], fwd[warm + k])]
         seqs.append(deque(a for a in fwd[:warm] + steady + bwd[len(fwd) - warm:] if a.unit < m))
-    producers = _backbone_producers(placement, m, split_backward)
+    producers = _backbone_producers(P, V, split_backward)
+    proto = ScheduleTable(Placement.interleaved(P, V), 1, ((),) * P, split_backward=split_backward)  # backbone actions only
     duration = duration or (lambda a: UNIT_TIME[a.op])
     delay = delay or (lambda q, a: 0)
     ends: dict[Action, float] = {}
 
     def ready_at(a: Action) -> float:
         at = 0.0
+        if a not in producers:
+            producers[a] = proto.producers(a)
         for q in producers[a]:
             end = ends.get(q)
             if end is None:
@@ -211,11 +214,10 @@ def list_scheduled(num_ranks: int, chunks_per_rank: int, order: Sequence[int], *
 
 
 @lru_cache(maxsize=64)
-def _backbone_producers(placement: Placement, m: int, split_backward: bool) -> dict[Action, tuple[Action, ...]]:
-    """Every backbone action's producers (kept per shape: the list scheduler asks for each many times)."""
-    table = ScheduleTable(placement, m, ((),) * placement.num_ranks, split_backward=split_backward)
-    ops = (Op.FORWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT) if split_backward else (Op.FORWARD, Op.BACKWARD)
-    return {a: table.producers(a) for a in (Action(c, op, j) for c in range(placement.num_stages) for op in ops for j in range(m))}
+def _backbone_producers(num_ranks: int, chunks_per_rank: int, split_backward: bool) -> dict[Action, tuple[Action, ...]]:
+    """Backbone actions' producers, filled in as the list scheduler asks (they do not depend on the
+    micro-batch count, so one map serves every table of these ranks and chunks)."""
+    return {}
 
 
 class Schedule(StrEnum):
@@ -251,11 +253,12 @@ def in_order(table: ScheduleTable, order: Sequence[int]) -> ScheduleTable:
     return replace(table, ranks=tuple(tuple(a._replace(unit=order[a.unit]) for a in r) for r in table.ranks))
 
 
-def place_encoders(table: ScheduleTable, before: dict[int, int]) -> ScheduleTable:
+def place_encoders(table: ScheduleTable, before: dict[int, int], *, validate: bool = True) -> ScheduleTable:
     """Pre-compute encoders (co-located layout): ``before[k] = i`` runs ``E0F{k}`` before the
     i-th action of its rank that is not an encoder forward (it must still precede ``0F`` of its
     micro-batch); the others stay right before that forward. Encoders moved to the same action run
-    in forward order, ahead of that action's own encoder."""
+    in forward order, ahead of that action's own encoder. ``validate=False`` leaves the check of
+    the result to the caller (the planner's plans are validated before they run)."""
     p = table.placement
     if not p.encoder:
         raise ScheduleError("this schedule has no encoder actions to place")
@@ -277,7 +280,8 @@ def place_encoders(table: ScheduleTable, before: dict[int, int]) -> ScheduleTabl
         slots[k].sort(key=lambda e: sub_pos[e.unit] == k)
     ranks = list(table.ranks)
     ranks[rank] = tuple(a for k, w in enumerate(work) for a in (*slots[k], w))
-    return replace(table, ranks=tuple(ranks)).validate()
+    placed = replace(table, ranks=tuple(ranks))
+    return placed.validate() if validate else placed
 
 
 def onto_ranks(table: ScheduleTable, stage_rank: tuple[int, ...]) -> ScheduleTable:
