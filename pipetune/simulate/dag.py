@@ -174,15 +174,20 @@ class _Shape:
 
 
 @lru_cache(maxsize=64)
+def _action_facts(placement: Placement, split_backward: bool, sub_mb_parent: tuple[int, ...] | None) -> dict:
+    """Per action: whether it floats, its ``_Shape.needs`` and, if it floats, its consumers; filled
+    in on demand. ``sub_mb_parent`` None: one sub-microbatch per micro-batch (or no encoder), where
+    an action's facts do not depend on the micro-batch count, so one map serves every count."""
+    return {}
+
+
+@lru_cache(maxsize=64)
 def _shape(placement: Placement, num_micro_batches: int, sub_mb_parent: tuple[int, ...], split_backward: bool) -> _Shape:
     t = ScheduleTable(placement, num_micro_batches, ((),) * placement.num_ranks, sub_mb_parent, split_backward=split_backward)
-    actions = t.expected_actions()
-    floating = tuple(sorted((a for a in actions if t.floats(a)), key=lambda a: (a.module != Module.ENCODER, a.chunk, a.unit)))
-    is_float = set(floating)
-
+    one_to_one = not placement.encoder or sub_mb_parent == tuple(range(num_micro_batches))
+    facts = _action_facts(placement, split_backward, None if one_to_one else sub_mb_parent)
     features, encoder_activation, activation = (MESSAGE_KINDS.index(k) for k in
                                                 (MessageKind.FEATURES, MessageKind.ENCODER_ACTIVATION, MessageKind.ACTIVATION))
-
     rank_of = {Module.BACKBONE: placement.backbone, Module.ENCODER: placement.encoder}
 
     def message(d: Action, a: Action) -> tuple[int, int] | None:  # Message(d, a)'s kind and unit, inlined: hot when cold
@@ -192,9 +197,21 @@ def _shape(placement: Placement, num_micro_batches: int, sub_mb_parent: tuple[in
             return features, (a.unit if a.is_encoder else d.unit)
         return (encoder_activation if d.is_encoder else activation), d.unit
 
-    needs = {a: tuple((d, message(d, a)) for d in t.producers(a) if d not in is_float) for a in actions if a not in is_float}
+    floats = {}
+
+    def floating(a: Action) -> bool:
+        if a not in floats:
+            floats[a] = facts[a][0] if a in facts else t.floats(a)
+        return floats[a]
+
+    actions = t.expected_actions()
+    for a in actions:
+        if a not in facts:
+            fl = floating(a)
+            facts[a] = (fl, () if fl else tuple((d, message(d, a)) for d in t.producers(a) if not floating(d)), t.consumers(a) if fl else ())
+    moving = sorted((a for a in actions if facts[a][0]), key=lambda a: (a.module != Module.ENCODER, a.chunk, a.unit))
     buffers = tuple((kind.value, c, u, alloc, free) for kind, c, u, alloc, free in t.buffers())
-    return _Shape(needs, floating, {f: t.consumers(f) for f in floating}, buffers)
+    return _Shape({a: facts[a][1] for a in actions if not facts[a][0]}, tuple(moving), {f: facts[f][2] for f in moving}, buffers)
 
 
 def compile_schedule(table: ScheduleTable, *, validate: bool = True) -> CompiledSchedule:
