@@ -21,7 +21,9 @@ the backwards freeing them no longer fit. So memory is admitted per micro-batch 
 sub-microbatches): a micro-batch's first action may run only if every rank can also hold all the
 forward memory it will need there, which is then reserved; forwards of admitted micro-batches
 always fit. The table never exceeds the limit, and whenever a single micro-batch fits, a table is
-found; if one does not, the result is ``None``.
+found; if one does not, the result is ``None``. Admission is conservative (it reserves a whole
+micro-batch's forward memory up front), so ``Problem.run_fitting`` first runs the greedy without
+it, stopping once a rank's memory would pass its limit, and falls back to admission only then.
 
 Deviation from DIP's text: DIP picks the rank with the smallest earliest ready time of its
 queued stages; we take the earliest time an action can actually *start* (ready time or the end of
@@ -136,8 +138,17 @@ class Problem:
         """The greedy table (module doc) for these priorities; ``memory_limit[r]``: bytes rank ``r`` may hold at once."""
         return self.run_keys(self.keys(priority, sub_priority), memory_limit)
 
-    def run_keys(self, prio: list, memory_limit: np.ndarray | None = None) -> Interleaved | None:
-        """The greedy table for one priority per action (``acts`` order; lower runs first)."""
+    def run_fitting(self, prio: list, memory_limit: np.ndarray) -> Interleaved | None:
+        """The greedy without admission (``memory_limit=None``) when its table's peak fits
+        ``memory_limit`` on every rank, else the greedy with admission (module doc, "Memory"):
+        admission reserves a micro-batch's whole forward memory on every rank before its first
+        action, which also rejects orders whose real peak would fit. Either table fits the limit."""
+        free = self.run_keys(prio, None, cap=memory_limit)
+        return free if free is not None else self.run_keys(prio, memory_limit)
+
+    def run_keys(self, prio: list, memory_limit: np.ndarray | None = None, *, cap: np.ndarray | None = None) -> Interleaved | None:
+        """The greedy table for one priority per action (``acts`` order; lower runs first). With
+        ``cap`` (bytes per rank), ``None`` as soon as a rank's memory would exceed it."""
         R = self.num_ranks
         n_acts = len(self.acts)
         rank, dur, forward, group, alloc, free, need, out = (self.rank, self.dur, self.forward, self.group, self.alloc, self.free,
@@ -147,6 +158,8 @@ class Problem:
         ready_at = [0.0] * n_acts
         limited = memory_limit is not None
         limit = [float(x) for x in memory_limit] if limited else []
+        capped = cap is not None
+        caps = [float(x) for x in np.broadcast_to(np.asarray(cap, np.float64), (R,))] if capped else []
         # per rank and kind (0 forward, 1 backward): not yet startable (by ready time), startable (by priority)
         pending = [[[], []] for _ in range(R)]
         avail = [[[], []] for _ in range(R)]
@@ -218,6 +231,8 @@ class Problem:
             t_last[r], last_fwd[r] = end, forward[i]
             m = mem[r] + alloc[i]
             if m > peak[r]:
+                if capped and m > caps[r]:
+                    return None
                 peak[r] = m
             mem[r] = m - free[i]
             held[r] -= free[i]

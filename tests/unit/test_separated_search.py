@@ -73,3 +73,38 @@ def test_the_search_finds_the_best_point_of_small_configurations(heavy):  # noqa
     for c in small:
         exhaustive(c, planner.budget - planner.states)
     assert plan.predicted_s <= min(c.best_s for c in small) + 1e-9
+
+
+def test_the_greedy_without_admission_is_kept_only_when_it_fits():
+    """``Problem.run_fitting``: the greedy without admission where its table's peak fits every
+    rank's limit, else the greedy with admission; either way a valid table under the limit that the
+    simulator times to its makespan and peak, on in-order transports. A capped run stops exactly
+    when the uncapped table would exceed the limit. On some cases admission rejects a faster
+    table that fits (what the wider space gains), and on some the table without admission does
+    not fit (what admission is for)."""
+    from test_separated import one_micro_batch_needs
+
+    rng = np.random.default_rng(38)
+    faster = overflow = 0
+    for t in range(300):
+        placement, parent, lat = random_case(rng)
+        m = lat.fwd.shape[0]
+        problem = Problem(placement, parent, lat)
+        limit = one_micro_batch_needs(placement, parent, lat) * rng.uniform(1.0, 3.0)
+        keys = problem.point_keys(rng.permutation(m), int(rng.integers(0, 4)), int(rng.integers(-3, m + 1)))
+        free, admitted = problem.run_keys(keys), problem.run_keys(keys, limit)
+        fits = bool((free.peak_bytes <= limit).all())
+        capped = problem.run_keys(keys, cap=limit)
+        assert (capped is not None) == fits
+        g = problem.run_fitting(keys, limit)
+        assert g.lists == (free if fits else admitted).lists
+        g.table.validate()
+        assert (g.peak_bytes <= limit).all()
+        res = simulate(g.table, lat)
+        assert res.makespan == pytest.approx(g.makespan, rel=1e-12)
+        assert (res.peak_bytes <= limit * (1 + 1e-12)).all()
+        if t % 10 == 0:
+            check(g.table)
+        faster += fits and free.makespan < admitted.makespan * (1 - 1e-9)
+        overflow += not fits
+    assert faster >= 20 and overflow >= 50, (faster, overflow)
