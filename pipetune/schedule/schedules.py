@@ -175,7 +175,7 @@ def list_scheduled(num_ranks: int, chunks_per_rank: int, order: Sequence[int], *
     lists: list[list[Action]] = [[] for _ in range(P)]
     weights: list[deque[Action]] = [deque() for _ in range(P)]
     free_at, live = [0.0] * P, [0] * P
-    left = sum(map(len, seqs)) * (2 if split_backward else 1) - sum(a.op is Op.FORWARD for q in seqs for a in q) * split_backward
+    left = sum(len(q) + sum(a.op is Op.BACKWARD_INPUT for a in q) for q in seqs)  # every action, and a W per I
     t = 0.0
     while left:
         started, later = False, math.inf  # later: the next time a rank frees up or an input arrives

@@ -13,7 +13,10 @@ backbone chunk 0 from the encoder forward that makes them there (or from backbon
 that receives them) until backbone chunk 0's backward.
 
 Nodes are numbered in a topological order that respects every edge and each rank's order, so one
-forward pass over node indices times the whole schedule.
+forward pass over node indices times the whole schedule (the simulator takes it a wave of
+independent nodes at a time, ``CompiledSchedule.waves``). What does not depend on a table's rank
+lists (dependencies, messages, buffers) is kept per shape, so the planner's many tables of one
+layout compile by walking their rank lists only.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from functools import cached_property, lru_cache
 import numpy as np
 from scipy.sparse import csr_matrix
 
-from pipetune.schedule.lowering import MessageKind
+from pipetune.schedule.lowering import Message, MessageKind
 from pipetune.schedule.table import Action, Module, Op, Placement, ScheduleError, ScheduleTable
 
 KINDS = ((Module.BACKBONE, Op.FORWARD), (Module.BACKBONE, Op.BACKWARD), (Module.ENCODER, Op.FORWARD), (Module.ENCODER, Op.BACKWARD),
@@ -186,16 +189,13 @@ def _shape(placement: Placement, num_micro_batches: int, sub_mb_parent: tuple[in
     t = ScheduleTable(placement, num_micro_batches, ((),) * placement.num_ranks, sub_mb_parent, split_backward=split_backward)
     one_to_one = not placement.encoder or sub_mb_parent == tuple(range(num_micro_batches))
     facts = _action_facts(placement, split_backward, None if one_to_one else sub_mb_parent)
-    features, encoder_activation, activation = (MESSAGE_KINDS.index(k) for k in
-                                                (MessageKind.FEATURES, MessageKind.ENCODER_ACTIVATION, MessageKind.ACTIVATION))
     rank_of = {Module.BACKBONE: placement.backbone, Module.ENCODER: placement.encoder}
 
-    def message(d: Action, a: Action) -> tuple[int, int] | None:  # Message(d, a)'s kind and unit, inlined: hot when cold
+    def message(d: Action, a: Action) -> tuple[int, int] | None:
         if rank_of[d.module][d.chunk] == rank_of[a.module][a.chunk]:
             return None
-        if d.module is not a.module:
-            return features, (a.unit if a.is_encoder else d.unit)
-        return (encoder_activation if d.is_encoder else activation), d.unit
+        msg = Message(d, a)
+        return MESSAGE_KINDS.index(msg.kind), msg.unit
 
     floats = {}
 
