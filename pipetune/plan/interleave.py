@@ -29,12 +29,11 @@ Deviation from DIP's text: DIP picks the rank with the smallest earliest ready t
 queued stages; we take the earliest time an action can actually *start* (ready time or the end of
 the rank's current work, whichever is later), which keeps the construction in time order.
 
-Lower priority values go first. ``segment_priorities`` derives them from a micro-batch order:
-backbone micro-batch ``order[i]`` gets ``i``, its image sub-microbatches ``i - lead``, so the
-encoder runs ``lead`` micro-batches ahead of the backbone (DIP's segment reordering assigns
-priorities per segment; segments of one micro-batch and modality share theirs, DIP Sec. 5.1).
-``Problem.point_keys`` splits the encoder's segments by direction: forwards ``lead`` ahead, and
-backwards ``lag`` behind (``lag = -lead`` is ``segment_priorities``). A large ``lag`` lets the
+Lower priority values go first. ``Problem.point_keys`` derives them from a micro-batch order:
+backbone micro-batch ``order[i]`` gets ``i``, the encoder forwards of its images ``i - lead`` (the
+encoder runs ``lead`` micro-batches ahead of the backbone) and their backwards ``i + lag``. With
+``lag = -lead`` the segments of one micro-batch and modality share one priority: DIP's segment
+reordering (DIP Sec. 5.1). A large ``lag`` lets the
 backbone's backwards, which the next micro-batches' chains wait for, pass the encoder's, which
 only the end of the iteration waits for. The scheduling times are the simulator's own: ``simulate`` on the returned table gives the same
 makespan and peak memory (tested).
@@ -73,13 +72,6 @@ class Interleaved:
                              ranks=tuple(tuple(p.acts[i] for i in r) for r in self.lists), sub_mb_parent=p.sub_mb_parent, name=p.name)
 
 
-def segment_priorities(order, sub_mb_parent, lead: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Priorities of micro-batches and sub-microbatches for micro-batch ``order`` (see module doc)."""
-    pos = np.empty(len(order), np.int64)
-    pos[np.asarray(order, np.int64)] = np.arange(len(order))
-    return pos, pos[np.asarray(sub_mb_parent, np.int64)] - lead if len(sub_mb_parent) else np.zeros(0, np.int64)
-
-
 class Problem:
     """One packing's actions, durations, messages and buffers as flat lists, for ``run``."""
 
@@ -95,7 +87,6 @@ class Problem:
         self.dur = [float(durations(lat, a.module, a.op)[a.unit, a.chunk]) for a in acts]
         self.forward = [a.op is Op.FORWARD for a in acts]
         self.is_encoder = np.array([a.is_encoder for a in acts], bool)
-        self.unit = np.array([a.unit for a in acts], np.int64)
         self.alloc, self.free = [0.0] * len(acts), [0.0] * len(acts)
         self.group = [proto.sub_mb_parent[a.unit] if a.is_encoder else a.unit for a in acts]
         self.mb_of = np.array(self.group, np.int64)
@@ -126,29 +117,18 @@ class Problem:
         pos[np.asarray(order, np.int64)] = np.arange(self.num_micro_batches)
         return (pos[self.mb_of] - lead * self.is_ef + lag * self.is_eb).tolist()
 
-    def keys(self, priority: np.ndarray, sub_priority: np.ndarray) -> list[int]:
-        """Each action's priority (its unit's; lower runs first)."""
-        out = np.empty(len(self.acts), np.int64)
-        enc = self.is_encoder
-        out[enc] = np.asarray(sub_priority, np.int64)[self.unit[enc]]
-        out[~enc] = np.asarray(priority, np.int64)[self.unit[~enc]]
-        return out.tolist()
-
-    def run(self, priority: np.ndarray, sub_priority: np.ndarray, memory_limit: np.ndarray | None = None) -> Interleaved | None:
-        """The greedy table (module doc) for these priorities; ``memory_limit[r]``: bytes rank ``r`` may hold at once."""
-        return self.run_keys(self.keys(priority, sub_priority), memory_limit)
-
     def run_fitting(self, prio: list, memory_limit: np.ndarray) -> Interleaved | None:
         """The greedy without admission (``memory_limit=None``) when its table's peak fits
         ``memory_limit`` on every rank, else the greedy with admission (module doc, "Memory"):
         admission reserves a micro-batch's whole forward memory on every rank before its first
         action, which also rejects orders whose real peak would fit. Either table fits the limit."""
-        free = self.run_keys(prio, None, cap=memory_limit)
-        return free if free is not None else self.run_keys(prio, memory_limit)
+        free = self.run(prio, None, cap=memory_limit)
+        return free if free is not None else self.run(prio, memory_limit)
 
-    def run_keys(self, prio: list, memory_limit: np.ndarray | None = None, *, cap: np.ndarray | None = None) -> Interleaved | None:
-        """The greedy table for one priority per action (``acts`` order; lower runs first). With
-        ``cap`` (bytes per rank), ``None`` as soon as a rank's memory would exceed it."""
+    def run(self, prio: list, memory_limit: np.ndarray | None = None, *, cap: np.ndarray | None = None) -> Interleaved | None:
+        """The greedy table (module doc) for one priority per action (``acts`` order, e.g.
+        ``point_keys``; lower runs first); ``memory_limit[r]``: bytes rank ``r`` may hold at once
+        (admission). With ``cap`` (bytes per rank), ``None`` as soon as a rank's memory would exceed it."""
         R = self.num_ranks
         n_acts = len(self.acts)
         rank, dur, forward, group, alloc, free, need, out = (self.rank, self.dur, self.forward, self.group, self.alloc, self.free,
@@ -248,16 +228,3 @@ class Problem:
                     heapq.heappush(pending[rank[j]][0 if forward[j] else 1], (ready_at[j], key[j], j))
         return Interleaved(self, tuple(map(tuple, lists)), end_max, np.array(peak))
 
-
-def interleave(
-    placement: Placement,
-    sub_mb_parent: tuple[int, ...],
-    lat: Latencies,
-    priority: np.ndarray,
-    sub_priority: np.ndarray,
-    memory_limit: np.ndarray | None = None,
-    *,
-    name: str = "interleaved",
-) -> Interleaved | None:
-    """The greedy table (module doc) of one priority vector: ``Problem(...).run(...)``."""
-    return Problem(placement, sub_mb_parent, lat, name=name).run(priority, sub_priority, memory_limit)

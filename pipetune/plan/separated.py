@@ -62,7 +62,7 @@ class SeparatedPlanner(Planner):
         limit = self.budget - self.states
         c = configuration(self.cost, packing, shapes, mbs, limit)
         fits = c.base is not None
-        best = c.base or c.problem.run_keys(c.problem.point_keys(c.order, 0, 0))
+        best = c.base or c.problem.run(c.problem.point_keys(c.order, 0, 0))
         out = Candidate(mbs, packing, c.lat, None, best.makespan, c.lower_bound_s, fits)
         out.best_s, out.order, out.schedule = (best.makespan if fits else np.inf), c.order, best
         return out
@@ -115,7 +115,7 @@ class SeparatedPlanner(Planner):
                     f"{self.budget / 2**30:.1f} GiB per GPU (trained-encoder activations of its images); "
                     "lower --max-seq-len, recompute the encoder or add memory"
                 )
-            best.best = best.problem.run_keys(best.problem.point_keys(best.order, 0, 0))
+            best.best = best.problem.run(best.problem.point_keys(best.order, 0, 0))
         self.last_mbs = best.mbs
         self._warm = (best.mbs, best.image_sub_batch, best.lead, best.lag)
         bound = min(c.lower_bound_s for c in configs)

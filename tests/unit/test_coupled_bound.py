@@ -33,7 +33,7 @@ def random_tables(rng, count):
                 problem = Problem(placement, parent, lat)
                 limit = one_micro_batch_needs(placement, parent, lat) * rng.uniform(1.0, 2.0)
                 keys = problem.point_keys(rng.permutation(m), int(rng.integers(0, 4)), int(rng.integers(-3, m + 1)))
-                table = problem.run_keys(keys, limit).table
+                table = problem.run(keys, limit).table
             else:
                 proto = ScheduleTable(placement=placement, num_micro_batches=m, ranks=((),) * placement.num_ranks, sub_mb_parent=parent)
                 table = random_order(rng, proto)
@@ -85,7 +85,7 @@ def test_on_dip_like_latencies_the_bound_never_exceeds_search_tables():
         problem = Problem(placement, parent, lat)
         points = [(o, lead, lag) for o in itertools.permutations(range(m)) for lead in range(4) for lag in range(-3, m + 1)]
         for i in rng.permutation(len(points))[:40]:
-            assert bound <= problem.run_keys(problem.point_keys(*points[i])).makespan * (1 + 1e-12)
+            assert bound <= problem.run(problem.point_keys(*points[i])).makespan * (1 + 1e-12)
         for _ in range(3):
             assert bound <= simulate(random_order(rng, proto), lat).makespan * (1 + 1e-12)
 

@@ -8,7 +8,7 @@ from random_schedules import random_separated_table
 from test_separated import one_micro_batch_needs, random_case
 
 from pipetune.cost.cost_model import rank_work
-from pipetune.plan.interleave import Problem, interleave, segment_priorities
+from pipetune.plan.interleave import Problem
 from pipetune.schedule import Placement, Schedule, ScheduleTable
 from pipetune.simulate import Latencies, simulate
 from pipetune.simulate.lower_bound import heads_and_tails, makespan_lower_bound, memory_bound, placement_lower_bound, window_bound
@@ -35,7 +35,8 @@ def test_the_bound_never_exceeds_the_simulated_makespan_of_separated_plans():
         else:
             placement, parent, lat = random_case(rng)
             order = rng.permutation(lat.fwd.shape[0])
-            table = interleave(placement, parent, lat, *segment_priorities(order, parent, int(rng.integers(0, 4)))).table
+            problem, lead = Problem(placement, parent, lat), int(rng.integers(0, 4))
+            table = problem.run(problem.point_keys(order, lead, -lead)).table
         res = simulate(table, lat)
         limit = res.peak_bytes * rng.uniform(1.0, 1.5)
         bound = placement_lower_bound(table, lat, limit)
@@ -61,8 +62,8 @@ def test_one_micro_batch_with_one_sub_micro_batch_is_a_chain_and_the_bound_is_ex
     rng = np.random.default_rng(1)
     for trained in (False, True):
         placement = Placement.separated(3, 6, encoder_trained=trained)
-        table = interleave(placement, (0,), Latencies(np.ones((1, 3)), np.ones((1, 3)), np.ones((1, 6))), np.zeros(1, np.int64),
-                           np.zeros(1, np.int64)).table
+        problem = Problem(placement, (0,), Latencies(np.ones((1, 3)), np.ones((1, 3)), np.ones((1, 6))))
+        table = problem.run(problem.point_keys([0], 0, 0)).table
         lat = random_latencies(rng, table)
         assert placement_lower_bound(table, lat) == pytest.approx(simulate(table, lat).makespan)
 
@@ -85,7 +86,7 @@ def test_the_bound_never_exceeds_the_makespan_of_search_tables_under_tight_memor
         limit = one_micro_batch_needs(placement, parent, lat) * rng.uniform(1.0, 2.0)
         problem = Problem(placement, parent, lat)
         m = lat.fwd.shape[0]
-        g = problem.run_keys(problem.point_keys(rng.permutation(m), int(rng.integers(0, 4)), int(rng.integers(-3, m + 1))), limit)
+        g = problem.run(problem.point_keys(rng.permutation(m), int(rng.integers(0, 4)), int(rng.integers(-3, m + 1))), limit)
         res = simulate(g.table, lat)
         bound = placement_lower_bound(g.table, lat, limit)
         assert bound <= res.makespan * (1 + 1e-12)
@@ -104,7 +105,8 @@ def test_a_flow_of_equal_sub_micro_batches_is_bounded_exactly():
         lat = Latencies(ones(1, 3), 2 * ones(1, 3), 0.5 * ones(n, 3), np.zeros(1), ones(1, 3), ones(n),
                         encoder_bwd=ones(n, 3) if trained else None, encoder_p2p=np.zeros(n), feature_p2p=np.zeros(n),
                         encoder_activation_bytes=ones(n, 3) if trained else None)
-        table = interleave(placement, (0,) * n, lat, np.zeros(1, np.int64), np.zeros(n, np.int64)).table
+        problem = Problem(placement, (0,) * n, lat)
+        table = problem.run(problem.point_keys([0], 0, 0)).table
         span = simulate(table, lat).makespan
         assert span == pytest.approx((n + 2) * 0.5 + 9 + ((n + 2) * 1.0 if trained else 0.0))
         assert placement_lower_bound(table, lat) == pytest.approx(span)
@@ -119,7 +121,7 @@ def test_micro_batches_that_cannot_share_a_rank_s_memory_are_bounded_one_after_a
                     encoder_p2p=np.zeros(2), feature_p2p=np.zeros(2))
     limit = np.full(2, 1.5)
     problem = Problem(placement, (0, 1), lat)
-    spans = [problem.run_keys(problem.point_keys(order, 0, 0), limit).makespan for order in ((0, 1), (1, 0))]
+    spans = [problem.run(problem.point_keys(order, 0, 0), limit).makespan for order in ((0, 1), (1, 0))]
     proto = ScheduleTable(placement=placement, num_micro_batches=2, ranks=(), sub_mb_parent=(0, 1))
     bound = placement_lower_bound(proto, lat, limit)
     assert placement_lower_bound(proto, lat) < bound <= min(spans) * (1 + 1e-12)

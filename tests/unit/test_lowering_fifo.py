@@ -283,7 +283,7 @@ def test_the_separated_search_s_tables_run_on_a_strict_in_order_transport():
     0-3 and limits from one micro-batch's need up) on all three transport models, 0 failures."""
     from test_separated import one_micro_batch_needs, random_case
 
-    from pipetune.plan.interleave import Problem, segment_priorities
+    from pipetune.plan.interleave import Problem
     from pipetune.plan.segment_search import LEADS
 
     rng = np.random.default_rng(38)
@@ -292,7 +292,8 @@ def test_the_separated_search_s_tables_run_on_a_strict_in_order_transport():
         problem = Problem(placement, parent, lat)
         limit = one_micro_batch_needs(placement, parent, lat) * rng.uniform(1.0, 3.0)
         order = rng.permutation(lat.fwd.shape[0])
-        g = problem.run(*segment_priorities(order, parent, int(rng.choice(LEADS))), limit)
+        lead = int(rng.choice(LEADS))
+        g = problem.run(problem.point_keys(order, lead, -lead), limit)
         check(g.table)
 
 

@@ -14,7 +14,7 @@ from pipetune.cost.latency_table import Curve
 from pipetune.data import BatchStream, batch_meta, make_mix
 from pipetune.packing.sub_batches import SubBatches
 from pipetune.plan import IterationPlan, PlannerConfig
-from pipetune.plan.interleave import interleave, segment_priorities
+from pipetune.plan.interleave import Problem
 from pipetune.plan.partitioner import image_sub_batch_size, partition
 from pipetune.plan.separated import SeparatedPlanner
 from pipetune.schedule import Placement, ScheduleTable
@@ -58,10 +58,11 @@ def test_greedy_tables_are_valid_fit_memory_and_time_like_the_simulator():
     for t in range(150):
         placement, parent, lat = random_case(rng)
         order = rng.permutation(lat.fwd.shape[0])
-        pr, spr = segment_priorities(order, parent, int(rng.integers(0, 3)))
+        lead = int(rng.integers(0, 3))
         need = one_micro_batch_needs(placement, parent, lat)
         limit = need * rng.uniform(1.0, 3.0) if t % 3 else None
-        g = interleave(placement, parent, lat, pr, spr, limit)
+        problem = Problem(placement, parent, lat)
+        g = problem.run(problem.point_keys(order, lead, -lead), limit)
         assert g is not None, "a table must exist when one micro-batch fits on its own"
         g.table.validate()
         assert sorted(map(str, (a for r in g.table.ranks for a in r))) == sorted(map(str, g.table.expected_actions()))
@@ -78,8 +79,8 @@ def test_greedy_tables_are_valid_fit_memory_and_time_like_the_simulator():
 def test_greedy_refuses_a_limit_no_micro_batch_fits():
     placement, parent, lat = random_case(np.random.default_rng(2), trained=True)
     need = one_micro_batch_needs(placement, parent, lat)
-    pr, spr = segment_priorities(np.arange(lat.fwd.shape[0]), parent)
-    assert interleave(placement, parent, lat, pr, spr, need * 0.5) is None
+    problem = Problem(placement, parent, lat)
+    assert problem.run(problem.point_keys(np.arange(lat.fwd.shape[0]), 0, 0), need * 0.5) is None
 
 
 def test_greedy_alternates_forward_and_backward_when_both_can_start():
@@ -87,7 +88,8 @@ def test_greedy_alternates_forward_and_backward_when_both_can_start():
     m = 5
     placement = Placement.separated(1, 1, encoder_trained=False)
     lat = Latencies(np.ones((m, 1)), np.ones((m, 1)), np.zeros((0, 1)), np.zeros(m))
-    g = interleave(placement, (), lat, np.arange(m), np.zeros(0, np.int64))
+    problem = Problem(placement, (), lat)
+    g = problem.run(problem.point_keys(np.arange(m), 0, 0))
     assert [str(a) for a in g.table.ranks[0]] == ["0F0", "0B0", "0F1", "0B1", "0F2", "0B2", "0F3", "0B3", "0F4", "0B4"]
     assert g.makespan == pytest.approx(2 * m)
 

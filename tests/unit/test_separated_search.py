@@ -9,7 +9,7 @@ from test_lowering_fifo import check
 from test_separated import H100, heavy, random_case  # noqa: F401  (the fixture)
 
 from pipetune.plan import IterationPlan, PlannerConfig
-from pipetune.plan.interleave import Problem, segment_priorities
+from pipetune.plan.interleave import Problem
 from pipetune.plan.segment_search import exhaustive, sub_batch_sizes
 from pipetune.simulate import simulate
 
@@ -52,14 +52,17 @@ def test_past_the_deadline_the_search_returns_its_best_so_far(heavy):  # noqa: F
 
 
 def test_the_search_space_holds_dip_s_shared_segment_priorities():
-    """A lag of minus the lead gives every micro-batch's encoder segments one priority, as
-    ``segment_priorities`` (DIP): the same tables."""
+    """A lag of minus the lead gives every micro-batch's encoder segments (forwards and backwards)
+    one priority, its position in the order minus the lead, and its backbone segments its position:
+    DIP's segment priorities."""
     rng = np.random.default_rng(5)
     for _ in range(30):
         placement, parent, lat = random_case(rng)
         problem = Problem(placement, parent, lat)
         order, lead = rng.permutation(lat.fwd.shape[0]), int(rng.integers(0, 4))
-        assert problem.run_keys(problem.point_keys(order, lead, -lead)).lists == problem.run(*segment_priorities(order, parent, lead)).lists
+        position = {int(j): i for i, j in enumerate(order)}
+        expected = [position[parent[a.unit]] - lead if a.is_encoder else position[a.unit] for a in problem.acts]
+        assert problem.point_keys(order, lead, -lead) == expected
 
 
 def test_the_search_finds_the_best_point_of_small_configurations(heavy):  # noqa: F811
@@ -92,9 +95,9 @@ def test_the_greedy_without_admission_is_kept_only_when_it_fits():
         problem = Problem(placement, parent, lat)
         limit = one_micro_batch_needs(placement, parent, lat) * rng.uniform(1.0, 3.0)
         keys = problem.point_keys(rng.permutation(m), int(rng.integers(0, 4)), int(rng.integers(-3, m + 1)))
-        free, admitted = problem.run_keys(keys), problem.run_keys(keys, limit)
+        free, admitted = problem.run(keys), problem.run(keys, limit)
         fits = bool((free.peak_bytes <= limit).all())
-        capped = problem.run_keys(keys, cap=limit)
+        capped = problem.run(keys, cap=limit)
         assert (capped is not None) == fits
         g = problem.run_fitting(keys, limit)
         assert g.lists == (free if fits else admitted).lists
