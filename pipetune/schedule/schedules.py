@@ -284,23 +284,26 @@ def place_encoders(table: ScheduleTable, before: dict[int, int], *, validate: bo
     return placed.validate() if validate else placed
 
 
-def onto_ranks(table: ScheduleTable, stage_rank: tuple[int, ...]) -> ScheduleTable:
-    """A one-stage-per-rank table's actions placed on ``stage_rank``'s ranks (e.g. every stage on
-    rank 0: a whole pipeline in one process): each rank takes, in turns, the next action of its
-    stages whose inputs are done (stages in index order)."""
-    S = table.num_stages
-    placement = Placement.colocated(S, encoder=table.encoder, encoder_trained=table.placement.encoder_trained, stage_rank=stage_rank)
-    pos, done = [0] * S, set()
+def onto_ranks(table: ScheduleTable, rank_of: tuple[int, ...]) -> ScheduleTable:
+    """A table's actions moved from each rank ``r`` onto rank ``rank_of[r]`` (e.g. every rank onto
+    rank 0: a whole pipeline, interleaved, split or separated, in one process): each new rank takes,
+    in turns, the next action of its old ranks whose inputs are done (old ranks in index order)."""
+    P = table.num_ranks
+    if len(rank_of) != P:
+        raise ScheduleError(f"onto_ranks: {len(rank_of)} new ranks given for a table of {P} ranks")
+    old = table.placement
+    placement = Placement(tuple(rank_of[r] for r in old.backbone), tuple(rank_of[r] for r in old.encoder), old.encoder_trained)
+    pos, done = [0] * P, set()
     ranks: list[list[Action]] = [[] for _ in range(placement.num_ranks)]
-    while any(pos[s] < len(table.ranks[s]) for s in range(S)):
+    while any(pos[r] < len(table.ranks[r]) for r in range(P)):
         before = sum(pos)
-        for r in range(len(ranks)):
-            for s in (s for s in range(S) if stage_rank[s] == r):
-                if pos[s] < len(table.ranks[s]) and set(table.producers(table.ranks[s][pos[s]])) <= done:
-                    ranks[r].append(table.ranks[s][pos[s]])
-                    done.add(table.ranks[s][pos[s]])
-                    pos[s] += 1
+        for new in range(len(ranks)):
+            for r in (r for r in range(P) if rank_of[r] == new):
+                if pos[r] < len(table.ranks[r]) and set(table.producers(table.ranks[r][pos[r]])) <= done:
+                    ranks[new].append(table.ranks[r][pos[r]])
+                    done.add(table.ranks[r][pos[r]])
+                    pos[r] += 1
                     break
         if sum(pos) == before:
-            raise ScheduleError(f"this schedule cannot run with its stages on ranks {list(stage_rank)}: no rank can proceed")
+            raise ScheduleError(f"this schedule cannot run with its ranks moved onto ranks {list(rank_of)}: no rank can proceed")
     return replace(table, placement=placement, ranks=tuple(map(tuple, ranks)), max_in_flight=None).validate()

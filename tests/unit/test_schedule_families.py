@@ -16,7 +16,7 @@ import itertools
 import numpy as np
 import pytest
 
-from pipetune.schedule.schedules import Schedule, UNIT_TIME, activation_caps, in_order, list_scheduled, one_f_one_b
+from pipetune.schedule.schedules import Schedule, UNIT_TIME, activation_caps, in_order, list_scheduled, one_f_one_b, onto_ranks
 from pipetune.schedule.table import Action, Buffer, Module, Op, Placement, ScheduleError, ScheduleTable
 from pipetune.simulate.simulator import Latencies, simulate
 from test_lowering_fifo import check as assert_runs_in_order
@@ -220,3 +220,34 @@ def test_the_lower_bounds_hold_for_every_family_and_the_placement_bound_is_the_t
     assert tighter > 0  # 59 of the 284 cases
     lat = Latencies(rng.uniform(0.5, 1, (6, 3)), rng.uniform(1, 2, (6, 3)), rng.uniform(0, 1, 6), rng.uniform(0, 0.1, 6))
     assert makespan_lower_bound(lat) == makespan_lower_bound(lat, Placement.colocated(3))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_onto_ranks_moves_any_table_and_keeps_each_ranks_order(seed):
+    """``onto_ranks`` moves interleaved, zero-bubble and separated tables (GPU check: a whole plan
+    in one process) onto fewer ranks: every action once, each old rank's list a subsequence of its
+    new rank's, every chunk on its new rank, and the result runs on an in-order transport."""
+    from random_schedules import random_separated_table
+
+    rng = np.random.default_rng(seed)
+    if seed % 3 == 2:
+        table = random_separated_table(rng)
+    else:
+        P, V = int(rng.integers(2, 5)), int(rng.integers(1, 4))
+        order = rng.permutation(int(rng.integers(1, 9))).tolist()
+        table = list_scheduled(P, V, order, split_backward=bool(seed % 3), encoder=True, encoder_trained=bool(rng.random() < 0.5))
+    P = table.num_ranks
+    rank_of = tuple(0 for _ in range(P)) if seed % 2 else tuple(r // 2 for r in range(P))
+    moved = onto_ranks(table, rank_of)
+    assert sorted(map(str, (a for r in moved.ranks for a in r))) == sorted(map(str, (a for r in table.ranks for a in r)))
+    for r, acts in enumerate(table.ranks):
+        it = iter(moved.ranks[rank_of[r]])
+        assert all(a in it for a in acts), f"rank {r}'s order is not kept"
+    for a in (a for r in table.ranks for a in r):
+        assert moved.placement.rank_of(a) == rank_of[table.placement.rank_of(a)]
+    assert_runs_in_order(moved)
+
+
+def test_onto_ranks_refuses_a_map_of_the_wrong_length():
+    with pytest.raises(ScheduleError, match="2 new ranks given for a table of 3 ranks"):
+        onto_ranks(one_f_one_b(3, range(4)), (0, 0))
