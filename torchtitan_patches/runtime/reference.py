@@ -23,15 +23,15 @@ def reference_step(encoder: VisionEncoder | None, whole: BackboneStage, batch: G
     device = next(whole.parameters()).device
     cast = nullcontext() if compute_dtype == torch.float32 else torch.autocast(device.type, dtype=compute_dtype)
     total = torch.zeros((), device=device)
-    for mb in batch.micro_batches:
-        mb = mb.to(device)
+    for host in batch.micro_batches:
+        mb = host.to(device)  # image spans and attention metadata come from the host copy: no device-to-host reads
         feats = None
         with cast:
             if encoder is not None and mb.num_images:
                 with torch.set_grad_enabled(any(p.requires_grad for p in encoder.parameters())):
                     feats = encoder(mb.pixel_values, mb.image_grids)
-            logits = whole(mb.tokens[None], positions=mb.positions[None], masks=varlen_metadata(mb.cu_seqlens.cpu(), device),
-                           image_features=feats, image_spans=mb.image_spans)
+            logits = whole(mb.tokens[None], positions=mb.positions[None], masks=varlen_metadata(host.cu_seqlens, device),
+                           image_features=feats, image_spans=host.image_spans)
         loss = token_loss_sum(logits, mb.labels[None]) / batch.num_label_tokens
         loss.backward()
         total += loss.detach()
