@@ -12,7 +12,10 @@ tokenizer, ``<out>/fixture/tokenizer``), ``<out>/data`` a generated mix when ``-
 the job's planning shapes, derived from the job's TorchTitan model config (``--module`` and
 ``--config`` name it as TorchTitan's own ``--module``/``--config`` do), in the job's compute dtype
 (``training.mixed_precision_param``, or ``--dtype`` for a job that overrides it on its command line:
-the trainer refuses a table of another device or dtype). The profiler times pipetune's reference blocks of
+the trainer refuses a table of another device or dtype). In reduced precision without FSDP the
+weights stay float32 and the table is timed under autocast (``ProfileConfig.master_weights``),
+as the job runs; a shard degree of -1 is resolved from ``WORLD_SIZE`` as torchrun would set it
+(1 when unset: set it, or the shard degree, for an FSDP job). The profiler times pipetune's reference blocks of
 those shapes (the planner's cost model), not the TorchTitan modules themselves, except a model's
 linear-attention layers (Qwen3.5's Gated DeltaNet), which it times as the model's own layer; the
 trainer's online calibration fits the table to the measured steps of the real model. Both files are kept
@@ -31,6 +34,7 @@ from pipetune.cli.common import positive_int
 from pipetune.data import make_mix, write_dataset
 from pipetune.data.fixture import write_fixture
 from pipetune.data.mixes import parse_mix
+from torchtitan_patches.titan.model_parts import master_weights_of
 from torchtitan_patches.titan.model_spec import planning_model_config
 
 
@@ -83,9 +87,10 @@ def main(argv=None) -> int:
     table = args.out / "table.json"
     if not table.exists():
         seq = config.training.seq_len
+        dtype = args.dtype or config.training.mixed_precision_param
         cfg = ProfileConfig(max_seq_len=seq, max_tokens=seq * pt.max_mbs, max_images=32, points=6, repeats=5, threads=args.threads,
-                            device=args.device, dtype=args.dtype or config.training.mixed_precision_param,
-                            tp=args.tp or config.parallelism.tensor_parallel_degree)
+                            device=args.device, dtype=dtype, tp=args.tp or config.parallelism.tensor_parallel_degree,
+                            master_weights=master_weights_of(config, dtype))
         try:
             run_profile(model, cfg, table, progress=False)
         except P2PMeasurementError as e:

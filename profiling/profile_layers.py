@@ -41,10 +41,11 @@ the same settings resumes from there, and an unreadable partial file is reported
 
 from __future__ import annotations
 
+import copy
 import json
 import platform
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -70,7 +71,10 @@ REST_DOC_LEN = 64
 class ProfileConfig:
     """What to profile and how hard. ``max_seq_len`` bounds document lengths, ``max_tokens`` packed
     micro-batch lengths, ``max_images`` images per micro-batch; larger inputs are extrapolated by
-    the cost model (and flagged)."""
+    the cost model (and flagged). ``master_weights``: weights stay in float32 and every forward runs
+    under autocast to ``dtype``, as pipetune's executor trains in reduced precision without FSDP
+    (each forward then casts its weights, and keeps the copies for its backward); otherwise the
+    weights are held in ``dtype``, as FSDP's mixed-precision policy gathers them."""
 
     dtype: str = "float32"
     tp: int = 1
@@ -85,6 +89,7 @@ class ProfileConfig:
     p2p: bool = True
     attention_backend: str = "auto"
     seed: int = 0
+    master_weights: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -172,18 +177,26 @@ class _Profiler:
             self.delta_net = self._prep(gated_delta_net(b, tp=tp))
             self.linear_doc_len = linear_doc_len(model, cfg)
 
+    @property
+    def autocast(self) -> bool:
+        return self.cfg.master_weights and self.dtype != torch.float32
+
     def _prep(self, module: torch.nn.Module) -> torch.nn.Module:
-        """Move to the device and cast real floating tensors only (RoPE's complex cache stays complex)."""
+        """Move to the device; without master weights cast real floating tensors to the compute
+        dtype (RoPE's complex cache stays complex)."""
         module.to(self.device)
-        for t in [*module.parameters(), *module.buffers()]:
-            if t.is_floating_point():
-                t.data = t.data.to(self.dtype)
-        return module
+        return module if self.autocast else _cast(module, self.dtype)
 
     def _rand(self, *shape, grad=True):
         return torch.randn(*shape, device=self.device, dtype=self.dtype, requires_grad=grad)
 
     def _time(self, make, fwd, backward=True):
+        if self.autocast:
+            plain = fwd
+
+            def fwd(*inputs):
+                with torch.autocast(self.device.type, dtype=self.dtype):
+                    return plain(*inputs)
         return fwd_bwd_sample(self.clock, make, fwd, backward=backward)
 
     def measure(self, curve: str, x: int) -> tuple[float, float]:
@@ -234,6 +247,16 @@ class _Profiler:
         raise KeyError(curve)
 
     def memory(self) -> dict[str, float]:
+        """Saved activation bytes per token (per image), measured on the modules held in the compute
+        dtype: with master weights, the weight copies each forward keeps are counted per micro-batch
+        by the cost model instead (``CostModel.weight_copy_bytes``)."""
+        if self.autocast:
+            held = copy.copy(self)
+            for name in ("layer", "embedding", "norm", "head", "projector"):
+                if getattr(self, name) is not None:
+                    setattr(held, name, _cast(copy.deepcopy(getattr(self, name)), self.dtype))
+            held.cfg = replace(self.cfg, master_weights=False)
+            return held.memory()
         b = self.model.backbone
         n = min(self.cfg.max_tokens, 1024)
         meta = varlen_metadata(torch.tensor([0, n], device=self.device))
@@ -254,6 +277,13 @@ class _Profiler:
             ) / k
             out["image_feature_bytes"] = float(enc.tokens_per_image * enc.merged_dim * self._rand(1, grad=False).element_size())
         return out
+
+
+def _cast(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    for t in [*module.parameters(), *module.buffers()]:
+        if t.is_floating_point():
+            t.data = t.data.to(dtype)
+    return module
 
 
 def _monotone(grid: list[int], values: list[float]) -> tuple[np.ndarray, float]:
@@ -373,6 +403,7 @@ def run_profile(model: ModelConfig, cfg: ProfileConfig, out: str | Path, *, prog
         estimate=False,
         torch_version=torch.__version__,
         threads=cfg.threads,
+        master_weights=cfg.master_weights and cfg.dtype != "float32",
         notes=tuple(notes),
     )
     table.save(out)

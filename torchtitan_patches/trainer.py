@@ -44,7 +44,9 @@ input and weight gradients (``pipetune.split_backward``: off, on, or auto, chose
 Limits: no context parallelism; DIP's separated layout, virtual stages and split backward only
 without data or tensor parallelism (``titan.job_checks`` refuses the rest at config time).
 Compute in ``training.mixed_precision_param`` (with FSDP its mixed-precision policy casts the
-weights, without it autocast); the CUDA path has not yet run on a GPU.
+weights, without it float32 weights under autocast, whose per-forward weight copies the planner
+counts: ``titan.job_checks.with_job_weights``). The executor has run on one GPU
+(``benchmarks/gpu_check.py``); this trainer has not yet run on GPUs.
 """
 
 from __future__ import annotations
@@ -84,8 +86,9 @@ from torchtitan_patches.runtime.plan_channel import PlanChannel
 from torchtitan_patches.settings import PipeTuneSettings
 from torchtitan_patches.compat.cpu_device import use_cpu
 from torchtitan_patches.titan.dataloader import PipeTuneTitanDataLoader
-from torchtitan_patches.titan.job_checks import check_table, refuse_unsupported
-from torchtitan_patches.titan.model_parts import choose_layout, local_encoder_chunks, sample_job_batches, schedule_family, split_for_layout
+from torchtitan_patches.titan.job_checks import check_table, refuse_unsupported, with_job_weights
+from torchtitan_patches.titan.model_parts import (choose_layout, local_encoder_chunks, master_weights_of, sample_job_batches, schedule_family,
+                                                  split_for_layout)
 from torchtitan_patches.titan.model_spec import planning_model_config, stage_runtime
 from torchtitan_patches.compat.torch_compat import add_missing_torch_apis
 
@@ -143,6 +146,7 @@ class PipeTuneTrainer(Trainer):
         self.table = load_latency_table(pt.latency_table, model=self.planning_model, tp=config.parallelism.tensor_parallel_degree)
         check_table(self.table, device_type="cuda" if torch.cuda.is_available() else "cpu", dtype=config.training.mixed_precision_param,
                     where=pt.latency_table)
+        self.table = with_job_weights(self.table, master_weights_of(config), where=pt.latency_table)
         self.chunks_per_rank, self.split_backward = schedule_family(config)
         self.layout = choose_layout(config, self.planning_model, self.table, lambda: self._sample(config), chunks_per_rank=self.chunks_per_rank)
         per = "chunk (chunk c on rank c mod P)" if self.chunks_per_rank > 1 else "stage"

@@ -23,6 +23,8 @@ def register(sub) -> None:
     p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (use what training uses)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "flash", "sdpa"])
     p.add_argument("--no-p2p", action="store_true", help="skip the two-process message benchmark")
+    p.add_argument("--master-weights", action="store_true",
+                   help="keep float32 weights and time under autocast to --dtype (a job without FSDP; prepare_job decides this itself)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
 
@@ -45,6 +47,7 @@ def run(args) -> int:
         threads=args.threads,
         p2p=not args.no_p2p,
         attention_backend=args.attention_backend,
+        master_weights=args.master_weights,
     )
     t0 = time.perf_counter()
     table = run_profile(model, cfg, args.out, progress=not args.quiet)

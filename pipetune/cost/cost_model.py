@@ -200,6 +200,25 @@ class CostModel:
         self.encoder_share = self.encoder_layers / self.encoder_layers.sum()
         self.encoder_bytes_per_image_chunk = np.array([vit_activation_bytes_per_image(
             model, table.tp, self.dtype_bytes, recompute=self.recompute_encoder, layers=int(n)) for n in chunk_layers])
+        self.weight_copy_bytes, self.projector_copy_bytes, self.encoder_weight_copy_bytes = self._weight_copies()
+
+    def _weight_copies(self) -> tuple[np.ndarray, float, np.ndarray]:
+        """With master weights (``LatencyTable.master_weights``: float32 weights under autocast, a
+        job without FSDP) every forward casts the matmul weights it trains and autograd keeps the
+        copies until its backward: bytes per backbone chunk and micro-batch, the projector's (stage
+        0, micro-batches with images) and per trained encoder chunk and forward; zero otherwise."""
+        model, S, E = self.table.model, len(self.layers), len(self.encoder_layers)
+        if not self.table.master_weights:
+            return np.zeros(S), 0.0, np.zeros(E)
+        b, per = model.backbone, self.dtype_bytes / self.table.tp
+        backbone = self.layers * b.layer_params * per
+        backbone[-1] += b.vocab_size * b.dim * per
+        encoder = np.zeros(E)
+        if self.encoder_trainable:
+            enc = model.encoder
+            encoder = self.encoder_layers * enc.layer_params * per
+            encoder[0] += enc.patch_dim * enc.dim * per
+        return backbone, model.projector_params * per, encoder
 
     def with_layout(self, layout: StageLayout) -> "CostModel":
         """The same table and options on another layout."""
@@ -293,11 +312,14 @@ class CostModel:
         return shapes.image_tokens / tpi
 
     def activation_bytes(self, shapes: MicroBatchShapes) -> np.ndarray:
-        """Saved activation bytes per (micro-batch, stage); no latency lookups (memory probes use it)."""
+        """Saved activation bytes per (micro-batch, stage), weight copies included (``_weight_copies``);
+        no latency lookups (memory probes use it)."""
         mem = self.table.memory
         act = shapes.tokens[:, None] * (self.layers[None, :] * mem["layer_bytes_per_token"])
         act[:, 0] += shapes.tokens * mem["embedding_bytes_per_token"] + self.image_units(shapes) * mem["projector_bytes_per_image"]
         act[:, -1] += shapes.tokens * mem["head_bytes_per_token"]
+        act += self.weight_copy_bytes[None, :]
+        act[:, 0] += (shapes.images > 0) * self.projector_copy_bytes
         return act
 
     def weight_grad_bytes(self, shapes: MicroBatchShapes) -> np.ndarray:
@@ -368,7 +390,8 @@ class CostModel:
             encoder_bwd=encoder_bwd,
             encoder_p2p=encoder_p2p,
             feature_p2p=feature_p2p,
-            encoder_activation_bytes=images[:, None] * self.encoder_bytes_per_image_chunk[None, :],
+            encoder_activation_bytes=images[:, None] * self.encoder_bytes_per_image_chunk[None, :]
+            + (images > 0)[:, None] * self.encoder_weight_copy_bytes[None, :],
             image_feature_bytes=images * mem["image_feature_bytes"],
             extrapolated=extrapolated + n1 + n2,
             contention=self.table.contention,

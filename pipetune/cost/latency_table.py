@@ -17,6 +17,9 @@ File format (JSON, ``format = "pipetune.latency_table"``, ``version = 1``)::
      "contention": kappa,                 # optional: work slows by 1 + kappa while another rank
                                           # is busy (from calibration on runtime timelines; 0 when
                                           # absent; see simulate.contention)
+     "master_weights": true,              # optional: timed with float32 weights under autocast to
+                                          # dtype (a job without FSDP); its forwards keep weight
+                                          # copies (CostModel.weight_copy_bytes); absent = false
      "notes": [...]}
 
 Curves (seconds per call, per layer where it says so):
@@ -111,6 +114,7 @@ class LatencyTable:
     overhead: dict[str, float] = field(default_factory=dict)
     variability: Variability | None = None
     contention: float = 0.0
+    master_weights: bool = False
     notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
@@ -132,6 +136,7 @@ class LatencyTable:
             "overhead": dict(self.overhead),
             **({"variability": self.variability.to_dict()} if self.variability is not None else {}),
             **({"contention": self.contention} if self.contention else {}),
+            **({"master_weights": True} if self.master_weights else {}),
             "notes": list(self.notes),
         }
 
@@ -186,7 +191,7 @@ def table_from_dict(raw: dict, *, where: str = "latency table") -> LatencyTable:
         if key not in raw:
             fail(f"missing field {key!r}")
     for key, kind in (("curves", dict), ("memory", dict), ("p2p", dict), ("scales", dict), ("overhead", dict),
-                      ("variability", dict), ("device", str), ("dtype", str), ("torch", str), ("estimate", bool), ("notes", list)):
+                      ("variability", dict), ("device", str), ("dtype", str), ("torch", str), ("estimate", bool), ("master_weights", bool), ("notes", list)):
         if key in raw and not isinstance(raw[key], kind):
             fail(f"field {key!r} must be a JSON {_JSON_KIND[kind]}, got {raw[key]!r}")
     for key in ("tp", "threads"):
@@ -247,6 +252,7 @@ def table_from_dict(raw: dict, *, where: str = "latency table") -> LatencyTable:
         overhead=overhead,
         variability=_variability(raw["variability"], fail) if "variability" in raw else None,
         contention=float(contention),
+        master_weights=raw.get("master_weights", False),
         notes=tuple(str(n) for n in raw.get("notes", ())),
     )
 

@@ -5,7 +5,10 @@ candidate plan's simulated peak (``pipetune.plan.planner``), not in the worst ca
 
 Model states per rank (no ZeRO; tensor parallelism splits everything ``tp`` ways): every trained
 parameter costs ``TRAINED_BYTES_PER_PARAM`` = 16 bytes (BF16 weight and gradient, FP32 master weight
-and two Adam moments); the frozen ViT costs its weights only. Each rank holds its backbone stage
+and two Adam moments; with master weights, FP32 weight and gradient and two Adam moments); the
+frozen ViT costs its weights only (FP32 with master weights). With master weights each forward
+also keeps a compute-dtype copy of the weights it trains until its backward: activations per
+micro-batch (``CostModel.weight_copy_bytes``). Each rank holds its backbone stage
 and the encoder chunks the layout places on it (co-located: the whole encoder on rank 0; with
 virtual stages, its ``V`` backbone chunks). Activations come from the latency table's bytes per
 token and image. A micro-batch of size ``mbs`` holds at most ``mbs * max_seq_len`` tokens, all of
@@ -24,8 +27,9 @@ from pipetune.schedule.schedules import activation_caps
 TRAINED_BYTES_PER_PARAM = 16
 
 
-def model_state_bytes(cost: CostModel, *, frozen_weight_bytes: int = 2) -> np.ndarray:
+def model_state_bytes(cost: CostModel) -> np.ndarray:
     """Bytes of weights, gradients and optimizer state on each rank's GPU."""
+    frozen_weight_bytes = 4 if cost.table.master_weights else 2
     placement = cost.placement()
     model, tp = cost.table.model, cost.table.tp
     b = model.backbone

@@ -222,3 +222,33 @@ def test_data_and_tensor_parallel_jobs_pass_but_not_with_the_separated_layout(mo
     refuse_unsupported(config)
     config.pipetune.layout = "separated"
     assert "co-located layout" in _refused(config, "pipetune.layout separated")
+
+
+@pytest.mark.parametrize("dtype, shard, world, cp, master", [
+    ("float32", 1, 2, 1, False),  # full precision: nothing is cast
+    ("bfloat16", 1, 2, 1, True),  # pipeline only: float32 weights under autocast
+    ("bfloat16", -1, 2, 1, True),  # -1 resolves to 1 on a world of pipeline ranks only
+    ("bfloat16", -1, 4, 1, False),  # ... and to 2 here: FSDP gathers bf16 weights
+    ("bfloat16", 2, 4, 1, False),
+    ("bfloat16", 1, 4, 2, False),  # context parallelism shards weights too (TorchTitan's fsdp_enabled)
+])
+def test_master_weights_follow_whether_fsdp_holds_the_weights(monkeypatch, dtype, shard, world, cp, master):
+    from torchtitan_patches.titan.model_parts import master_weights_of
+
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    config = config_registry.muse_glimmer_mm()
+    config.training.mixed_precision_param = dtype
+    config.parallelism.data_parallel_shard_degree, config.parallelism.context_parallel_degree = shard, cp
+    assert master_weights_of(config) is master
+
+
+@pytest.mark.parametrize("estimate", [False, True])
+def test_the_job_sets_the_tables_weight_precision_and_a_measured_mismatch_is_logged(estimate, caplog):
+    from torchtitan_patches.titan.job_checks import with_job_weights
+
+    table = _table("NVIDIA H100 80GB HBM3", "bfloat16", estimate=estimate)
+    with caplog.at_level("WARNING"):
+        assert with_job_weights(table, True, where="t.json").master_weights
+        assert not with_job_weights(dataclasses.replace(table, master_weights=True), False, where="t.json").master_weights
+        assert with_job_weights(dataclasses.replace(table, master_weights=True), True, where="t.json").master_weights
+    assert len([r for r in caplog.records if "t.json was timed with" in r.getMessage()]) == (0 if estimate else 2)

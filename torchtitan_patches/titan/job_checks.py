@@ -28,10 +28,14 @@ arithmetic); the batch is ``dataloader.gbs``. Scale-out limits are in ``_scale_o
 
 from __future__ import annotations
 
+import dataclasses
+
+from torchtitan.tools.logging import logger
+
 from pipetune.plan.planner_config import SplitBackward
 from torchtitan_patches.titan.model_parts import INTERLEAVED_SCHEDULES, replicas_of, schedule_family
 
-__all__ = ["PLANNED_MODELS", "check_table", "refuse_unsupported"]
+__all__ = ["PLANNED_MODELS", "check_table", "refuse_unsupported", "with_job_weights"]
 
 PLANNED_MODELS = ("muse_glimmer", "qwen3_5")
 """``ModelSpec.name`` of the families whose planning shapes ``model_spec.planning_model_config``
@@ -205,3 +209,18 @@ def check_table(table, *, device_type: str, dtype: str, where: str) -> None:
                          f"{want[1]} (training.mixed_precision_param): re-profile with python -m profiling.prepare_job --module "
                          f"<module> --config <job> --device {device_type} --dtype {want[1]} --no-data --out <new folder>, then "
                          "pass --pipetune.latency_table <new folder>/table.json")
+
+
+def with_job_weights(table, master_weights: bool, *, where: str):
+    """``table`` planning with the job's weight precision (``model_parts.master_weights_of``): with
+    master weights the cost model counts the weight copies each forward keeps
+    (``CostModel.weight_copy_bytes``), whatever the table was timed with. A measured table timed
+    the other way is kept with a warning (its latencies miss or add the per-forward weight casts,
+    which the online calibration fits); re-profiling with ``profiling.prepare_job`` matches it."""
+    if table.master_weights != master_weights and not table.estimate:
+        how = ("float32 weights under autocast" if table.master_weights else "weights held in the compute dtype")
+        logger.warning(f"pipetune: {where} was timed with {how}, but this job "
+                       f"{'keeps float32 weights under autocast (no FSDP)' if master_weights else 'holds its weights in the compute dtype'}: "
+                       "its latencies are off by the weight casts until the online calibration fits them; re-profile with "
+                       "python -m profiling.prepare_job for this job")
+    return dataclasses.replace(table, master_weights=master_weights)

@@ -155,15 +155,28 @@ def choose_layout(config, model: ModelConfig, table: LatencyTable, sample, *, ch
     return search.search(separated=model.encoder is not None and not config.pipetune.jitter_draws and single).best.layout
 
 
+def _shard_degree(config) -> int:
+    par = config.parallelism
+    shard = par.data_parallel_shard_degree
+    if shard == -1:
+        rest = par.pipeline_parallel_degree * par.tensor_parallel_degree * par.context_parallel_degree * par.data_parallel_replicate_degree
+        shard = max(int(os.environ.get("WORLD_SIZE", rest)) // rest, 1)
+    return shard
+
+
 def replicas_of(config) -> int:
     """The job's data-parallel degree, from its config and torchrun's ``WORLD_SIZE`` (what
     TorchTitan's ``ParallelDims`` will derive), before any process group exists."""
-    par = config.parallelism
-    shard, replicate = par.data_parallel_shard_degree, par.data_parallel_replicate_degree
-    if shard == -1:
-        rest = par.pipeline_parallel_degree * par.tensor_parallel_degree * par.context_parallel_degree * replicate
-        shard = max(int(os.environ.get("WORLD_SIZE", rest)) // rest, 1)
-    return shard * replicate
+    return _shard_degree(config) * config.parallelism.data_parallel_replicate_degree
+
+
+def master_weights_of(config, dtype: str | None = None) -> bool:
+    """Whether the job trains in reduced precision (``dtype``, default its
+    ``training.mixed_precision_param``) with float32 weights under autocast, as pipetune's executor
+    does without FSDP; with FSDP (a shard degree or context parallelism above 1, as TorchTitan's
+    ``ParallelDims.fsdp_enabled``) the mixed-precision policy gathers the weights in that dtype."""
+    dtype = str(dtype or config.training.mixed_precision_param).removeprefix("torch.")
+    return dtype != "float32" and _shard_degree(config) == 1 and config.parallelism.context_parallel_degree == 1
 
 
 def split_for_layout(config, layout: StageLayout) -> None:
