@@ -1,6 +1,8 @@
-"""Latency-table accuracy: predicted vs measured stage latency of real packed micro-batches on this CPU.
+"""Latency-table accuracy: predicted vs measured stage latency of real packed micro-batches on this
+machine (the table's device: CUDA when there is one).
 
-1. Profile the tiny model here (or take ``--table``).
+1. Profile ``--model`` here (tiny; ``tiny_wide`` on a GPU, where tiny's latencies are kernel
+   launches) on ``--device``, or take ``--table``.
 2. For each data mix draw ``--per-mix`` random packed micro-batches (balanced packing of random
    batches at a random mbs in 1..4, max_seq_len 512) and build their tensors with the dataloader.
 3. Split the model into ``--stages`` pipeline stages; time forward + backward of every
@@ -48,7 +50,10 @@ def errors(cost: CostModel, obs) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--table", help="latency table to check (default: profile the tiny model now)")
+    ap.add_argument("--table", help="latency table to check (default: profile --model now, on --device)")
+    ap.add_argument("--model", default="tiny", help="model preset (tiny_wide: large enough for a GPU's kernels to set its latencies)")
+    ap.add_argument("--device", default="cpu", help="where to profile and time (cpu or cuda)")
+    ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     ap.add_argument("--per-mix", type=int, default=50)
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--calib", type=int, default=8, help="micro-batches per mix used to fit calibration")
@@ -56,16 +61,18 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=5000, help="samples per generated data mix")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    model = load_model_config("tiny")
+    model = load_model_config(args.model)
     work = Path(tempfile.mkdtemp(prefix="pipetune-latency-"))
     if args.table:
         table = load_latency_table(args.table, model=model)
     else:
-        cfg = ProfileConfig(max_seq_len=MAX_SEQ_LEN, max_tokens=4 * MAX_SEQ_LEN)
-        table = run_profile(model, cfg, work / "tiny_cpu.json", progress=False)
+        cfg = ProfileConfig(device=args.device, dtype=args.dtype, max_seq_len=MAX_SEQ_LEN, max_tokens=4 * MAX_SEQ_LEN, p2p=False,
+                            master_weights=True)  # the stages below run float32 weights under autocast
+        table = run_profile(model, cfg, work / "table.json", progress=False)
     layout = StageLayout.even(model.backbone.n_layers, args.stages)
     cost = CostModel(table, layout)
-    timer = StageTimer(model, layout, max_seq_len=4 * MAX_SEQ_LEN, compute_dtype=DTYPES[table.dtype])  # the table's device kind and dtype
+    timer = StageTimer(model, layout, max_seq_len=4 * MAX_SEQ_LEN, compute_dtype=DTYPES[table.dtype],  # the table's device kind and dtype
+                       device="cpu" if table.device.startswith("cpu") else "cuda")
 
     per_mix = {}
     for k, mix in enumerate(("datamix1", "datamix2", "datamix3")):
@@ -75,7 +82,7 @@ def main() -> None:
         calib_shapes = {id(shapes) for shapes, _ in samples[: args.calib]}
         per_mix[mix] = ([o for o in obs if id(o.shapes) in calib_shapes], [o for o in obs if id(o.shapes) not in calib_shapes])
 
-    print(f"table: {table.device}, {table.dtype}, threads={table.threads}; model tiny; {args.stages} stages; "
+    print(f"table: {table.device}, {table.dtype}, threads={table.threads}; model {model.name}; {args.stages} stages; "
           f"{args.per_mix} micro-batches per mix (max_seq_len {MAX_SEQ_LEN}, mbs 1..4)")
     print(f"{'mix':9} {'what':8} {'n':>4} {'mean |err| %':>12} {'spearman':>9}")
 

@@ -113,7 +113,7 @@ def muse_glimmer_mm_gpu() -> PipeTuneTrainer.Config:
             --dataloader.dataset_path /data/my_mix --pipetune.latency_table tables/h100/table.json
 
     Swap in your model's spec, batch size and optimizer as in any TorchTitan config. Not yet run on
-    a GPU (no GPU has been available to the project). Give it your tokenizer's directory too
+    GPUs (only ``scripts/gpu_check.sh`` has, on one GPU). Give it your tokenizer's directory too
     (``--hf_assets_path``: a HuggingFace tokenizer with vision start / end and image tokens).
     Micro-batch shapes change every step, so
     the CUDA allocator grows expandable segments rather than caching one block per shape (unless
