@@ -26,6 +26,12 @@ Measured on the current device, with the runtime's own modules:
   projector: the activation memory the micro-batch-size bound uses;
 * with ``p2p``: two local processes ping-pong hidden-state-sized messages (``profiling.p2p``).
 
+Every backward is also timed as its input-gradient part alone (``bwd_input``: after an untimed
+forward, ``autograd.grad`` towards the inputs that require grad, which runs no weight-gradient
+kernel; what a split backward's ``I`` does); derived curves take the same differences of it, the
+embedding (token ids) has none, and each is cut to its whole backward (timed apart, it can exceed
+it a little).
+
 Timing goes in passes over all grid points (``warmup`` untimed passes, then ``repeats`` timed
 ones, each in a new random order), and each point takes the median of its samples: a burst of
 machine noise then hits one sample of many points instead of every sample of one point, and no
@@ -36,7 +42,8 @@ adjustment is recorded in the table's notes. With ``tp > 1`` the modules are one
 TP collectives are not measured.
 
 Partial results go to ``OUT.partial.json`` after every pass (written atomically); re-running with
-the same settings resumes from there, and an unreadable partial file is reported and ignored.
+the same settings and sample fields (``SAMPLE``) resumes from there, and an unreadable partial file
+is reported and ignored.
 """
 
 from __future__ import annotations
@@ -61,9 +68,10 @@ from profiling.cpu_allocator import retain_freed_memory
 from torchtitan_patches.model.blocks import decoder_layer_config
 from torchtitan_patches.model.packed_attention import PackedAttention, flash_attn_available, varlen_metadata
 from torchtitan_patches.model.vlm import Projector, VisionEncoder
-from torchtitan_patches.runtime.timing import Clock, fwd_bwd_sample, saved_activation_bytes
+from torchtitan_patches.runtime.timing import Clock, fwd_bwd_sample, input_grad_sample, saved_activation_bytes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SAMPLE = ("fwd", "bwd", "bwd_input")  # a sample's fields; in the resume file's header, so older partial files are not resumed
 REST_DOC_LEN = 64
 
 
@@ -197,10 +205,12 @@ class _Profiler:
             def fwd(*inputs):
                 with torch.autocast(self.device.type, dtype=self.dtype):
                     return plain(*inputs)
-        return fwd_bwd_sample(self.clock, make, fwd, backward=backward)
+        tf, tb = fwd_bwd_sample(self.clock, make, fwd, backward=backward)
+        return tf, tb, input_grad_sample(self.clock, make, fwd) if backward else 0.0
 
-    def measure(self, curve: str, x: int) -> tuple[float, float]:
-        """One (forward, backward) sample of ``curve`` at size ``x``."""
+    def measure(self, curve: str, x: int) -> tuple[float, float, float]:
+        """One (forward, backward, input-gradient part of the backward) sample of ``curve`` at size
+        ``x``; the last is 0 without a differentiable input (the embedding's token ids)."""
         b, tp = self.model.backbone, self.cfg.tp
         if curve in ("attention", "attention_packed"):
             docs = packed_docs(x, self.cfg.max_tokens) if curve == "attention_packed" else 1
@@ -306,8 +316,8 @@ def _load_partial(partial: Path, header: dict) -> dict[str, list[list[float]]]:
     try:
         saved = json.loads(partial.read_text())
         samples = saved["samples"] if saved.get("header") == header else {}
-        if not all(isinstance(v, list) and all(isinstance(p, list) and len(p) == 2 for p in v) for v in samples.values()):
-            raise ValueError("samples are not lists of (fwd, bwd) pairs")
+        if not all(isinstance(v, list) and all(isinstance(p, list) and len(p) == len(SAMPLE) for p in v) for v in samples.values()):
+            raise ValueError(f"samples are not lists of ({', '.join(SAMPLE)}) triples")
         return samples
     except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
         warnings.warn(f"profile resume file {partial} is corrupt ({e}); ignoring it and profiling from scratch", stacklevel=3)
@@ -332,7 +342,7 @@ def run_profile(model: ModelConfig, cfg: ProfileConfig, out: str | Path, *, prog
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda asked for, but CUDA is not available here")
     g = grids(cfg, model)
-    header = {"model": model.fingerprint(), "config": asdict(cfg), "grids": g, "device": _device_name(device)}
+    header = {"sample": list(SAMPLE), "model": model.fingerprint(), "config": asdict(cfg), "grids": g, "device": _device_name(device)}
     partial = out.with_name(out.name + ".partial.json")
     samples = _load_partial(partial, header)
     tasks = measurement_tasks(model, cfg)
@@ -349,42 +359,52 @@ def run_profile(model: ModelConfig, cfg: ProfileConfig, out: str | Path, *, prog
         write_text_atomic(partial, json.dumps({"header": header, "samples": samples}))
     points = {k: np.median(np.asarray(v[: cfg.repeats]), axis=0).tolist() for k, v in samples.items()}
 
-    def series(curve: str, grid: list[int], k: int) -> list[float]:
-        return [points[f"{curve}:{x}"][k] for x in grid]
+    def series(curve: str, grid: list[int]) -> list[list[float]]:
+        return [[points[f"{curve}:{x}"][k] for x in grid] for k in range(len(SAMPLE))]
 
     notes = []
     curves = {}
 
-    def add(name: str, kind: str, grid: list[int], fwd: list[float], bwd: list[float]) -> None:
+    def add(name: str, kind: str, grid: list[int], fwd: list[float], bwd: list[float], bwd_input: list[float] | None) -> None:
         f, df = _monotone(grid, fwd)
         b, db = _monotone(grid, bwd)
-        notes.append(f"{name}: isotonic adjustment up to {100 * max(df, db):.1f}%")
-        curves[name] = Curve(kind, np.asarray(grid, float), f, b)
+        i, di = _monotone(grid, bwd_input) if bwd_input is not None else (None, 0.0)
+        note = f"{name}: isotonic adjustment up to {100 * max(df, db, di):.1f}%"
+        if i is not None:
+            cut = float(np.max((i - b) / np.maximum(b, 1e-12)))
+            i = np.minimum(i, b)  # timed apart from the whole backward, the input gradient can exceed it a little
+            note += f"; input gradient cut to the backward by up to {100 * cut:.1f}%" if cut > 0 else ""
+        notes.append(note)
+        curves[name] = Curve(kind, np.asarray(grid, float), f, b, i)
 
     per_doc = {
         x: [(p - o) / (packed_docs(x, cfg.max_tokens) - 1) for p, o in zip(points[f"attention_packed:{x}"], points[f"attention:{x}"])]
         for x in g["attention"]
     }
-    add("attention", "seq_len", g["attention"], [per_doc[x][0] for x in g["attention"]], [per_doc[x][1] for x in g["attention"]])
+    add("attention", "seq_len", g["attention"], *([per_doc[x][k] for x in g["attention"]] for k in range(len(SAMPLE))))
     attention = curves["attention"]
 
     def layer_attention(x: int, k: int) -> float:
+        """A layer's attention time in sample field ``k``: its backward for the input gradient too,
+        as the cost model charges attention's ``I``, so that ``rest`` + attention gives the layer's."""
         docs = np.diff(layer_doc_bounds(x))
         return float(np.interp(docs, attention.grid, attention.fwd if k == 0 else attention.bwd).sum())
 
-    rest = [[points[f"layer:{x}"][k] - layer_attention(x, k) for x in g["packed"]] for k in (0, 1)]
+    rest = [[points[f"layer:{x}"][k] - layer_attention(x, k) for x in g["packed"]] for k in range(len(SAMPLE))]
     add("rest", "packed_len", g["packed"], *rest)
     notes.append(f"rest: a layer over {REST_DOC_LEN}-token documents minus their attention")
     if "linear" in g:
-        lin = [[points[f"linear_layer:{x}"][k] - points[f"linear_projections:{x}"][k] for x in g["linear"]] for k in (0, 1)]
+        lin = [[points[f"linear_layer:{x}"][k] - points[f"linear_projections:{x}"][k] for x in g["linear"]] for k in range(len(SAMPLE))]
         add("linear_attention", "chunked_len", g["linear"], *lin)
         notes.append(f"linear_attention: the model's Gated DeltaNet layer minus its projections, over documents of "
                      f"{linear_doc_len(model, cfg)} tokens")
     for name in ("embedding", "head"):
-        add(name, "packed_len", g["packed"], series(name, g["packed"], 0), series(name, g["packed"], 1))
+        add(name, "packed_len", g["packed"], *series(name, g["packed"]))
     if model.encoder is not None:
         for name in ("projector", "encoder"):
-            add(name, "images", g["images"], series(name, g["images"], 0), series(name, g["images"], 1))
+            fwd, bwd, bwd_input = series(name, g["images"])
+            add(name, "images", g["images"], fwd, bwd, None if name == "encoder" and model.encoder.frozen else bwd_input)
+    notes.append("bwd_input: the input-gradient part of each backward, timed alone (autograd.grad towards the inputs)")
 
     notes.append(p2p_note)
     if cfg.tp > 1:

@@ -37,6 +37,11 @@ linear otherwise) and are counted in ``StageCosts.extrapolated``. Every componen
 its calibration scale (``LatencyTable.scales``), and each backbone stage call pays the table's
 fixed overhead (``LatencyTable.overhead``, zero unless calibrated).
 
+A split backward's input-gradient part ``bwd_input`` is summed like ``bwd``, from each curve's
+measured ``bwd_input`` where the table has one (the profiler times it), else from
+``INPUT_GRAD_SHARE`` of its backward (attention's is its whole backward either way), plus half the
+fixed overhead; stage 0's is zero unless a trained encoder's images need its input gradient.
+
 Messages: backbone activations ``tokens x dim``, encoder activations between encoder chunks
 ``images x patches x encoder dim``, image features to backbone stage 0 ``images x tokens per image
 x merged dim``, each costing the table's ``p2p`` latency plus bytes over bandwidth.
@@ -60,9 +65,9 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 # The input-gradient share of each component's backward, what a split backward's ``I`` takes (the
 # weight gradient ``W`` takes the rest): attention cores have no weights; a matmul's two
-# gradients cost one forward each; the embedding's input (token ids) needs no gradient. The
-# table times whole backwards only, so the split is this FLOPs estimate, and the runtime's split
-# differs where torch's ``stage_backward_input`` does extra work.
+# gradients cost one forward each; the embedding's input (token ids) needs no gradient. A FLOPs
+# estimate, used where the table's curve has no measured ``bwd_input`` (the profiler times it);
+# attention's ``I`` is its whole backward either way.
 INPUT_GRAD_SHARE = {"attention": 1.0, "linear_attention": 1.0, "rest": 0.5, "head": 0.5, "projector": 0.5, "embedding": 0.0}
 
 
@@ -110,7 +115,7 @@ class StageCosts:
     """Seconds and bytes: backbone per micro-batch (rows) and stage (columns); encoder per
     sub-microbatch (``sub_batches``) and encoder chunk. ``p2p``, ``encoder_p2p`` and
     ``feature_p2p`` are one message of each kind (see the module doc; a gradient costs as much).
-    ``bwd_input``: the input-gradient part of ``bwd`` (``INPUT_GRAD_SHARE``); ``weight_grad_bytes``
+    ``bwd_input``: the input-gradient part of ``bwd`` (``CostModel.components``); ``weight_grad_bytes``
     what a split backward holds from ``I`` to ``W`` (``CostModel.weight_grad_bytes``).
     ``contention``: the table's (see ``pipetune.simulate.contention``)."""
 
@@ -163,9 +168,10 @@ def _growth(x: np.ndarray, kind: str) -> np.ndarray:
 
 
 def lookup(curve: Curve, x: np.ndarray, which: str) -> tuple[np.ndarray, int]:
-    """Curve value at ``x`` (see module doc for below/above the grid); returns (values, # extrapolated)."""
+    """Curve value at ``x`` (``which``: fwd, bwd or a measured bwd_input; see module doc for
+    below/above the grid); returns (values, # extrapolated)."""
     x = np.asarray(x, dtype=np.float64)
-    vals = curve.fwd if which == "fwd" else curve.bwd
+    vals = getattr(curve, which)
     out = np.interp(x, curve.grid, vals)
     above = x > curve.grid[-1]
     if above.any():
@@ -201,6 +207,7 @@ class CostModel:
         self.encoder_bytes_per_image_chunk = np.array([vit_activation_bytes_per_image(
             model, table.tp, self.dtype_bytes, recompute=self.recompute_encoder, layers=int(n)) for n in chunk_layers])
         self.weight_copy_bytes, self.projector_copy_bytes, self.encoder_weight_copy_bytes = self._weight_copies()
+        self.input_grad_measured = any(c.bwd_input is not None for n, c in table.curves.items() if n in INPUT_GRAD_SHARE and n != "attention")
 
     def _weight_copies(self) -> tuple[np.ndarray, float, np.ndarray]:
         """With master weights (``LatencyTable.master_weights``: float32 weights under autocast, a
@@ -233,9 +240,15 @@ class CostModel:
         return self.layout.placement(encoder=self.table.model.encoder is not None, encoder_trained=self.encoder_trainable)
 
     def _curve(self, name: str, x: np.ndarray, which: str) -> tuple[np.ndarray, int]:
+        """``which``: fwd, bwd or bwd_input (measured where the curve has it, except attention's,
+        which is its whole backward; else ``INPUT_GRAD_SHARE`` of the backward)."""
         if name not in self.table.curves:
             return np.zeros(len(x)), 0
-        values, n = lookup(self.table.curves[name], x, which)
+        curve = self.table.curves[name]
+        if which == "bwd_input" and (curve.bwd_input is None or name == "attention"):
+            values, n = lookup(curve, x, "bwd")
+            return INPUT_GRAD_SHARE[name] * values, n
+        values, n = lookup(curve, x, which)
         if n:
             self.beyond_grid[name] = max(self.beyond_grid.get(name, 0.0), float(np.max(x)))
         return values, n
@@ -270,15 +283,16 @@ class CostModel:
 
     def components(self, shapes: MicroBatchShapes) -> tuple[dict[str, dict[str, np.ndarray]], int]:
         """Unscaled contribution of each backbone-side table component to each (micro-batch, stage)
-        latency: ``{component: {"fwd": [m, S], "bwd": [m, S]}}``, and how many lookups were
+        latency: ``{component: {"fwd": [m, S], "bwd": [m, S], "bwd_input": [m, S]}}`` (``bwd_input``
+        the backward's input-gradient part, see ``_curve``), and how many fwd/bwd lookups were
         extrapolated. The encoder is a module of its own: ``encoder_curve``."""
         m, S = shapes.num_micro_batches, self.num_stages
         out: dict[str, dict[str, np.ndarray]] = {}
         extrapolated = 0
         count = {"rest": self.layers, "attention": self.full_layers, "linear_attention": self.linear_layers}
-        for which in ("fwd", "bwd"):
+        for which in ("fwd", "bwd", "bwd_input") if self.input_grad_measured else ("fwd", "bwd"):
             parts, n = self.per_layer(shapes, which)
-            extrapolated += n
+            extrapolated += n if which != "bwd_input" else 0
             for name, v in parts.items():
                 out.setdefault(name, {})[which] = v[:, None] * count[name][None, :]
             for name, stage, x in (
@@ -287,10 +301,13 @@ class CostModel:
                 ("head", S - 1, shapes.tokens),
             ):
                 v, n = self._curve(name, x, which)
-                extrapolated += n
+                extrapolated += n if which != "bwd_input" else 0
                 col = np.zeros((m, S))
                 col[:, stage] = v
                 out.setdefault(name, {})[which] = col
+        if not self.input_grad_measured:  # the shares alone: no third round of lookups
+            for name, p in out.items():
+                p["bwd_input"] = INPUT_GRAD_SHARE[name] * p["bwd"]
         return out, extrapolated
 
     def encoder_curve(self, images: np.ndarray, which: str) -> tuple[np.ndarray, int]:
@@ -354,7 +371,7 @@ class CostModel:
         for name, p in parts.items():
             fwd += self.table.scale(name) * p["fwd"]
             bwd += self.table.scale(name) * p["bwd"]
-            bwd_input += INPUT_GRAD_SHARE[name] * self.table.scale(name) * p["bwd"]
+            bwd_input += self.table.scale(name) * p["bwd_input"]
         model, mem = self.table.model, self.table.memory
         sub = self.sub_batches(shapes)
         images = sub.charged

@@ -4,7 +4,9 @@ File format (JSON, ``format = "pipetune.latency_table"``, ``version = 1``)::
 
     {"format", "version", "estimate": bool, "device", "dtype", "torch", "threads", "tp",
      "model": ModelConfig dict, "model_fingerprint",
-     "curves": {name: {"x": what the grid counts, "grid": [...], "fwd": [...], "bwd": [...]}},
+     "curves": {name: {"x": what the grid counts, "grid": [...], "fwd": [...], "bwd": [...],
+                       "bwd_input": [...]}},  # optional: the input-gradient part of bwd, timed
+                                          # alone (a split backward's I; see cost_model)
      "memory": {"layer_bytes_per_token", "embedding_bytes_per_token", "head_bytes_per_token",
                 "image_feature_bytes", "projector_bytes_per_image"},
      "p2p": {"latency_s", "bytes_per_s"},
@@ -41,8 +43,12 @@ Curves (seconds per call, per layer where it says so):
 curve existed, load unchanged.
 
 Grids are strictly increasing and positive; values finite, >= 0, non-decreasing in x and not zero
-everywhere (except a frozen encoder's backward). A loader that finds anything else, or a field of
-the wrong JSON type, refuses the file and says what and where.
+everywhere (except a frozen encoder's backward, and ``bwd_input``). A curve's ``bwd_input``, where
+present, is at most its ``bwd`` at each point up to ``INPUT_GRAD_TOLERANCE`` (the two are timed
+apart, so a measured input gradient can exceed the whole backward a little) and is cut to ``bwd``
+on loading; tables without it (estimates, older profiles) load unchanged and the cost model falls
+back to its fixed shares. A loader that finds anything else, or a field of the wrong JSON type,
+refuses the file and says what and where.
 """
 
 from __future__ import annotations
@@ -70,6 +76,7 @@ CURVES = {
     "linear_attention": "chunked_len",
 }
 TEXT_ONLY_OPTIONAL = ("projector", "encoder")
+INPUT_GRAD_TOLERANCE = 0.05  # relative: how far a curve's bwd_input may exceed its bwd
 PROFILE_HINT = "python -m profiling.prepare_job --config <job> --out <dir> (or pipetune profile --model <model> --out <file>)"
 OVERHEAD_KEYS = ("fwd_s", "bwd_s")
 MEMORY_KEYS = (
@@ -87,15 +94,18 @@ class LatencyTableError(ValueError):
 
 @dataclass(frozen=True)
 class Curve:
-    """Latency of one component as a function of one size (``grid``), forward and backward."""
+    """Latency of one component as a function of one size (``grid``), forward and backward, and
+    the backward's input-gradient part where it was measured (``bwd_input``, else None)."""
 
     x: str
     grid: np.ndarray
     fwd: np.ndarray
     bwd: np.ndarray
+    bwd_input: np.ndarray | None = None
 
     def to_dict(self) -> dict:
-        return {"x": self.x, "grid": self.grid.tolist(), "fwd": self.fwd.tolist(), "bwd": self.bwd.tolist()}
+        out = {"x": self.x, "grid": self.grid.tolist(), "fwd": self.fwd.tolist(), "bwd": self.bwd.tolist()}
+        return out | ({"bwd_input": self.bwd_input.tolist()} if self.bwd_input is not None else {})
 
 
 @dataclass(frozen=True)
@@ -293,7 +303,9 @@ def _curve(raw, name: str, x: str, fail) -> Curve:
     if raw.get("x") != x:
         fail(f"curve {name!r} must be over {x!r}, got {raw.get('x')!r}")
     arrays = {}
-    for key in ("grid", "fwd", "bwd"):
+    for key in ("grid", "fwd", "bwd", "bwd_input"):
+        if key == "bwd_input" and key not in raw:
+            continue
         v = raw.get(key)
         if not isinstance(v, list) or not v:
             fail(f"curve {name!r} has no {key} values (missing grid)")
@@ -303,9 +315,11 @@ def _curve(raw, name: str, x: str, fail) -> Curve:
     g = arrays["grid"]
     if not (len(arrays["fwd"]) == len(arrays["bwd"]) == len(g)):
         fail(f"curve {name!r}: grid has {len(g)} points but fwd/bwd have {len(arrays['fwd'])}/{len(arrays['bwd'])}")
+    if "bwd_input" in arrays and len(arrays["bwd_input"]) != len(g):
+        fail(f"curve {name!r}: grid has {len(g)} points but bwd_input has {len(arrays['bwd_input'])}")
     if not np.isfinite(g).all() or (g <= 0).any() or (np.diff(g) <= 0).any():
         fail(f"curve {name!r}: grid must be positive and strictly increasing, got {g.tolist()}")
-    for key in ("fwd", "bwd"):
+    for key in [k for k in arrays if k != "grid"]:
         v = arrays[key]
         if not np.isfinite(v).all():
             fail(f"curve {name!r}.{key} has non-finite values")
@@ -318,4 +332,12 @@ def _curve(raw, name: str, x: str, fail) -> Curve:
                 f"curve {name!r}.{key} is not monotonic: {v[i]:g} s at {x}={g[i]:g} but {v[i + 1]:g} s at "
                 f"{x}={g[i + 1]:g}"
             )
-    return Curve(x=x, grid=g, fwd=arrays["fwd"], bwd=arrays["bwd"])
+    bwd_input = arrays.get("bwd_input")
+    if bwd_input is not None:
+        over = bwd_input > arrays["bwd"] * (1 + INPUT_GRAD_TOLERANCE)
+        if over.any():
+            i = int(np.argmax(over))
+            fail(f"curve {name!r}.bwd_input exceeds its bwd at {x}={g[i]:g} ({bwd_input[i]:g} s > {arrays['bwd'][i]:g} s, "
+                 f"more than {100 * INPUT_GRAD_TOLERANCE:g} % over): the input gradient is a part of the backward")
+        bwd_input = np.minimum(bwd_input, arrays["bwd"])
+    return Curve(x=x, grid=g, fwd=arrays["fwd"], bwd=arrays["bwd"], bwd_input=bwd_input)

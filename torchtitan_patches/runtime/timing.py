@@ -121,6 +121,21 @@ def fwd_bwd_sample(clock: Clock, make_inputs: Callable[[], tuple], forward: Call
     return tf, tb
 
 
+def input_grad_sample(clock: Clock, make_inputs: Callable[[], tuple], forward: Callable[..., torch.Tensor]) -> float:
+    """Seconds of the input-gradient part of one backward (a split backward's ``I``) on freshly
+    built inputs: ``autograd.grad`` towards the inputs that require grad runs no weight-gradient
+    kernel they do not need. The forward is not timed; 0 when no input is differentiable."""
+    inputs = make_inputs()
+    wanted = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not wanted:
+        return 0.0
+    out = forward(*inputs)
+    grad = torch.ones_like(out)
+    clock.sync()
+    _, ti = clock.measure(lambda: torch.autograd.grad(out, wanted, grad_outputs=grad))
+    return ti
+
+
 def saved_activation_bytes(fn: Callable[[], torch.Tensor], module: torch.nn.Module) -> int:
     """Bytes of distinct tensors autograd keeps for backward while ``fn`` runs (weights excluded)."""
     params = {p.data_ptr() for p in module.parameters()}
