@@ -94,9 +94,10 @@ def table_accuracy(table_path: Path, dry: bool, report: Report) -> None:
 
 @dataclass(frozen=True)
 class Family:
-    """One schedule family the executor is checked on: the tiny model's layout on two ranks (``chunks``
-    backbone chunks per rank; ``segments`` encoder segments per rank for DIP's separated layout),
-    whether backbone backwards are split into ``I`` and ``W``, and whether the encoder is trained."""
+    """One schedule family the executor is checked on: the profiled model's layout on two ranks
+    (``chunks`` backbone chunks per rank; ``segments`` encoder segments per rank for DIP's separated
+    layout), whether backbone backwards are split into ``I`` and ``W``, and whether the encoder is
+    trained."""
 
     name: str
     chunks: int = 1
