@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from pipetune.config import load_model_config
-from pipetune.cost import CostModel, StageLayout, load_latency_table
+from pipetune.cost import CostModel, StageLayout
 from pipetune.data import make_mix, write_dataset
 from pipetune.packing import PackingConfig
 from pipetune.plan.planner_config import PlannerConfig
@@ -78,10 +78,10 @@ def profile(model, device: torch.device, dtype: str, out: Path, dry: bool):
     return run_profile(model, cfg, out, progress=False)
 
 
-def table_accuracy(table_path: Path, dry: bool, report: Report) -> None:
+def table_accuracy(table_path: Path, model_name: str, dry: bool, report: Report) -> None:
     sizes = ["--per-mix", "4", "--passes", "1", "--calib", "2", "--samples", "300"] if dry else []
-    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "latency_accuracy.py"), "--table", str(table_path), "--model",
-                          load_latency_table(table_path).model.name, *sizes], capture_output=True, text=True, cwd=ROOT)
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "latency_accuracy.py"), "--table", str(table_path), "--model", model_name,
+                          *sizes], capture_output=True, text=True, cwd=ROOT)
     line = next((ln for ln in res.stdout.splitlines() if re.match(r"all\s+stages\s", ln)), None)
     if res.returncode or line is None:
         report("table accuracy", False, f"latency_accuracy.py failed: {(res.stdout + res.stderr)[-1500:]}")
@@ -225,7 +225,7 @@ def main() -> None:
     try:
         table = profile(load_model_config("tiny" if args.dry_run else "tiny_wide"), device, dtype, out / "table.json", args.dry_run)
         report("profile", True, f"{out / 'table.json'} ({table.device}, {table.dtype})")
-        table_accuracy(out / "table.json", args.dry_run, report)
+        table_accuracy(out / "table.json", table.model.name, args.dry_run, report)
         for family in FAMILIES:
             try:
                 executor_check(family, device, DTYPES[dtype], table, out, report)

@@ -72,7 +72,7 @@ def main() -> None:
     layout = StageLayout.even(model.backbone.n_layers, args.stages)
     cost = CostModel(table, layout)
     timer = StageTimer(model, layout, max_seq_len=4 * MAX_SEQ_LEN, compute_dtype=DTYPES[table.dtype],  # the table's device kind and dtype
-                       device="cpu" if table.device.startswith("cpu") else "cuda")
+                       device=table.device_type)
 
     per_mix = {}
     for k, mix in enumerate(("datamix1", "datamix2", "datamix3")):

@@ -153,6 +153,13 @@ class LatencyTable:
     def save(self, path: str | Path) -> Path:
         return write_text_atomic(path, json.dumps(self.to_dict(), indent=1))
 
+    @property
+    def device_type(self) -> str:
+        """The device type the table was made for: profiled CPU tables name ``cpu: <processor>``
+        (``profiling.profile_layers``); profiled GPU tables name the GPU and analytical estimates the
+        GPU they model, both CUDA."""
+        return "cpu" if self.device.split(":")[0].strip().lower() == "cpu" else "cuda"
+
     def scale(self, component: str) -> float:
         return float(self.scales.get(component, 1.0))
 

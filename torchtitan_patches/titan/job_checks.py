@@ -33,7 +33,7 @@ import dataclasses
 from torchtitan.tools.logging import logger
 
 from pipetune.plan.planner_config import SplitBackward
-from torchtitan_patches.titan.model_parts import INTERLEAVED_SCHEDULES, replicas_of, schedule_family
+from torchtitan_patches.titan.model_parts import INTERLEAVED_SCHEDULES, dtype_name, replicas_of, schedule_family
 
 __all__ = ["PLANNED_MODELS", "check_table", "refuse_unsupported", "with_job_weights"]
 
@@ -181,17 +181,6 @@ def _accumulation(config) -> None:
                          "does not do: set --training.global_batch_size -1 and size the batch with --dataloader.gbs")
 
 
-def _device_type(device: str) -> str:
-    """The device type a table was made for: profiled CPU tables name ``cpu: <processor>``
-    (``profiling.profile_layers``); profiled GPU tables name the GPU and analytical estimates the GPU
-    they model, both CUDA."""
-    return "cpu" if device.split(":")[0].strip().lower() == "cpu" else "cuda"
-
-
-def _dtype(name: str) -> str:
-    return name.removeprefix("torch.")
-
-
 def check_table(table, *, device_type: str, dtype: str, where: str) -> None:
     """Refuse ``table`` (a ``LatencyTable`` read from ``where``) unless it was made for
     ``device_type`` ("cpu" or "cuda") in ``dtype`` (the job's ``training.mixed_precision_param``;
@@ -202,7 +191,7 @@ def check_table(table, *, device_type: str, dtype: str, where: str) -> None:
     from one and let the online calibration fit it; a CPU or fp32 job is refused, since a roofline
     of another machine and precision says nothing about it. Which GPU model a CUDA table was
     profiled on is not compared (driver names vary; the calibration absorbs the difference)."""
-    made, want = (_device_type(table.device), _dtype(table.dtype)), (device_type, _dtype(dtype))
+    made, want = (table.device_type, dtype_name(table.dtype)), (device_type, dtype_name(dtype))
     if made != want:
         how = "estimated for" if table.estimate else "profiled on"
         raise ValueError(f"{where}: latency table {how} {table.device} in {table.dtype}, but this job runs on {device_type} in "

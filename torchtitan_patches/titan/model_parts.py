@@ -170,13 +170,18 @@ def replicas_of(config) -> int:
     return _shard_degree(config) * config.parallelism.data_parallel_replicate_degree
 
 
+def dtype_name(name: str) -> str:
+    """A dtype as configs and tables spell it: "bfloat16" and "torch.bfloat16" are the same."""
+    return str(name).removeprefix("torch.")
+
+
 def master_weights_of(config, dtype: str | None = None) -> bool:
     """Whether the job trains in reduced precision (``dtype``, default its
     ``training.mixed_precision_param``) with float32 weights under autocast, as pipetune's executor
     does without FSDP; with FSDP (a shard degree or context parallelism above 1, as TorchTitan's
     ``ParallelDims.fsdp_enabled``) the mixed-precision policy gathers the weights in that dtype."""
-    dtype = str(dtype or config.training.mixed_precision_param).removeprefix("torch.")
-    return dtype != "float32" and _shard_degree(config) == 1 and config.parallelism.context_parallel_degree == 1
+    reduced = dtype_name(dtype or config.training.mixed_precision_param) != "float32"
+    return reduced and _shard_degree(config) == 1 and config.parallelism.context_parallel_degree == 1
 
 
 def split_for_layout(config, layout: StageLayout) -> None:
