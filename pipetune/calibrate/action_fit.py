@@ -23,6 +23,19 @@ kappa). The overlap enters as a fraction, not as seconds: overlapped seconds gro
 observation's own noise and, where nearly every action overlaps (deep pipelines), would trade
 one-for-one against the scales. Isolated timings have no overlap and leave kappa as it was.
 
+Split backwards (zero-bubble plans) also time each backbone backward's input-gradient part ``I``
+alone (``Part.INPUT_GRAD``; the stage observation still sums ``F``, ``I`` and ``W``). The fit above
+ignores these rows; a second fit, the first's scales, overheads and kappa held, finds per
+component a factor on its input-gradient part (``I`` is linear in the factors), solved the same
+way: relative-error NNLS, Huber re-weighted, ridge pulling each factor towards 1 (the table's
+split). A factor is capped where the part would exceed the component's backward, and the refitted
+table carries the parts as its curves' ``bwd_input`` (``with_input_grad``), so the cost model
+prices ``I`` and ``W`` with the measured split. Components whose split their structure fixes
+are not fitted (``INPUT_GRAD_FITTED``), components no ``I`` row exercises keep their split, and
+without ``I`` rows the refit is the whole-backward fit alone. ``I`` pays ``INPUT_GRAD_OVERHEAD`` of
+the fitted backward call overhead, which rows of a whole forward + backward cannot tell from the
+forward's: where the machine's calls split their overhead otherwise, the factors absorb it.
+
 The residuals of the fit give the table's variability model (``pipetune.cost.variability``): the
 spread of measured over predicted time of a stage's forward + backward and of an encoder action
 (forward, or backward when trained), as a function of predicted time (a kind with too few
@@ -34,13 +47,13 @@ action timelines (``pipetune.calibrate.online``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 import numpy as np
 from scipy.optimize import nnls
 
-from pipetune.cost.cost_model import CostModel, MicroBatchShapes
+from pipetune.cost.cost_model import INPUT_GRAD_OVERHEAD, INPUT_GRAD_SHARE, CostModel, MicroBatchShapes, input_grad_values
 from pipetune.cost.latency_table import CURVES, LatencyTable
 from pipetune.cost.variability import Variability, fit_spread
 
@@ -49,6 +62,9 @@ HUBER_DELTA = 0.1
 HUBER_ROUNDS = 4
 CONTENTION_GRID = np.concatenate([np.arange(0.0, 1.0, 0.05), np.arange(1.0, 3.01, 0.25)])
 OVERHEAD_GRID = np.arange(0.0, 0.2001, 0.005)  # per-call overhead, in units of the median stage row's time
+# components whose I/W split the I rows fit: not attention (no weights: its I is its whole
+# backward) nor the embedding (its input, token ids, takes no gradient)
+INPUT_GRAD_FITTED = tuple(n for n in INPUT_GRAD_SHARE if n not in ("attention", "embedding"))
 
 
 class Observed(Enum):
@@ -64,6 +80,7 @@ class Part(Enum):
     FWD = ("fwd",)
     BWD = ("bwd",)
     BOTH = ("fwd", "bwd")
+    INPUT_GRAD = ("bwd_input",)  # a split backward's I alone
 
 
 @dataclass(frozen=True)
@@ -91,6 +108,7 @@ class CalibrationReport:
     observations: int
     makespan_factor: float = 1.0
     contention: float = 0.0
+    input_grad: dict[str, float] = field(default_factory=dict)  # fitted factor on each exercised component's I
 
 
 UNKNOWNS = (*CURVES, "fwd_s", "bwd_s")
@@ -114,6 +132,10 @@ class Design:
 
     @classmethod
     def of(cls, cost: CostModel, observations: list[Observation]) -> "Design":
+        """Rows of ``observations`` under ``cost``'s curves; an ``I`` of stage 0 that has nothing to do
+        (``CostModel.input_grad_idle``) is left out: the cost model prices it at zero."""
+        observations = [o for o in observations
+                        if not (o.part is Part.INPUT_GRAD and o.stage == 0 and cost.input_grad_idle(o.shapes)[0])]
         rows = []
         for obs in observations:
             parts, _ = cost.components(obs.shapes)
@@ -125,7 +147,7 @@ class Design:
                 rows.append([seconds * cost.encoder_share[obs.stage] if n == "encoder" else 0.0 for n in UNKNOWNS])
                 continue
             row = [sum(parts[n][w][0, obs.stage] for w in which) if n in parts else 0.0 for n in CURVES]
-            rows.append(row + [float("fwd" in which), float("bwd" in which)])
+            rows.append(row + [float("fwd" in which), float("bwd" in which) + INPUT_GRAD_OVERHEAD * ("bwd_input" in which)])
         y = np.asarray([o.seconds for o in observations], dtype=np.float64)
         shared = np.asarray([o.concurrent_s for o in observations], dtype=np.float64)
         return cls(np.asarray(rows).reshape(-1, len(UNKNOWNS)), y, np.clip(shared / np.where(y > 0, y, 1.0), 0.0, 1.0))
@@ -133,6 +155,10 @@ class Design:
     @classmethod
     def stack(cls, designs: list["Design"]) -> "Design":
         return cls(np.vstack([d.X for d in designs]), np.concatenate([d.y for d in designs]), np.concatenate([d.overlap for d in designs]))
+
+    def rows(self, mask: np.ndarray) -> "Design":
+        """The rows ``mask`` selects."""
+        return Design(self.X[mask], self.y[mask], self.overlap[mask])
 
     def slowdown(self, contention: float) -> np.ndarray:
         """Per row, measured over uncontended time under ``contention``: ``1 + kappa phi`` with
@@ -148,6 +174,10 @@ class Design:
         """Rows observing encoder work, a chunk's forward or backward (its only non-zero unknown is
         the encoder scale)."""
         return self.X[:, UNKNOWNS.index("encoder")] > 0
+
+    def input_grad_rows(self) -> np.ndarray:
+        """Rows observing a split backward's ``I`` alone (the only rows paying part of a backward call)."""
+        return self.X[:, UNKNOWNS.index("bwd_s")] == INPUT_GRAD_OVERHEAD
 
 
 def calibrate(table: LatencyTable, cost: CostModel, observations: list[Observation]) -> tuple[LatencyTable, CalibrationReport]:
@@ -179,12 +209,14 @@ def calibrate_design(table: LatencyTable, design: Design, *, fit_contention: boo
                      fit_overhead: bool = True) -> tuple[LatencyTable, CalibrationReport]:
     """``calibrate`` on prepared rows (built from ``table``'s curves and layout); with
     ``fit_contention=False`` the table's kappa is held, with ``fit_overhead=False`` its per-call
-    overheads."""
+    overheads. ``I`` rows are fitted after the rest (see the module doc)."""
+    if (design.y <= 0).any():
+        raise ValueError("calibration observations must have positive measured times")
+    inputs = design.input_grad_rows()
+    split, design = design.rows(inputs), design.rows(~inputs)
     X, y = design.X, design.y
     if not len(y):
         raise ValueError("calibration needs at least one measured observation")
-    if (y <= 0).any():
-        raise ValueError("calibration observations must have positive measured times")
     before = np.array([table.scale(n) for n in CURVES] + [table.fixed("fwd"), table.fixed("bwd")])
     used = np.flatnonzero((np.abs(X).sum(axis=0) > 0) & (fit_overhead | (np.arange(len(UNKNOWNS)) < len(CURVES))))
     is_scale = used < len(CURVES)
@@ -206,12 +238,44 @@ def calibrate_design(table: LatencyTable, design: Design, *, fit_contention: boo
 
     scales = {n: float(v) for n, v in zip(CURVES, after) if v != 1.0 or n in table.scales}
     overhead = {n: float(v) for n, v in zip(UNKNOWNS[len(CURVES):], after[len(CURVES):]) if v > 0}
+    input_grad = _fit_input_grad(table, split, after, contention)
     report = CalibrationReport(scales, overhead, err(before, X * design.slowdown(table.contention)[:, None]), err(after, Xk), len(y),
-                               contention=float(contention))
+                               contention=float(contention), input_grad=input_grad)
     previous = table.variability or Variability()
     predicted = Xk @ after
     stage, enc = design.stage_work_rows(), design.encoder_rows()
     fitted = Variability(stage=fit_spread(predicted[stage], y[stage], previous.stage),
                          encoder=fit_spread(predicted[enc], y[enc], previous.encoder), p2p=previous.p2p)
     variability = fitted if fitted != Variability() else table.variability
-    return replace(table, scales=scales, overhead=overhead, variability=variability, contention=float(contention)), report
+    table = replace(table, scales=scales, overhead=overhead, variability=variability, contention=float(contention))
+    return with_input_grad(table, input_grad), report
+
+
+def _fit_input_grad(table: LatencyTable, design: Design, unknowns: np.ndarray, contention: float) -> dict[str, float]:
+    """Per component of ``INPUT_GRAD_FITTED`` that ``design``'s ``I`` rows exercise, the factor on
+    its input-gradient part that best predicts them (``_fit``, ridge towards 1), with every other
+    term held at the whole-backward fit (``unknowns``, ``contention``); capped where the part would
+    exceed the component's backward at a grid point."""
+    X = design.X * design.slowdown(contention)[:, None] * unknowns[None, :]  # seconds of each term at the fitted values
+    used = np.flatnonzero([n in INPUT_GRAD_FITTED and X[:, i].any() for i, n in enumerate(UNKNOWNS)])
+    if not len(used):
+        return {}
+    fit, _ = _fit(X, design.y, np.ones(len(UNKNOWNS)), used, np.sqrt(RIDGE) * np.eye(len(used)))
+    out = {}
+    for i, f in zip(used, fit):
+        name = UNKNOWNS[i]
+        curve, part = table.curves[name], input_grad_values(name, table.curves[name])
+        out[name] = float(min(f, np.min(curve.bwd[part > 0] / part[part > 0])))
+    return out
+
+
+def with_input_grad(table: LatencyTable, factors: dict[str, float]) -> LatencyTable:
+    """``table`` whose components' input-gradient parts are ``factors`` times the cost model's (see
+    ``input_grad_values``), written as their curves' ``bwd_input`` (at most the backward)."""
+    if not factors:
+        return table
+    curves = dict(table.curves)
+    for name, f in factors.items():
+        c = curves[name]
+        curves[name] = replace(c, bwd_input=np.minimum(f * input_grad_values(name, c), c.bwd))
+    return replace(table, curves=curves)

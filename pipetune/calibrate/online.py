@@ -1,7 +1,9 @@
 """Calibration from the runtime's own action timelines (what DIP calibrates on): online on a
 sliding window of steps anchored by the calibration steps, or leaving each plan out to measure
-the simulator's accuracy. Pair-based fits of terms a window cannot pin (the CPU testbed's
-contention and per-call overhead) extend this in ``pipetune.calibrate.pairs``."""
+the simulator's accuracy. Timelines of split backwards (zero-bubble plans) also fit how each
+backward splits into ``I`` and ``W``, so the planner places ``W`` with measured shares. Pair-based
+fits of terms a window cannot pin (the CPU testbed's contention and per-call overhead) extend this
+in ``pipetune.calibrate.pairs``."""
 
 from __future__ import annotations
 
@@ -24,15 +26,17 @@ from pipetune.simulate.simulator import SimResult, TimedAction, simulate
 
 
 def timeline_observations(timeline: list[TimedAction], plan: IterationPlan, meta: BatchMeta) -> list[Observation]:
-    """Per micro-batch and backbone stage, its forward + backward time; per encoder action on
-    images, its time (forward or backward, on its chunk, at the sub-microbatch's charged image
-    count). A stage's forward and backward are summed because where the bookkeeping between them
-    is charged is arbitrary; their sum is not. Each carries the seconds it overlapped other ranks'
-    actions (the contention fit, ``pipetune.simulate.contention``)."""
+    """Per micro-batch and backbone stage, its forward + backward time (a split backward's ``I``
+    and ``W`` included) and, for a split backward, its ``I`` alone (``Part.INPUT_GRAD``: what
+    calibration fits the I/W split with); per encoder action on images, its time (forward or
+    backward, on its chunk, at the sub-microbatch's charged image count). A stage's forward and
+    backward are summed because where the bookkeeping between them is charged is arbitrary; their
+    sum is not. Each carries the seconds it overlapped other ranks' actions (the contention fit,
+    ``pipetune.simulate.contention``)."""
     shapes = plan.shapes(meta)
     overlap = overlap_with_others([t.start for t in timeline], [t.end for t in timeline])
     work: dict[tuple[int, int], list[float]] = {}
-    out = []
+    out, inputs = [], []
     for t, shared in zip(timeline, overlap.tolist()):
         a = t.action
         if a.is_encoder:
@@ -46,8 +50,10 @@ def timeline_observations(timeline: list[TimedAction], plan: IterationPlan, meta
             acc = work.setdefault((a.chunk, a.unit), [0.0, 0.0])
             acc[0] += t.end - t.start
             acc[1] += shared
+            if a.op is Op.BACKWARD_INPUT:
+                inputs.append(Observation(shapes.take([a.unit]), t.end - t.start, stage=a.chunk, part=Part.INPUT_GRAD, concurrent_s=shared))
     out += [Observation(shapes.take([mb]), sec, stage=s, concurrent_s=shared) for (s, mb), (sec, shared) in sorted(work.items())]
-    return out
+    return out + inputs
 
 
 @dataclass(frozen=True)
@@ -88,9 +94,9 @@ def simulate_plan(cost: CostModel, plan: IterationPlan, meta: BatchMeta) -> SimR
 def fit_steps(base: CostModel, steps: Sequence[MeasuredStep], *, anchors: Sequence[MeasuredStep] = (), jitter_draws: int = 0,
               fit_contention: bool = True, fit_overhead: bool = True) -> tuple[CostModel, CalibrationReport]:
     """``base``'s table fitted to ``steps``: per-component scales, per-call overheads, contention
-    (unless ``fit_contention=False``: ``base``'s is held) and the variability model from the action
-    times, then every component scaled by the median ratio of measured to predicted iteration time
-    (``makespan_factor``).
+    (unless ``fit_contention=False``: ``base``'s is held), the variability model and, where split
+    backwards ran, the I/W split from the action times, then every component scaled by the median
+    ratio of measured to predicted iteration time (``makespan_factor``).
 
     ``anchors``, earlier steps of other shapes, pin how cost grows with shape; ``steps`` how fast
     the machine runs now. The anchors are first brought to that speed (``MeasuredStep.slowed`` by

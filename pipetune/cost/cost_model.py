@@ -38,9 +38,10 @@ its calibration scale (``LatencyTable.scales``), and each backbone stage call pa
 fixed overhead (``LatencyTable.overhead``, zero unless calibrated).
 
 A split backward's input-gradient part ``bwd_input`` is summed like ``bwd``, from each curve's
-measured ``bwd_input`` where the table has one (the profiler times it), else from
-``INPUT_GRAD_SHARE`` of its backward (attention's is its whole backward either way), plus half the
-fixed overhead; stage 0's is zero unless a trained encoder's images need its input gradient.
+``bwd_input`` where the table has one (the profiler times it, online calibration refits it:
+``pipetune.calibrate.action_fit``), else from ``INPUT_GRAD_SHARE`` of its backward (attention's is
+its whole backward either way), plus ``INPUT_GRAD_OVERHEAD`` of the fixed backward overhead; stage
+0's is zero unless a trained encoder's images need its input gradient.
 
 Messages: backbone activations ``tokens x dim``, encoder activations between encoder chunks
 ``images x patches x encoder dim``, image features to backbone stage 0 ``images x tokens per image
@@ -66,9 +67,23 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 # The input-gradient share of each component's backward, what a split backward's ``I`` takes (the
 # weight gradient ``W`` takes the rest): attention cores have no weights; a matmul's two
 # gradients cost one forward each; the embedding's input (token ids) needs no gradient. A FLOPs
-# estimate, used where the table's curve has no measured ``bwd_input`` (the profiler times it);
+# estimate, used where the table's curve has no ``bwd_input`` (profiled or fitted online);
 # attention's ``I`` is its whole backward either way.
 INPUT_GRAD_SHARE = {"attention": 1.0, "linear_attention": 1.0, "rest": 0.5, "head": 0.5, "projector": 0.5, "embedding": 0.0}
+INPUT_GRAD_OVERHEAD = 0.5  # of a stage backward call's fixed seconds, what a split backward's I pays (W the rest)
+
+
+def reads_input_grad(name: str, curve: Curve) -> bool:
+    """Whether a split backward's ``I`` of component ``name`` is read off its curve's ``bwd_input``
+    rather than ``INPUT_GRAD_SHARE`` of its backward: never for attention (no weights: its ``I`` is
+    its whole backward)."""
+    return curve.bwd_input is not None and name != "attention"
+
+
+def input_grad_values(name: str, curve: Curve) -> np.ndarray:
+    """A split backward's ``I`` of component ``name`` at its curve's grid points, as the cost model
+    prices it."""
+    return curve.bwd_input if reads_input_grad(name, curve) else INPUT_GRAD_SHARE[name] * curve.bwd
 
 
 @dataclass(frozen=True)
@@ -168,7 +183,7 @@ def _growth(x: np.ndarray, kind: str) -> np.ndarray:
 
 
 def lookup(curve: Curve, x: np.ndarray, which: str) -> tuple[np.ndarray, int]:
-    """Curve value at ``x`` (``which``: fwd, bwd or a measured bwd_input; see module doc for
+    """Curve value at ``x`` (``which``: fwd, bwd or the curve's bwd_input; see module doc for
     below/above the grid); returns (values, # extrapolated)."""
     x = np.asarray(x, dtype=np.float64)
     vals = getattr(curve, which)
@@ -207,7 +222,7 @@ class CostModel:
         self.encoder_bytes_per_image_chunk = np.array([vit_activation_bytes_per_image(
             model, table.tp, self.dtype_bytes, recompute=self.recompute_encoder, layers=int(n)) for n in chunk_layers])
         self.weight_copy_bytes, self.projector_copy_bytes, self.encoder_weight_copy_bytes = self._weight_copies()
-        self.input_grad_measured = any(c.bwd_input is not None for n, c in table.curves.items() if n in INPUT_GRAD_SHARE and n != "attention")
+        self.input_grad_curves = any(reads_input_grad(n, c) for n, c in table.curves.items() if n in INPUT_GRAD_SHARE)
 
     def _weight_copies(self) -> tuple[np.ndarray, float, np.ndarray]:
         """With master weights (``LatencyTable.master_weights``: float32 weights under autocast, a
@@ -240,12 +255,12 @@ class CostModel:
         return self.layout.placement(encoder=self.table.model.encoder is not None, encoder_trained=self.encoder_trainable)
 
     def _curve(self, name: str, x: np.ndarray, which: str) -> tuple[np.ndarray, int]:
-        """``which``: fwd, bwd or bwd_input (measured where the curve has it, except attention's,
-        which is its whole backward; else ``INPUT_GRAD_SHARE`` of the backward)."""
+        """``which``: fwd, bwd or bwd_input (the curve's where ``reads_input_grad``, else
+        ``INPUT_GRAD_SHARE`` of the backward)."""
         if name not in self.table.curves:
             return np.zeros(len(x)), 0
         curve = self.table.curves[name]
-        if which == "bwd_input" and (curve.bwd_input is None or name == "attention"):
+        if which == "bwd_input" and not reads_input_grad(name, curve):
             values, n = lookup(curve, x, "bwd")
             return INPUT_GRAD_SHARE[name] * values, n
         values, n = lookup(curve, x, which)
@@ -290,7 +305,7 @@ class CostModel:
         out: dict[str, dict[str, np.ndarray]] = {}
         extrapolated = 0
         count = {"rest": self.layers, "attention": self.full_layers, "linear_attention": self.linear_layers}
-        for which in ("fwd", "bwd", "bwd_input") if self.input_grad_measured else ("fwd", "bwd"):
+        for which in ("fwd", "bwd", "bwd_input") if self.input_grad_curves else ("fwd", "bwd"):
             parts, n = self.per_layer(shapes, which)
             extrapolated += n if which != "bwd_input" else 0
             for name, v in parts.items():
@@ -305,7 +320,7 @@ class CostModel:
                 col = np.zeros((m, S))
                 col[:, stage] = v
                 out.setdefault(name, {})[which] = col
-        if not self.input_grad_measured:  # the shares alone: no third round of lookups
+        if not self.input_grad_curves:  # the shares alone: no third round of lookups
             for name, p in out.items():
                 p["bwd_input"] = INPUT_GRAD_SHARE[name] * p["bwd"]
         return out, extrapolated
@@ -357,6 +372,12 @@ class CostModel:
             out[:, 0] += self.image_units(shapes) * model.tokens_per_image * widths * self.dtype_bytes / self.table.tp
         return out
 
+    def input_grad_idle(self, shapes: MicroBatchShapes) -> np.ndarray:
+        """Per micro-batch, whether stage 0's ``I`` has nothing to do: its input needs a gradient
+        only for a trained encoder's images; elsewhere ``W`` runs the whole backward (torch's
+        first-stage rule)."""
+        return ~(self.encoder_trainable & (shapes.images > 0))
+
     def _message(self, nbytes: np.ndarray) -> np.ndarray:
         return self.table.p2p["latency_s"] + nbytes / self.table.p2p["bytes_per_s"]
 
@@ -367,7 +388,7 @@ class CostModel:
         bwd = np.zeros((m, S))
         fwd += self.table.fixed("fwd")
         bwd += self.table.fixed("bwd")
-        bwd_input = bwd * 0.5
+        bwd_input = bwd * INPUT_GRAD_OVERHEAD
         for name, p in parts.items():
             fwd += self.table.scale(name) * p["fwd"]
             bwd += self.table.scale(name) * p["bwd"]
@@ -390,9 +411,7 @@ class CostModel:
             encoder_p2p = self._message(images * enc.patches_per_image * enc.dim * self.dtype_bytes)
             feature_p2p = self._message(images * enc.tokens_per_image * enc.merged_dim * self.dtype_bytes)
         weight_grad = self.weight_grad_bytes(shapes)
-        # stage 0's input needs a gradient only for a trained encoder's images: elsewhere its I has
-        # nothing to do and W runs the whole backward (torch's first-stage rule)
-        idle = ~(self.encoder_trainable & (shapes.images > 0))
+        idle = self.input_grad_idle(shapes)
         bwd_input[idle, 0] = 0.0
         weight_grad[idle, 0] = 0.0
         return StageCosts(

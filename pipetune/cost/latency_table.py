@@ -6,7 +6,8 @@ File format (JSON, ``format = "pipetune.latency_table"``, ``version = 1``)::
      "model": ModelConfig dict, "model_fingerprint",
      "curves": {name: {"x": what the grid counts, "grid": [...], "fwd": [...], "bwd": [...],
                        "bwd_input": [...]}},  # optional: the input-gradient part of bwd, timed
-                                          # alone (a split backward's I; see cost_model)
+                                          # alone or fitted by online calibration (a split
+                                          # backward's I; see cost_model)
      "memory": {"layer_bytes_per_token", "embedding_bytes_per_token", "head_bytes_per_token",
                 "image_feature_bytes", "projector_bytes_per_image"},
      "p2p": {"latency_s", "bytes_per_s"},
@@ -95,7 +96,8 @@ class LatencyTableError(ValueError):
 @dataclass(frozen=True)
 class Curve:
     """Latency of one component as a function of one size (``grid``), forward and backward, and
-    the backward's input-gradient part where it was measured (``bwd_input``, else None)."""
+    the backward's input-gradient part where it was profiled or fitted online (``bwd_input``, else
+    None)."""
 
     x: str
     grid: np.ndarray
