@@ -41,8 +41,12 @@ its ``pipelining_fn`` split, chunk ``c`` on rank ``c mod P``), whose parts the e
 chunks of one plan; ``InterleavedZeroBubble`` the same with every backbone backward split into
 input and weight gradients (``pipetune.split_backward``: off, on, or auto, chosen per iteration).
 
-Limits: no context parallelism; DIP's separated layout, virtual stages and split backward only
-without data or tensor parallelism (``titan.job_checks`` refuses the rest at config time).
+Virtual stages and split backward run beside data and tensor parallelism as they run alone:
+FSDP gathers and reduces every part of the rank once per step (``FsdpStep``), and TP's own
+backward collectives run inside the ``I`` actions of both TP ranks alike.
+
+Limits: no context parallelism; DIP's separated layout only without data or tensor parallelism
+(``titan.job_checks`` refuses the rest at config time).
 Compute in ``training.mixed_precision_param`` (with FSDP its mixed-precision policy casts the
 weights, without it float32 weights under autocast, whose per-forward weight copies the planner
 counts: ``titan.job_checks.with_job_weights``). The executor has run on one GPU
@@ -175,7 +179,7 @@ class PipeTuneTrainer(Trainer):
         self.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=config.comm.init_timeout_seconds))
         self.sequence_shards = dims.tp if dims.tp_enabled and config.parallelism.enable_sequence_parallel else 1
         self.executor = self._build_executor(config.pipetune, dims.pp)
-        self.fsdp = FsdpStep(self.model_parts[0]) if dims.dp_enabled else None
+        self.fsdp = FsdpStep(self.model_parts) if dims.dp_enabled else None
         tp = dims.get_optional_mesh("tp")
         self.tp_rank = tp.get_local_rank() if tp is not None else 0
         self.tp_grads = TensorParallelGrads(self.model_parts, dims.tp, group=tp.get_group() if tp is not None else None)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from configs import config_registry
+from pipetune.plan.plan import IterationPlan
 from pipetune.records import StepRecord
 from titan_jobs import job_args, torchrun
 from titan_reference import unsplit_step
@@ -121,19 +122,19 @@ def test_data_parallel_steps_equal_the_unsplit_model_on_the_global_batch(job, tm
     _check_steps(ranks, records, replicas=2)
 
 
-@pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sp", "no_sp"])
-def test_tensor_parallel_steps_equal_the_unsplit_model(job, tmp_path, sequence_parallel, unsplit_backend):
-    """TP 2 x PP 2 (TorchTitan's Muse Glimmer TP plan), 3 steps of pipetune plans: with sequence
-    parallelism (micro-batches padded to even lengths, messages of half the tokens) and without,
-    the loss, every gradient joined over the TP ranks and the gradient norm every rank clips by
-    equal the unsplit model's."""
-    ranks, records = _scale_out_job(job, tmp_path, "--parallelism.tensor_parallel_degree", "2", "--pipetune.latency_table",
-                                    str(job / "table_tp2.json"), *([] if sequence_parallel else ["--parallelism.no-enable_sequence_parallel"]))
-    mbs = [mb for a in ranks[0] for mb in a["batch"].micro_batches]
-    padded = [len(mb.cu_seqlens) - 1 > len(mb.sample_ids) for mb in mbs]  # a padding document beside the samples
-    assert any(padded) if sequence_parallel else not any(padded)
-    assert not sequence_parallel or all(mb.num_tokens % 2 == 0 for mb in mbs)
-    _check_steps(ranks, records, replicas=1)
+@pytest.mark.parametrize("degree", ["data_parallel_shard_degree", "tensor_parallel_degree"], ids=["dp", "tp"])
+def test_interleaved_zero_bubble_beside_data_or_tensor_parallelism(job, tmp_path, degree, unsplit_backend):
+    """DP 2 x PP 2 (FSDP over both of a rank's parts) and TP 2 x PP 2 (sequence parallel) under
+    TorchTitan's ``InterleavedZeroBubble``: two backbone chunks per rank, every backward split into
+    input and weight gradients, so weight gradients arrive after the input gradients that FSDP's and
+    TP's backward hooks see. Loss, gradients and norm equal the unsplit model's, as above."""
+    tp = degree == "tensor_parallel_degree"
+    ranks, records = _scale_out_job(job, tmp_path, f"--parallelism.{degree}", "2", "--parallelism.pipeline_parallel_schedule",
+                                    "InterleavedZeroBubble", *(["--pipetune.latency_table", str(job / "table_tp2.json")] if tp else []))
+    for r in records:
+        plan = IterationPlan.from_json(r.plan)
+        assert plan.placement.chunks_per_rank == 2 and plan.table().split_backward
+    _check_steps(ranks, records, replicas=1 if tp else 2)
 
 
 def test_data_parallel_job_resumes_as_if_uninterrupted(job, tmp_path):

@@ -23,9 +23,10 @@ def whole(t: torch.Tensor) -> torch.Tensor:
 def main() -> None:
     out, steps, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
     trainer = ConfigManager().parse_args(argv).build()
-    part = trainer.model_parts[0]
+    parts = trainer.model_parts  # with virtual stages, one per backbone chunk of this rank
+    named = [(name, p) for part in parts for name, p in part.named_parameters()]
     with torch.no_grad():  # Muse Glimmer zero-initialises its norm weights: at init only the final norm would get a gradient
-        for name, p in part.named_parameters():
+        for name, p in named:
             noise = 0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode())))
             p.add_(distribute_tensor(noise, p.device_mesh, p.placements) if isinstance(p, DTensor) else noise)
     seen, norms = [], []
@@ -46,10 +47,10 @@ def main() -> None:
     place = {"stage": trainer.stage, "tp_rank": tp.get_local_rank() if tp is not None else 0, "replica": trainer.replica}
     it, saved = batches(), []
     for step in range(1, steps + 1):
-        weights = {k: whole(v) for k, v in part.state_dict().items()}
+        weights = {k: whole(v) for part in parts for k, v in part.state_dict().items()}
         trainer.step = step
         trainer.train_step(it)
-        grads = {n: whole(p.grad) for n, p in part.named_parameters() if p.grad is not None}
+        grads = {n: whole(p.grad) for n, p in named if p.grad is not None}
         saved.append({"weights": weights, "grads": grads, "batch": seen[-1], "grad_norm": norms[-1], **place})
     torch.save(saved, os.path.join(out, f"rank{dist.get_rank()}.pt"))
     trainer.close()

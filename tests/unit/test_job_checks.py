@@ -77,15 +77,14 @@ def test_other_schedules_refused(schedule, fix):
 
 
 @pytest.mark.parametrize("degree", ["data_parallel_shard_degree", "tensor_parallel_degree"])
-def test_virtual_stages_and_split_backward_refused_beside_data_or_tensor_parallelism(monkeypatch, degree):
+def test_virtual_stages_and_split_backward_accepted_beside_data_or_tensor_parallelism(monkeypatch, degree):
     monkeypatch.setenv("WORLD_SIZE", "4")
-    config = config_registry.muse_glimmer_mm()
-    setattr(config.parallelism, degree, 2)
-    config.parallelism.pipeline_parallel_schedule = "Interleaved1F1B"
-    assert "2 chunks per rank run without data or tensor parallelism" in _refused(config, "parallelism.pipeline_parallel_schedule")
-    config.parallelism.pipeline_parallel_schedule = "1F1B"
-    config.pipetune.split_backward = "auto"
-    assert "split backward run without data" in _refused(config, "pipetune.split_backward auto")
+    for schedule, split in (("Interleaved1F1B", "auto"), ("InterleavedZeroBubble", "off"), ("1F1B", "on")):
+        config = config_registry.muse_glimmer_mm()
+        setattr(config.parallelism, degree, 2)
+        config.parallelism.pipeline_parallel_schedule = schedule
+        config.pipetune.split_backward = split
+        refuse_unsupported(config)
 
 
 @pytest.mark.parametrize("layout", ["auto", "separated"])

@@ -54,22 +54,25 @@ def shard_part(part: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype, r
 
 
 class FsdpStep:
-    """The FSDP units of ``part`` (a model part whose root TorchTitan's ``parallelize_fn`` wrapped
-    with ``fully_shard``)."""
+    """The FSDP units of a rank's model ``parts`` (one per backbone chunk it holds; each part's root
+    wrapped with ``fully_shard`` by ``shard_part``). Split backwards need nothing more: a chunk's
+    ``W`` accumulates into the unsharded gradients that the deferred reduction sends."""
 
-    def __init__(self, part: nn.Module):
-        if not isinstance(part, FSDPModule):
-            raise ValueError(f"{type(part).__name__} is not wrapped by fully_shard; FsdpStep needs the model part's root to be")
-        self.root = part
-        self.units = [m for m in part.modules() if isinstance(m, FSDPModule)]
+    def __init__(self, parts: list[nn.Module]):
+        for part in parts:
+            if not isinstance(part, FSDPModule):
+                raise ValueError(f"{type(part).__name__} is not wrapped by fully_shard; FsdpStep needs every model part's root to be")
+        self.roots = list(parts)
+        self.units = [m for part in parts for m in part.modules() if isinstance(m, FSDPModule)]
 
     def _states(self):
-        return fully_shard.state(self.root)._state_ctx.all_states
+        return [s for root in self.roots for s in fully_shard.state(root)._state_ctx.all_states]
 
     @contextmanager
     def step(self):
         """Around one step of the executor: everything gathered first, reduced once after."""
-        fully_shard.state(self.root)._lazy_init()  # the encoder may run before the root's forward
+        for root in self.roots:
+            fully_shard.state(root)._lazy_init()  # the encoder may run before the root's forward
         for unit in self.units:
             unit.set_is_last_backward(False)
             unit.set_requires_gradient_sync(False, recurse=False)
@@ -89,6 +92,7 @@ class FsdpStep:
         for state in self._states():
             for group in state._fsdp_param_groups:
                 group.post_backward()
-        fully_shard.state(self.root)._root_post_backward_final_callback()
+        for root in self.roots:
+            fully_shard.state(root)._root_post_backward_final_callback()
         for unit in self.units:
             unit.reshard()

@@ -8,8 +8,8 @@ to set instead; ``check_table`` does the same for a latency table made for anoth
 
 Refused: pipeline schedules other than 1F1B, GPipe and the interleaved ones pipetune runs as
 virtual stages (``Interleaved1F1B``, ``InterleavedZeroBubble``), V-shaped ones (``ZBVZeroBubble``,
-``DualPipeV``) by name, and schedule CSV files; virtual stages or split backward beside data or
-tensor parallelism or DIP's separated layout, or with a searched layout (``_families``); a
+``DualPipeV``) by name, and schedule CSV files; virtual stages or split backward with DIP's
+separated layout or a searched layout (``_families``); a
 ``training.global_batch_size`` that asks for gradient accumulation;
 context parallelism, FSDP resharding after forward, CPU offload, DIP's separated layout beside data
 or tensor parallelism; TorchTitan's validator; a micro-batch size or stage split set through
@@ -146,10 +146,9 @@ def _schedule(par) -> None:
 
 
 def _families(config) -> None:
-    """Virtual stages (``V >= 2``) and split backward run co-located, even or explicit layouts
-    without data or tensor parallelism for now (the runtime's FSDP step and TP reduction hold one
-    part per rank and reduce after whole backwards; the layout search and the separated planner
-    make neither)."""
+    """Virtual stages (``V >= 2``) and split backward run on even or explicit co-located layouts
+    (neither the layout search nor the separated planner makes them), with or without data and
+    tensor parallelism."""
     par, pt = config.parallelism, config.pipetune
     if par.pipeline_parallel_schedule.lower() == "interleavedzerobubble" and pt.split_backward == SplitBackward.AUTO:
         raise ValueError("pipetune.split_backward auto: InterleavedZeroBubble always splits backwards: use Interleaved1F1B to "
@@ -163,10 +162,6 @@ def _families(config) -> None:
     if pt.layout in ("auto", "separated"):
         raise ValueError(f"pipetune.layout {pt.layout}: {what} ({setting}) run on even or explicit co-located layouts: use "
                          "--pipetune.layout even or layer counts (one per chunk)")
-    if replicas_of(config) > 1 or par.tensor_parallel_degree > 1:
-        raise ValueError(f"{setting}: {what} run without data or tensor parallelism for now: set "
-                         "--parallelism.data_parallel_shard_degree 1 and --parallelism.tensor_parallel_degree 1, or use the 1F1B "
-                         "schedule with --pipetune.split_backward off")
 
 
 def _accumulation(config) -> None:
