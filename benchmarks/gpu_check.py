@@ -17,14 +17,19 @@ Each check prints PASS, FAIL or SKIP with its figures; the exit code is 1 if any
    tests', see ``test_bf16_gradients_match_the_bf16_reference``; fp32: 1e-5 and 2e-5).
 4. ``<family> host syncs``: the executor's second step synchronises host and device 0 times in
    its action loop (``runtime.host_sync``).
-5. ``<family> memory``: the plan's weights plus the most its second step allocated
+5. ``<family> I/W split`` (split-backward families, a figure, not judged): on a second batch, the
+   measured input-gradient (``I``, torch's ``stage_backward_input``) and weight-gradient (``W``)
+   seconds, summed over the plan's backbone backwards, against the table's prediction of each
+   (its profiled ``bwd_input`` curves) and against the table refitted to the first batch's
+   timeline by online calibration (``fit_steps``, which also fits the I/W split).
+6. ``<family> memory``: the plan's weights plus the most its second step allocated
    (``max_memory_allocated``) does not exceed the plan's predicted peaks of its two ranks, summed
    (an upper bound for one process), by more than 10 %. Left out of both: Adam's moments, which
    the check never allocates, and what the first step left allocated (cuBLAS's workspaces: fixed
    per process, within the planner's ``reserve``). CPU: skipped.
 
 ``--dry-run`` runs everything on the CPU in fp32 with small sizes, as CI does: it proves that the
-script runs; the timing and memory verdicts (2, 5) are then SKIP, not judged on a shared CPU.
+script runs; the timing and memory verdicts (2, 6) are then SKIP, not judged on a shared CPU.
 """
 
 from __future__ import annotations
@@ -43,12 +48,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from pipetune.calibrate.online import MeasuredStep, fit_steps
 from pipetune.config import load_model_config
 from pipetune.cost import CostModel, StageLayout
 from pipetune.data import make_mix, write_dataset
 from pipetune.packing import PackingConfig
 from pipetune.plan.planner_config import PlannerConfig
 from pipetune.schedule import onto_ranks
+from pipetune.schedule.table import Module, Op
+from pipetune.simulate.simulator import durations
 from profiling.profile_layers import DTYPES, ProfileConfig, run_profile
 from torchtitan_patches.data import DataLoaderConfig
 from torchtitan_patches.model.vlm import build_encoder_chunks, build_stages, build_vlm
@@ -64,8 +72,8 @@ class Report:
     def __init__(self):
         self.failed = []
 
-    def __call__(self, name: str, ok: bool | None, detail: str) -> None:
-        verdict = "SKIP" if ok is None else "PASS" if ok else "FAIL"
+    def __call__(self, name: str, ok: bool | None, detail: str, *, verdict: str | None = None) -> None:
+        verdict = verdict or ("SKIP" if ok is None else "PASS" if ok else "FAIL")
         if ok is False:
             self.failed.append(name)
         print(f"{verdict:4}  {name:34} {detail}", flush=True)
@@ -132,19 +140,17 @@ def executor_check(family: Family, device: torch.device, compute_dtype: torch.dt
     layout = family.layout(model)
     planner = PlannerConfig(max_seq_len=MAX_SEQ_LEN, memory_bytes=16 * 2**30, max_mbs=4,
                             split_backward="on" if family.split else "off").build(model, CostModel(replace(table, model=model), layout))
-    plans = {}
+    plans, metas = {}, {}
 
     def packing(meta):
-        plans[meta.step] = planner.plan(meta)
+        plans[meta.step], metas[meta.step] = planner.plan(meta), meta
         return [list(mb) for mb in plans[meta.step].micro_batches]
 
     loader = DataLoaderConfig(data=work / "datamix2", gbs=GBS, max_seq_len=MAX_SEQ_LEN,
                               packing=PackingConfig(max_seq_len=MAX_SEQ_LEN)).build(model, packing_source=packing)
-    batch = next(iter(loader))
-    plan = plans[batch.step]
-    table_one = onto_ranks(plan.table(), (0,) * plan.placement.num_ranks)
-    plan = replace(plan, ranks=tuple(tuple(str(a) for a in r) for r in table_one.ranks), placement=table_one.placement,
-                   peak_bytes=(sum(plan.peak_bytes),)).validate()
+    batches = iter(loader)
+    batch = next(batches)
+    plan = on_one_rank(plans[batch.step])
 
     everything = list(range(layout.num_stages))
     if family.segments:
@@ -177,12 +183,21 @@ def executor_check(family: Family, device: torch.device, compute_dtype: torch.dt
     loss_err = abs(res.loss - ref_loss) / abs(ref_loss)
     bf16 = compute_dtype != torch.float32
     ok = set(grads) == set(ref) and loss_err <= (1e-3 if bf16 else 1e-5) and worst[0] <= (3e-2 if bf16 else 2e-5)
-    ops = "".join(sorted({a.op.value for r in table_one.ranks for a in r}))
+    ops = "".join(sorted({a.op.value for r in plan.table().ranks for a in r}))
     name = f"{family.name:15}"
     report(f"{name} = reference", ok, f"{plan.num_micro_batches} micro-batches (mbs {plan.mbs}), actions {ops}, in {compute_dtype}: loss "
            f"{res.loss:.6f} vs {ref_loss:.6f} (rel {loss_err:.1e}); worst gradient rel err {worst[0]:.1e} ({worst[1]}), "
            f"{len(judged)} of {len(ref)} tensors{'' if set(grads) == set(ref) else f'; gradients differ in {sorted(set(grads) ^ set(ref))}'}")
     report(f"{name} host syncs", res.host_syncs == 0, f"{res.host_syncs} in the second step's action loop (goal 0)")
+    if family.split:
+        step = MeasuredStep.from_timelines(planner.cost, [res.timeline], plan, metas[batch.step], res.elapsed_s)
+        fitted = fit_steps(planner.cost, [step])[0]
+        held = next(batches)  # a batch the fit has not seen
+        held_plan = on_one_rank(plans[held.step])
+        ex.run(held, held_plan)
+        timeline = ex.run(held, held_plan).timeline
+        split_timing({"table": held_plan.latencies(planner.cost, metas[held.step]), "refit": held_plan.latencies(fitted, metas[held.step])},
+                     timeline, name, report)
     if res.peak_bytes is None:
         report(f"{name} memory", None, "no device allocator statistics on CPU")
     else:
@@ -195,6 +210,29 @@ def executor_check(family: Family, device: torch.device, compute_dtype: torch.dt
                f"{predicted / 2**30:.2f} GiB (two ranks' peaks summed, Adam's moments left out; ratio {measured / predicted:.2f}); "
                f"also left out: {(base - before) / 2**20:.0f} MiB the first step left allocated (library workspaces), "
                "within the planner's reserve")
+
+
+def on_one_rank(plan):
+    """``plan`` with every rank's actions on rank 0 (its predicted peak: the ranks' peaks summed)."""
+    table = onto_ranks(plan.table(), (0,) * plan.placement.num_ranks)
+    return replace(plan, ranks=tuple(tuple(str(a) for a in r) for r in table.ranks), placement=table.placement,
+                   peak_bytes=(sum(plan.peak_bytes),)).validate()
+
+
+def split_timing(predictions: dict, timeline, name: str, report: Report) -> None:
+    """Measured seconds of a step's backbone I and W actions against each of ``predictions``
+    (latencies by what priced them)."""
+    ops = (Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
+    done = [t for t in timeline if t.action.op in ops and not t.action.is_encoder]
+
+    def split(seconds) -> str:
+        i, w = (sum(seconds(t) for t in done if t.action.op is op) for op in ops)
+        return f"I {i * 1e3:.2f} ms, W {w * 1e3:.2f} ms (I's share {i / (i + w):.2f})"
+
+    priced = "; ".join(f"{how} {split(lambda t, lat=lat: float(durations(lat, Module.BACKBONE, t.action.op)[t.action.unit, t.action.chunk]))}"
+                       for how, lat in predictions.items())
+    report(f"{name} I/W split", None, f"held-out batch: measured {split(lambda t: t.end - t.start)}; predicted by the {priced}",
+           verdict="INFO")
 
 
 def main() -> None:
