@@ -265,7 +265,9 @@ class PipeTuneTrainer(Trainer):
                                                 memory_bytes=memory, seed=seed, max_mbs=pt.max_mbs, jitter_draws=pt.jitter_draws,
                                                 split_backward=self.split_backward)) if pt.guarded else None
         if baseline is not None:
+            fewest = baseline.config.min_micro_batches
             logger.info(f"pipetune guard: baseline = {baseline.config.mode.value} packing at mbs {baseline.fixed_mbs}"
+                        + (f", at least {fewest} micro-batches" if fewest > 1 else "")
                         + (", round-robin over replicas" if self.replicas > 1 else "") + " (best fixed configuration on 8 sampled batches)")
         self.async_planner = AsyncPlanner(tuned, loader.meta, budget_s=pt.budget_s, lookahead=pt.plan_ahead)
         self.planners = [self.async_planner, *calibration, *([baseline] if baseline else [])]

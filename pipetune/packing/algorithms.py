@@ -32,7 +32,8 @@ def pack_balanced(lengths, weights, capacity: int, num_micro_batches: int | None
     among those with room for it (FLOPs are additive over documents, so that is the micro-batch
     with the lowest FLOPs now; ties go to the shortest one, the paper's fallback). A new
     micro-batch is opened only when none has room. It starts from the smallest count the capacity
-    allows, ``ceil(total tokens / capacity)``, or from ``num_micro_batches`` if that is larger.
+    allows, ``ceil(total tokens / capacity)``, or from ``num_micro_batches`` if that is larger
+    (with at least that many sequences, no micro-batch is then left empty).
     Without a binding capacity this is Graham's LPT rule: max load <= (4/3 - 1/(3m)) x optimum.
     """
     lengths = np.asarray(lengths, dtype=np.int64)

@@ -4,6 +4,9 @@ Besides the paper's modes, ``best-static`` is what a careful user would run with
 micro-batch size and one packer (original or balanced) chosen once for the whole run, the pair
 with the lowest mean simulated iteration time over the same iterations among those whose plans fit
 memory on every iteration (PipeTune compares against ``original`` at the largest mbs that fits).
+Since pipetune may spread a batch of few tokens over more micro-batches than rows (``Planner``'s
+``finer_counts``), the balanced packer at mbs 1 is also tried with each of those counts as a
+fixed minimum.
 When the planner may split backwards (``split_backward``), so may the fixed configuration: the
 split is then one more fixed choice (and virtual stages come with the cost model's layout, for
 both).
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -88,31 +92,40 @@ def compare_modes(
     out = {m: _summary(m, rows[m]) for m in planners}
     choice = pick_best_static(static, rows)
     if choice is not None:
-        packer, size, split = choice
-        out["best-static"] = _summary("best-static", rows[choice], choice=f"{packer.value} mbs={size}"
-                                      + (f" split backward {split.value}" if split is not SplitBackward.OFF else ""))
+        out["best-static"] = _summary("best-static", rows[choice], choice=choice.describe())
     return out
 
 
-StaticKey = tuple[Mode, int, SplitBackward]
+class StaticKey(NamedTuple):
+    """One fixed configuration: packer, micro-batch size, fewest micro-batches, backward split."""
+
+    packer: Mode
+    mbs: int
+    min_micro_batches: int
+    split: SplitBackward
+
+    def describe(self) -> str:
+        return (f"{self.packer.value} mbs={self.mbs}" + (f" >= {self.min_micro_batches} micro-batches" if self.min_micro_batches > 1 else "")
+                + (f" split backward {self.split.value}" if self.split is not SplitBackward.OFF else ""))
 
 
 def static_planners(model: ModelConfig, cost: CostModel, *, max_seq_len: int, memory_bytes: float, seed: int = 0,
                     max_mbs: int = 64, jitter_draws: int = 0,
                     split_backward: SplitBackward = SplitBackward.OFF) -> dict[StaticKey, Planner]:
     """One planner per fixed configuration: packer (original or balanced) x every mbs that fits x
-    each whole/split backward ``split_backward`` allows (``jitter_draws``: predict expected times, as
-    a jitter-aware planner they are compared with)."""
+    each whole/split backward ``split_backward`` allows, and on co-located layouts the balanced
+    packer at mbs 1 with each of the pipetune planner's ``finer_counts`` as its fewest micro-batches (``jitter_draws``:
+    predict expected times, as a jitter-aware planner they are compared with)."""
     splits = [SplitBackward.ON if split else SplitBackward.OFF for split in SplitBackward(split_backward).families]
-    top = {split: PlannerConfig(mode=Mode.BALANCED, max_seq_len=max_seq_len, memory_bytes=memory_bytes, max_mbs=max_mbs,
-                                split_backward=split).build(model, cost).max_mbs for split in splits}
-    return {
-        (packer, size, split): PlannerConfig(mode=packer, max_seq_len=max_seq_len, memory_bytes=memory_bytes, mbs=size, seed=seed,
-                                             jitter_draws=jitter_draws, split_backward=split).build(model, cost)
-        for packer in (Mode.ORIGINAL, Mode.BALANCED)
-        for split in splits
-        for size in range(1, top[split] + 1)
-    }
+    probes = {split: PlannerConfig(mode=Mode.BALANCED, max_seq_len=max_seq_len, memory_bytes=memory_bytes, max_mbs=max_mbs,
+                                   split_backward=split).build(model, cost) for split in splits}
+    keys = [StaticKey(packer, size, 1, split) for packer in (Mode.ORIGINAL, Mode.BALANCED) for split in splits
+            for size in range(1, probes[split].max_mbs + 1)]
+    keys += [StaticKey(Mode.BALANCED, 1, count, split) for split in splits for count in probes[split].finer_counts
+             if not cost.layout.is_separated]
+    return {k: PlannerConfig(mode=k.packer, max_seq_len=max_seq_len, memory_bytes=memory_bytes, mbs=k.mbs, seed=seed,
+                             jitter_draws=jitter_draws, split_backward=k.split, min_micro_batches=k.min_micro_batches).build(model, cost)
+            for k in keys}
 
 
 def pick_best_static(static: dict[StaticKey, Planner], rows: dict) -> StaticKey | None:

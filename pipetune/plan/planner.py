@@ -3,7 +3,10 @@
 For one batch's metadata, ``pipetune`` mode:
 
 1. candidate micro-batch sizes: ``1 .. max_mbs`` (the largest that fits memory, see
-   ``pipetune.cost.memory``), unless fixed;
+   ``pipetune.cost.memory``), unless fixed; when one-row micro-batches are fewer than ``P`` or
+   ``2 P`` (``P`` pipeline ranks), the batch is also spread over that many micro-batches of at
+   most one row (``finer_counts``; plans say mbs 1): a batch of few tokens otherwise leaves most of
+   a deep pipeline idle, and the cost model prices what smaller micro-batches lose per token;
 2. for each: balance-pack (Alg. 1), estimate stage latencies, time the packing order (the
    ``balanced`` plan at that size);
 3. visit the ``top_sizes`` sizes whose packing order is fastest, best first; skip a size whose
@@ -110,6 +113,8 @@ class Planner:
         self.encoder = model.encoder is not None
         self.families = config.split_backward.families
         self.chunks_per_rank = cost.placement().chunks_per_rank
+        ranks = cost.num_stages // self.chunks_per_rank
+        self.finer_counts = (ranks, 2 * ranks)  # micro-batch counts a batch of few tokens is also spread over
         self.correction: dict[int, float] = {}
         self._lock = threading.Lock()
 
@@ -142,11 +147,10 @@ class Planner:
             self._dags[key] = compile_schedule(table, validate=False)
         return self._dags[key]
 
-    def _candidate(self, meta: BatchMeta, mbs: int, packer: PackerKind) -> Candidate:
+    def _candidate(self, meta: BatchMeta, mbs: int, packer: PackerKind, min_micro_batches: int | None = None) -> Candidate:
         lengths = meta.table.lengths
-        packing = PackingConfig(packer=packer, mbs=mbs, max_seq_len=self.config.max_seq_len, seed=self.config.seed).build(self.model)(
-            lengths, meta.step
-        )
+        packing = PackingConfig(packer=packer, mbs=mbs, max_seq_len=self.config.max_seq_len, seed=self.config.seed,
+                                min_micro_batches=min_micro_batches or self.config.min_micro_batches).build(self.model)(lengths, meta.step)
         lat = Latencies.from_costs(self.cost.stage_costs(MicroBatchShapes.from_packing(meta.table, packing)))
         identity = np.arange(packing.num_micro_batches)
         draws, variability = self.config.jitter_draws, self.cost.table.variability
@@ -247,6 +251,11 @@ class Planner:
                 if deadline is not None and time.perf_counter() > deadline:
                     return self._fallback(meta, t0)
                 cands.append(self._candidate(meta, mbs, PackerKind.BALANCED))
+            if mode is Mode.PIPETUNE:
+                fewest = cands[0].packing.num_micro_batches
+                for count in self.finer_counts:
+                    if fewest < count <= len(meta.table.lengths):
+                        cands.append(self._candidate(meta, 1, PackerKind.BALANCED, count))
             best = min(cands, key=self._score)
             if mode in (Mode.REORDER, Mode.PIPETUNE):
                 for c in sorted(cands, key=lambda c: c.base_s * self._factor(c.mbs))[: self.config.top_sizes]:

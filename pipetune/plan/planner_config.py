@@ -40,7 +40,9 @@ class PlannerConfig:
     per-action noise that candidates are scored over (expected makespan), when the cost model's
     table has a variability model; 0 scores the deterministic makespan. ``split_backward``: see
     ``SplitBackward`` (co-located 1F1B layouts only; the stage layout's ``chunks_per_rank`` sets
-    virtual stages).
+    virtual stages). ``min_micro_batches``: pack every batch into at least that many micro-batches
+    (the balanced packer's ``PackingConfig.min_micro_batches``; a fixed choice for the fixed-size
+    modes, a floor for ``pipetune``, which also tries its own counts; co-located layouts only).
     """
 
     mode: Mode = Mode.PIPETUNE
@@ -57,6 +59,7 @@ class PlannerConfig:
     seed: int = 0
     jitter_draws: int = 0
     split_backward: SplitBackward = SplitBackward.OFF
+    min_micro_batches: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", Mode(self.mode))
@@ -72,6 +75,10 @@ class PlannerConfig:
             raise ValueError(f"mbs must be >= 1 (or None for the largest that fits), got {self.mbs}")
         if not 1 <= self.max_clusters <= 6:
             raise ValueError(f"max_clusters must be in 1..6 (6! = 720 orders), got {self.max_clusters}")
+        if self.min_micro_batches < 1:
+            raise ValueError(f"min_micro_batches must be >= 1, got {self.min_micro_batches}")
+        if self.min_micro_batches > 1 and self.mode is Mode.ORIGINAL:
+            raise ValueError(f"min_micro_batches={self.min_micro_batches} needs the balanced packer: mode original packs first-fit")
         if self.jitter_draws == 1 or self.jitter_draws < 0:
             raise ValueError(f"jitter_draws must be 0 (deterministic) or >= 2, got {self.jitter_draws}")
 
@@ -82,5 +89,7 @@ class PlannerConfig:
                 raise ValueError("jitter_draws: the separated layout's planner scores deterministic times only; use jitter_draws=0")
             if self.split_backward is not SplitBackward.OFF:
                 raise ValueError("split_backward: the separated layout's tables keep whole backwards; use split_backward=off")
+            if self.min_micro_batches > 1:
+                raise ValueError("min_micro_batches: the separated layout's planner packs the fewest micro-batches; use 1")
             return SeparatedPlanner(self, model, cost)
         return Planner(self, model, cost)

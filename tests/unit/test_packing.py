@@ -120,3 +120,28 @@ def test_validate_catches_bad_packings():
         Packing.from_groups([[0, 1], [1, 2]], 10).validate(lengths)
     with pytest.raises(ValueError, match="micro-batch 0 holds 12 tokens, over its capacity of 10"):
         Packing.from_groups([[0, 1, 2]], 10).validate(lengths)
+
+
+def test_a_fewest_count_spreads_the_batch_without_empty_micro_batches(model13b):
+    """``min_micro_batches``: every sample once, within capacity, as many micro-batches as asked
+    (or as the capacity needs, if more; one per sample at most) and none empty."""
+    rng = np.random.default_rng(2)
+    for step in range(30):
+        lengths = rng.integers(1, 3000, size=int(rng.integers(1, 40)))
+        fewest = int(rng.integers(1, 50))
+        cfg = PackingConfig(mbs=1, max_seq_len=4096, min_micro_batches=fewest)
+        p = cfg.build(model13b)(lengths, step)
+        p.validate(lengths)
+        needed = int(np.ceil(lengths.sum() / cfg.capacity))
+        assert p.num_micro_batches >= min(max(fewest, needed), len(lengths))
+        assert min(len(g) for g in p.groups()) >= 1
+        if fewest <= needed:  # the floor does not bind: the packing is the plain balanced one
+            plain = PackingConfig(mbs=1, max_seq_len=4096).build(model13b)(lengths, step)
+            assert [list(g) for g in p.groups()] == [list(g) for g in plain.groups()]
+
+
+def test_a_fewest_count_needs_the_balanced_packer():
+    with pytest.raises(ValueError, match="needs the balanced packer"):
+        PackingConfig(packer="original", min_micro_batches=4)
+    with pytest.raises(ValueError, match="min_micro_batches must be >= 1"):
+        PackingConfig(min_micro_batches=0)

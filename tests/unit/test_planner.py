@@ -334,3 +334,45 @@ def test_best_static_is_never_slower_than_a_fixed_mbs_mode_it_covers():
     for run in fixed:
         for mode in ("original", "balanced"):
             assert best <= run[mode].iter_s.mean() + 1e-12
+
+
+def test_a_batch_of_few_tokens_is_also_spread_over_more_micro_batches(setup13b):
+    """DataMix1's short samples fill about as many 8k-token rows as PP 4 has ranks. pipetune also
+    times each batch spread over P and 2P micro-batches and keeps that where it simulates faster:
+    never slower than the same search without those counts, faster on some batches, and every
+    sample still in exactly one micro-batch."""
+    model, _ = setup13b
+    tuned, plain = planner(setup13b), planner(setup13b)
+    plain.finer_counts = ()
+    assert tuned.finer_counts == (4, 8)
+    spread = 0
+    for meta in metas("datamix1", n=4):
+        a, b = tuned.plan(meta), plain.plan(meta)
+        rows = PackingConfig(mbs=1, max_seq_len=8192).build(model)(meta.table.lengths, meta.step).num_micro_batches
+        assert a.predicted_s <= b.predicted_s + 1e-12 and a.lower_bound_s <= b.lower_bound_s + 1e-12
+        assert sorted(int(s) for mb in a.micro_batches for s in mb) == sorted(int(s) for s in meta.table.ids)
+        if a.num_micro_batches > rows:
+            assert a.mbs == 1 and a.predicted_s < b.predicted_s
+            spread += 1
+    assert spread >= 2
+
+
+def test_the_best_static_configuration_may_fix_a_micro_batch_count(setup13b):
+    """The fixed configurations pipetune is compared with include the balanced packer at mbs 1
+    with each count pipetune may spread a batch over (co-located layouts; the separated planner
+    refuses the setting)."""
+    from pipetune.plan.compare import StaticKey, static_planners
+    from pipetune.plan.planner_config import SplitBackward
+
+    model, cost = setup13b
+    static = static_planners(model, cost, max_seq_len=8192, memory_bytes=A100.memory_bytes)
+    assert {k for k in static if k.min_micro_batches > 1} == {StaticKey(Mode.BALANCED, 1, n, SplitBackward.OFF) for n in (4, 8)}
+    meta = metas("datamix1", n=1)[0]
+    assert static[StaticKey(Mode.BALANCED, 1, 8, SplitBackward.OFF)].plan(meta).num_micro_batches >= 8
+    assert StaticKey(Mode.BALANCED, 1, 8, SplitBackward.OFF).describe() == "balanced mbs=1 >= 8 micro-batches"
+    with pytest.raises(ValueError, match="needs the balanced packer"):
+        PlannerConfig(mode="original", max_seq_len=8192, memory_bytes=A100.memory_bytes, min_micro_batches=2)
+    separated = CostModel(cost.table, StageLayout.even(40, 4).separated(model.encoder.n_layers, 1, 4))
+    with pytest.raises(ValueError, match="separated layout's planner packs the fewest"):
+        PlannerConfig(max_seq_len=8192, memory_bytes=A100.memory_bytes, min_micro_batches=2).build(model, separated)
+    assert not [k for k in static_planners(model, separated, max_seq_len=8192, memory_bytes=A100.memory_bytes) if k.min_micro_batches > 1]
