@@ -36,7 +36,8 @@ Timing goes in passes over all grid points (``warmup`` untimed passes, then ``re
 ones, each in a new random order), and each point takes the median of its samples: a burst of
 machine noise then hits one sample of many points instead of every sample of one point, and no
 point is always timed right after the same neighbour (which would bias small, cache-sensitive
-calls). CUDA events time GPU work. Curves are then made non-decreasing with isotonic regression
+calls). CUDA events time GPU work, each region queued behind a sleep kernel as a pipeline's host
+runs ahead of its device (``runtime.timing.Clock``). Curves are then made non-decreasing with isotonic regression
 (timing noise on small sizes would otherwise be refused by the table loader); the largest
 adjustment is recorded in the table's notes. With ``tp > 1`` the modules are one rank's shard:
 TP collectives are not measured.

@@ -38,3 +38,40 @@ def test_waiting_pushes_the_next_start_back_and_bookkeeping_is_charged_to_the_ac
     # bookkeeping around the wait (0.5 + 0.25 s) plus its 1 s of work
     assert spans == [(0.0, 2.0), (5.0, 6.75)]
     assert end == 6.875
+
+
+def test_a_gpu_region_is_queued_behind_a_sleep_that_grows_until_it_covers_the_launches(monkeypatch):
+    """On CUDA, ``Clock.measure`` puts a sleep kernel before the region's start event (so the
+    events time queued kernels, not their launches) and doubles it, up to its cap, after a region
+    whose start the device had already passed when the host finished queueing it."""
+    calls, passed = [], iter([True, True, False] + [True] * 40)
+
+    class Event:
+        def __init__(self, enable_timing):
+            self.t = None
+
+        def record(self):
+            calls.append("record")
+
+        def query(self):
+            return next(passed)
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 2.0
+
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: calls.append(cycles))
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    clock = timing.Clock(torch.device("cuda"))
+    first, top = timing.QUEUE_AHEAD_CYCLES
+    out, seconds = clock.measure(lambda: calls.append("fn") or 7)
+    assert (out, seconds) == (7, 0.002) and calls == [first, "record", "fn", "record"]
+    sleeps = [first]
+    for _ in range(25):
+        calls.clear()
+        clock.measure(lambda: None)
+        sleeps.append(calls[0])
+    assert sleeps[:4] == [first, 2 * first, 4 * first, 4 * first]  # the third region was queued in time
+    assert max(sleeps) == top and sleeps[-1] == top
