@@ -83,18 +83,6 @@ def size_overhead(base: CostModel, runs: Sequence[MeasuredStep], pairs: Sequence
                                   fit_contention=fit_contention, fit_overhead=False, penalty=np.abs)
 
 
-TUNED_TWINS_MIN = 3  # tuned twins before kappa is measured on them alone (``OnlineCalibrator``)
-TUNED_TWIN_WINDOW = 8  # the most recent tuned twins it is measured on
-
-
-class CalibrationRun(Enum):
-    """How a step ran its batch (``OnlineCalibrator``)."""
-
-    PIPELINED = "pipelined"  # the step's plan, as scheduled
-    SERIAL = "serial"  # the same plan on the serial schedule: its twin
-    SIZE_TWIN = "size twin"  # the batch at the calibration's largest micro-batch size, serially
-
-
 TUNED_TWINS_MIN = 3  # tuned twins before kappa is measured on them alone
 TUNED_TWIN_WINDOW = 8  # the most recent tuned twins it is measured on
 
