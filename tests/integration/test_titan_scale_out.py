@@ -1,4 +1,4 @@
-"""pipetune's trainer beside TorchTitan's data parallelism (FSDP) and tensor parallelism on 4 gloo
+"""pipetune's trainer beside TorchTitan's data parallelism (FSDP) and tensor parallelism on 4 and 8 gloo
 ranks: every replica runs its own plan of its share of the global batch, and each step's loss,
 gradients and gradient norm equal the unsplit model's on the whole global batch."""
 
@@ -59,7 +59,7 @@ def _reference(weights: dict, batches, dtype) -> tuple[float, dict]:
 
 
 def _check_steps(ranks: list[list[dict]], records: list[StepRecord], replicas: int) -> None:
-    """Every step of a 4-rank job: the replicas' batches partition the global batch; loss,
+    """Every step of a 4- or 8-rank job: the replicas' batches partition the global batch; loss,
     gradients (joined over TP, after FSDP's reduction) and the clipped norm equal the unsplit
     model's on the whole batch from the same weights. Gradients are compared with a float64
     reference and must be within 4x the float32 reference's own rounding error (at least 2e-5
@@ -98,11 +98,11 @@ def _check_steps(ranks: list[list[dict]], records: list[StepRecord], replicas: i
             assert a["grad_norm"] == pytest.approx(norm, rel=1e-4), f"step {step + 1}: a rank clipped by another norm"
 
 
-def _scale_out_job(job, tmp_path, *extra: str) -> None:
+def _scale_out_job(job, tmp_path, *extra: str, ranks: int = 4) -> None:
     dump = tmp_path / "dump"
     torchrun([str(WORKER), str(tmp_path), str(STEPS)] + job_args(job, dump, "--training.steps", str(STEPS), "--training.max_norm", "1e9",
-                                                                   *extra), timeout=160, ranks=4)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
+                                                                   *extra), timeout=160 if ranks == 4 else 400, ranks=ranks)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(ranks)]
     return ranks, StepRecord.read(dump / "pipetune" / "steps.jsonl")
 
 
@@ -179,3 +179,17 @@ def test_bf16_job_trains_within_bf16_tolerance_of_fp32(job, tmp_path):
     assert losses["float32"] != losses["bfloat16"]  # the bf16 job did compute in bf16
     for a, b in zip(losses["float32"], losses["bfloat16"]):
         assert b == pytest.approx(a, rel=2e-2)
+
+
+@pytest.mark.timeout(450)
+@pytest.mark.parametrize("schedule", ["1F1B", "InterleavedZeroBubble"])
+def test_data_tensor_and_pipeline_parallel_steps_equal_the_unsplit_model(job, tmp_path, schedule, unsplit_backend):
+    """DP 2 x TP 2 x PP 2 on 8 gloo ranks: FSDP over the replicas and sequence-parallel TP inside
+    each stage, with one chunk per rank or two with split backwards. Each step's loss, gradients
+    (joined over TP after FSDP's reduction) and norm equal the unsplit model's on the global batch."""
+    ranks, records = _scale_out_job(job, tmp_path, "--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree",
+                                    "2", "--pipetune.latency_table", str(job / "table_tp2.json"), "--parallelism.pipeline_parallel_schedule",
+                                    schedule, ranks=8)
+    plans = [IterationPlan.from_json(r.plan) for r in records]
+    assert {(p.placement.chunks_per_rank, p.table().split_backward) for p in plans} == {(1, False) if schedule == "1F1B" else (2, True)}
+    _check_steps(ranks, records, replicas=2)
