@@ -114,8 +114,9 @@ def static_planners(model: ModelConfig, cost: CostModel, *, max_seq_len: int, me
                     split_backward: SplitBackward = SplitBackward.OFF) -> dict[StaticKey, Planner]:
     """One planner per fixed configuration: packer (original or balanced) x every mbs that fits x
     each whole/split backward ``split_backward`` allows, and on co-located layouts the balanced
-    packer at mbs 1 with each of the pipetune planner's ``finer_counts`` as its fewest micro-batches (``jitter_draws``:
-    predict expected times, as a jitter-aware planner they are compared with)."""
+    packer at mbs 1 with each of the pipetune planner's ``finer_counts`` as its fewest
+    micro-batches (``jitter_draws``: predict expected times, as a jitter-aware planner they are
+    compared with)."""
     splits = [SplitBackward.ON if split else SplitBackward.OFF for split in SplitBackward(split_backward).families]
     probes = {split: PlannerConfig(mode=Mode.BALANCED, max_seq_len=max_seq_len, memory_bytes=memory_bytes, max_mbs=max_mbs,
                                    split_backward=split).build(model, cost) for split in splits}
