@@ -108,6 +108,12 @@ class ProfileConfig:
         if self.max_tokens < self.max_seq_len:
             raise ValueError(f"max_tokens ({self.max_tokens}) must be >= max_seq_len ({self.max_seq_len})")
 
+    @property
+    def under_autocast(self) -> bool:
+        """Whether forwards are timed under autocast: master weights in a reduced dtype (in float32
+        there is nothing to cast)."""
+        return self.master_weights and self.dtype != "float32"
+
 
 def _geom(lo: int, hi: int, n: int) -> list[int]:
     return sorted({int(round(x)) for x in np.geomspace(lo, hi, n)} | {hi})
@@ -186,21 +192,17 @@ class _Profiler:
             self.delta_net = self._prep(gated_delta_net(b, tp=tp))
             self.linear_doc_len = linear_doc_len(model, cfg)
 
-    @property
-    def autocast(self) -> bool:
-        return self.cfg.master_weights and self.dtype != torch.float32
-
     def _prep(self, module: torch.nn.Module) -> torch.nn.Module:
         """Move to the device; without master weights cast real floating tensors to the compute
         dtype (RoPE's complex cache stays complex)."""
         module.to(self.device)
-        return module if self.autocast else _cast(module, self.dtype)
+        return module if self.cfg.under_autocast else _cast(module, self.dtype)
 
     def _rand(self, *shape, grad=True):
         return torch.randn(*shape, device=self.device, dtype=self.dtype, requires_grad=grad)
 
     def _time(self, make, fwd, backward=True):
-        if self.autocast:
+        if self.cfg.under_autocast:
             plain = fwd
 
             def fwd(*inputs):
@@ -261,7 +263,7 @@ class _Profiler:
         """Saved activation bytes per token (per image), measured on the modules held in the compute
         dtype: with master weights, the weight copies each forward keeps are counted per micro-batch
         by the cost model instead (``CostModel.weight_copy_bytes``)."""
-        if self.autocast:
+        if self.cfg.under_autocast:
             held = copy.copy(self)
             for name in ("layer", "embedding", "norm", "head", "projector"):
                 if getattr(self, name) is not None:
@@ -424,7 +426,7 @@ def run_profile(model: ModelConfig, cfg: ProfileConfig, out: str | Path, *, prog
         estimate=False,
         torch_version=torch.__version__,
         threads=cfg.threads,
-        master_weights=cfg.master_weights and cfg.dtype != "float32",
+        master_weights=cfg.under_autocast,
         notes=tuple(notes),
     )
     table.save(out)
