@@ -223,21 +223,23 @@ def test_data_and_tensor_parallel_jobs_pass_but_not_with_the_separated_layout(mo
     assert "co-located layout" in _refused(config, "pipetune.layout separated")
 
 
-@pytest.mark.parametrize("dtype, shard, world, cp, master", [
-    ("float32", 1, 2, 1, False),  # full precision: nothing is cast
-    ("bfloat16", 1, 2, 1, True),  # pipeline only: float32 weights under autocast
-    ("bfloat16", -1, 2, 1, True),  # -1 resolves to 1 on a world of pipeline ranks only
-    ("bfloat16", -1, 4, 1, False),  # ... and to 2 here: FSDP gathers bf16 weights
-    ("bfloat16", 2, 4, 1, False),
-    ("bfloat16", 1, 4, 2, False),  # context parallelism shards weights too (TorchTitan's fsdp_enabled)
+@pytest.mark.parametrize("dtype, shard, replicate, world, cp, master", [
+    ("float32", 1, 1, 2, 1, False),  # full precision: nothing is cast
+    ("bfloat16", 1, 1, 2, 1, True),  # pipeline only: float32 weights under autocast
+    ("bfloat16", -1, 1, 2, 1, True),  # -1 resolves to 1 on a world of pipeline ranks only
+    ("bfloat16", -1, 1, 4, 1, False),  # ... and to 2 here: FSDP gathers bf16 weights
+    ("bfloat16", 2, 1, 4, 1, False),
+    ("bfloat16", 1, 2, 4, 1, False),  # a replicate degree alone: pipetune shards over it too (for_pipetune)
+    ("bfloat16", 1, 1, 4, 2, False),  # context parallelism shards weights too (TorchTitan's fsdp_enabled)
 ])
-def test_master_weights_follow_whether_fsdp_holds_the_weights(monkeypatch, dtype, shard, world, cp, master):
+def test_master_weights_follow_whether_fsdp_holds_the_weights(monkeypatch, dtype, shard, replicate, world, cp, master):
     from torchtitan_patches.titan.model_parts import master_weights_of
 
     monkeypatch.setenv("WORLD_SIZE", str(world))
     config = config_registry.muse_glimmer_mm()
     config.training.mixed_precision_param = dtype
-    config.parallelism.data_parallel_shard_degree, config.parallelism.context_parallel_degree = shard, cp
+    par = config.parallelism
+    par.data_parallel_shard_degree, par.data_parallel_replicate_degree, par.context_parallel_degree = shard, replicate, cp
     assert master_weights_of(config) is master
 
 

@@ -178,10 +178,11 @@ def dtype_name(name: str) -> str:
 def master_weights_of(config, dtype: str | None = None) -> bool:
     """Whether the job trains in reduced precision (``dtype``, default its
     ``training.mixed_precision_param``) with float32 weights under autocast, as pipetune's executor
-    does without FSDP; with FSDP (a shard degree or context parallelism above 1, as TorchTitan's
-    ``ParallelDims.fsdp_enabled``) the mixed-precision policy gathers the weights in that dtype."""
+    does with one replica; with more (``for_pipetune``: FSDP or HSDP over every data-parallel axis,
+    a replicate degree alone included) or with context parallelism, FSDP's mixed-precision policy
+    gathers the weights in that dtype."""
     reduced = dtype_name(dtype or config.training.mixed_precision_param) != "float32"
-    return reduced and _shard_degree(config) == 1 and config.parallelism.context_parallel_degree == 1
+    return reduced and replicas_of(config) == 1 and config.parallelism.context_parallel_degree == 1
 
 
 def split_for_layout(config, layout: StageLayout) -> None:
