@@ -201,15 +201,15 @@ class _Profiler:
     def _rand(self, *shape, grad=True):
         return torch.randn(*shape, device=self.device, dtype=self.dtype, requires_grad=grad)
 
-    def _time(self, make, fwd, backward=True):
+    def _time(self, curve, make, fwd, backward=True):
         if self.cfg.under_autocast:
             plain = fwd
 
             def fwd(*inputs):
                 with torch.autocast(self.device.type, dtype=self.dtype):
                     return plain(*inputs)
-        tf, tb = fwd_bwd_sample(self.clock, make, fwd, backward=backward)
-        return tf, tb, input_grad_sample(self.clock, make, fwd) if backward else 0.0
+        tf, tb = fwd_bwd_sample(self.clock, make, fwd, backward=backward, key=curve)
+        return tf, tb, input_grad_sample(self.clock, make, fwd, key=curve) if backward else 0.0
 
     def measure(self, curve: str, x: int) -> tuple[float, float, float]:
         """One (forward, backward, input-gradient part of the backward) sample of ``curve`` at size
@@ -220,39 +220,44 @@ class _Profiler:
             heads, kv, n = b.n_heads // tp, b.n_kv_heads // tp, x * docs
             meta = varlen_metadata(torch.arange(docs + 1, device=self.device) * x)
             return self._time(
+                curve,
                 lambda: (self._rand(1, n, heads, b.head_dim), self._rand(1, n, kv, b.head_dim), self._rand(1, n, kv, b.head_dim)),
                 lambda q, k, v: self.attention(q, k, v, attention_masks=meta, enable_gqa=heads != kv),
             )
         if curve == "layer":
             meta = varlen_metadata(torch.tensor(layer_doc_bounds(x), device=self.device))
             pos = torch.arange(x, device=self.device)[None]
-            return self._time(lambda: (self._rand(1, x, b.dim),), lambda h: self.layer(h, meta, pos))
+            return self._time(curve, lambda: (self._rand(1, x, b.dim),), lambda h: self.layer(h, meta, pos))
         if curve == "linear_layer":
             meta = varlen_metadata(torch.tensor(linear_doc_bounds(x, self.linear_doc_len)), self.device)
-            return self._time(lambda: (self._rand(1, x, b.dim),), lambda h: self.delta_net(h, meta))
+            return self._time(curve, lambda: (self._rand(1, x, b.dim),), lambda h: self.delta_net(h, meta))
         if curve == "linear_projections":
             dn = self.delta_net
             ins = (dn.in_proj_q, dn.in_proj_k, dn.in_proj_v, dn.in_proj_z, dn.in_proj_a, dn.in_proj_b)
             return self._time(
+                curve,
                 lambda: (self._rand(1, x, b.dim), self._rand(1, x, dn.out_proj.in_features)),
                 lambda h, o: sum(p(h).sum() for p in ins) + dn.out_proj(o).sum(),
             )
         if curve == "embedding":
             return self._time(
+                curve,
                 lambda: (torch.randint(0, b.vocab_size // tp, (1, x), device=self.device),), lambda t: self.embedding(t)
             )
         if curve == "head":
             labels = torch.randint(0, b.vocab_size // tp, (x,), device=self.device)
             return self._time(
+                curve,
                 lambda: (self._rand(1, x, b.dim),),
                 lambda h: F.cross_entropy(self.head(self.norm(h))[0].float(), labels, reduction="sum"),
             )
         enc = self.model.encoder
         if curve == "projector":
-            return self._time(lambda: (self._rand(x, enc.tokens_per_image, enc.merged_dim),), lambda f: self.projector(f))
+            return self._time(curve, lambda: (self._rand(x, enc.tokens_per_image, enc.merged_dim),), lambda f: self.projector(f))
         if curve == "encoder":
             side = enc.image_size // enc.patch_size
             return self._time(
+                curve,
                 lambda: (self._rand(x * enc.patches_per_image, enc.patch_dim, grad=not enc.frozen),),
                 lambda p: self.encoder(p, ((side, side),) * x),
                 backward=not enc.frozen,

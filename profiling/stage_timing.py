@@ -53,7 +53,8 @@ class StageTimer:
             return 0.0
         pixels = mb.pixel_values.to(self.device)
         with self._autocast():
-            return fwd_bwd_sample(self.clock, lambda: (pixels,), lambda p: self.encoder(p, mb.image_grids), backward=False)[0]
+            return fwd_bwd_sample(self.clock, lambda: (pixels,), lambda p: self.encoder(p, mb.image_grids), backward=False,
+                                   key="encoder")[0]
 
     def stage_seconds(self, mb: PackedMicroBatch, stage: int) -> tuple[float, float]:
         """(forward, backward) seconds of ``mb`` on ``stage``."""
@@ -78,7 +79,7 @@ class StageTimer:
                 y = mod(x, **kwargs)
             return token_loss_sum(y, mb.labels[None]) if mod.is_last else y
 
-        return fwd_bwd_sample(self.clock, make, run, backward=True)
+        return fwd_bwd_sample(self.clock, make, run, backward=True, key=stage)
 
 
 def sample_micro_batches(

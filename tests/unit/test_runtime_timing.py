@@ -43,7 +43,7 @@ def test_waiting_pushes_the_next_start_back_and_bookkeeping_is_charged_to_the_ac
 def test_a_gpu_region_is_queued_behind_a_sleep_that_grows_until_it_covers_the_launches(monkeypatch):
     """On CUDA, ``Clock.measure`` puts a sleep kernel before the region's start event (so the
     events time queued kernels, not their launches) and doubles it, up to its cap, after a region
-    whose start the device had already passed when the host finished queueing it."""
+    whose start the device had already passed when the host finished queueing it, per region key."""
     calls, passed = [], iter([True, True, False] + [True] * 40)
 
     class Event:
@@ -75,3 +75,9 @@ def test_a_gpu_region_is_queued_behind_a_sleep_that_grows_until_it_covers_the_la
         sleeps.append(calls[0])
     assert sleeps[:4] == [first, 2 * first, 4 * first, 4 * first]  # the third region was queued in time
     assert max(sleeps) == top and sleeps[-1] == top
+    passed = iter([False] * 3)
+    for key in ("embedding", "embedding", None):  # another region starts from the shortest sleep; each keeps its own
+        calls.clear()
+        clock.measure(lambda: None, key)
+        sleeps.append(calls[0])
+    assert sleeps[-3:] == [first, first, top]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from typing import Callable
+from typing import Callable, Hashable
 
 import torch
 
@@ -23,27 +23,32 @@ class Clock:
     device instead, a decoder layer of an 8B model's width (bf16 under autocast, 256-4096 tokens,
     an H100) read 13-67 % longer in forward and 16-46 % in backward than per layer of a chain of
     eight run back to back. When the device reached the region
-    before its kernels were all queued, the sleep doubles for the next region (up to
-    ``QUEUE_AHEAD_CYCLES[1]``), so warm-up calls set it; ``torch.cuda._sleep`` is torch's own
-    test helper for this."""
+    before its kernels were all queued, the sleep doubles for the next region of the same ``key``
+    (up to ``QUEUE_AHEAD_CYCLES[1]``), so warm-up calls set it; ``torch.cuda._sleep`` is torch's
+    own test helper for this. Queueing a region takes about as long whatever its size, but regions
+    differ (a decoder layer's backward launches many more kernels than an embedding's forward), so
+    callers key the sleep by region: one sleep for all made every region wait as long as the one
+    slowest to queue (a GPU check took 200 s instead of 80 s)."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self.cycles = QUEUE_AHEAD_CYCLES[0]
+        self.cycles: dict[Hashable, int] = {}
 
     def sync(self) -> None:
         if self.cuda:
             torch.cuda.synchronize()
 
-    def measure(self, fn: Callable[[], object]) -> tuple[object, float]:
+    def measure(self, fn: Callable[[], object], key: Hashable = None) -> tuple[object, float]:
         if self.cuda:
-            torch.cuda._sleep(self.cycles)
+            cycles = self.cycles.get(key, QUEUE_AHEAD_CYCLES[0])
+            torch.cuda._sleep(cycles)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             out = fn()
             end.record()
             if start.query():  # the device got to the region while the host was still queueing it
-                self.cycles = min(2 * self.cycles, QUEUE_AHEAD_CYCLES[1])
+                cycles = min(2 * cycles, QUEUE_AHEAD_CYCLES[1])
+            self.cycles[key] = cycles
             end.synchronize()
             return out, start.elapsed_time(end) / 1e3
         t0 = time.perf_counter()
@@ -123,22 +128,25 @@ class ActionTimeline:
         return [(a - self.t0, b - self.t0) for a, b in self._spans], time.perf_counter() - self.t0
 
 
-def fwd_bwd_sample(clock: Clock, make_inputs: Callable[[], tuple], forward: Callable[..., torch.Tensor], *, backward: bool) -> tuple[float, float]:
-    """One timed forward (and backward) on freshly built inputs (building them is not timed)."""
+def fwd_bwd_sample(clock: Clock, make_inputs: Callable[[], tuple], forward: Callable[..., torch.Tensor], *, backward: bool,
+                   key: Hashable = None) -> tuple[float, float]:
+    """One timed forward (and backward) on freshly built inputs (building them is not timed);
+    ``key`` names the region for the clock's sleep (``Clock``)."""
     inputs = make_inputs()
     clock.sync()
     if not backward:
         with torch.no_grad():
-            _, tf = clock.measure(lambda: forward(*inputs))
+            _, tf = clock.measure(lambda: forward(*inputs), (key, "forward"))
         return tf, 0.0
-    out, tf = clock.measure(lambda: forward(*inputs))
+    out, tf = clock.measure(lambda: forward(*inputs), (key, "forward"))
     grad = torch.ones_like(out)
     clock.sync()
-    _, tb = clock.measure(lambda: out.backward(grad))
+    _, tb = clock.measure(lambda: out.backward(grad), (key, "backward"))
     return tf, tb
 
 
-def input_grad_sample(clock: Clock, make_inputs: Callable[[], tuple], forward: Callable[..., torch.Tensor]) -> float:
+def input_grad_sample(clock: Clock, make_inputs: Callable[[], tuple], forward: Callable[..., torch.Tensor], *,
+                      key: Hashable = None) -> float:
     """Seconds of the input-gradient part of one backward (a split backward's ``I``) on freshly
     built inputs: ``autograd.grad`` towards the inputs that require grad runs no weight-gradient
     kernel they do not need. The forward is not timed; 0 when no input is differentiable."""
@@ -149,7 +157,7 @@ def input_grad_sample(clock: Clock, make_inputs: Callable[[], tuple], forward: C
     out = forward(*inputs)
     grad = torch.ones_like(out)
     clock.sync()
-    _, ti = clock.measure(lambda: torch.autograd.grad(out, wanted, grad_outputs=grad))
+    _, ti = clock.measure(lambda: torch.autograd.grad(out, wanted, grad_outputs=grad), (key, "input_grad"))
     return ti
 
 
