@@ -118,17 +118,21 @@ UNKNOWNS = (*CURVES, "fwd_s", "bwd_s")
 class Design:
     """Calibration's linear system for some observations: row ``i`` of ``X`` holds the unscaled
     contribution of each of ``UNKNOWNS`` to observation ``i``, whose measured seconds are ``y[i]``,
-    of which the fraction ``overlap[i]`` ran while another rank was busy. Rows depend on a table's
+    of which the fraction ``overlap[i]`` ran while another rank was busy; ``input_grad[i]``: it
+    observes a split backward's ``I`` alone. Rows depend on a table's
     curves and the stage layout only, not on its scales, overheads or contention, so they can be
     built once and refitted many times (sliding windows, leave-one-out)."""
 
     X: np.ndarray
     y: np.ndarray
     overlap: np.ndarray | None = None
+    input_grad: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.overlap is None:
             object.__setattr__(self, "overlap", np.zeros(len(self.y)))
+        if self.input_grad is None:
+            object.__setattr__(self, "input_grad", np.zeros(len(self.y), bool))
 
     @classmethod
     def of(cls, cost: CostModel, observations: list[Observation]) -> "Design":
@@ -150,15 +154,17 @@ class Design:
             rows.append(row + [float("fwd" in which), float("bwd" in which) + INPUT_GRAD_OVERHEAD * ("bwd_input" in which)])
         y = np.asarray([o.seconds for o in observations], dtype=np.float64)
         shared = np.asarray([o.concurrent_s for o in observations], dtype=np.float64)
-        return cls(np.asarray(rows).reshape(-1, len(UNKNOWNS)), y, np.clip(shared / np.where(y > 0, y, 1.0), 0.0, 1.0))
+        return cls(np.asarray(rows).reshape(-1, len(UNKNOWNS)), y, np.clip(shared / np.where(y > 0, y, 1.0), 0.0, 1.0),
+                   np.array([o.part is Part.INPUT_GRAD for o in observations], bool))
 
     @classmethod
     def stack(cls, designs: list["Design"]) -> "Design":
-        return cls(np.vstack([d.X for d in designs]), np.concatenate([d.y for d in designs]), np.concatenate([d.overlap for d in designs]))
+        return cls(np.vstack([d.X for d in designs]), np.concatenate([d.y for d in designs]), np.concatenate([d.overlap for d in designs]),
+                   np.concatenate([d.input_grad for d in designs]))
 
     def rows(self, mask: np.ndarray) -> "Design":
         """The rows ``mask`` selects."""
-        return Design(self.X[mask], self.y[mask], self.overlap[mask])
+        return Design(self.X[mask], self.y[mask], self.overlap[mask], self.input_grad[mask])
 
     def slowdown(self, contention: float) -> np.ndarray:
         """Per row, measured over uncontended time under ``contention``: ``1 + kappa phi`` with
@@ -174,10 +180,6 @@ class Design:
         """Rows observing encoder work, a chunk's forward or backward (its only non-zero unknown is
         the encoder scale)."""
         return self.X[:, UNKNOWNS.index("encoder")] > 0
-
-    def input_grad_rows(self) -> np.ndarray:
-        """Rows observing a split backward's ``I`` alone (the only rows paying part of a backward call)."""
-        return self.X[:, UNKNOWNS.index("bwd_s")] == INPUT_GRAD_OVERHEAD
 
 
 def calibrate(table: LatencyTable, cost: CostModel, observations: list[Observation]) -> tuple[LatencyTable, CalibrationReport]:
@@ -212,8 +214,7 @@ def calibrate_design(table: LatencyTable, design: Design, *, fit_contention: boo
     overheads. ``I`` rows are fitted after the rest (see the module doc)."""
     if (design.y <= 0).any():
         raise ValueError("calibration observations must have positive measured times")
-    inputs = design.input_grad_rows()
-    split, design = design.rows(inputs), design.rows(~inputs)
+    split, design = design.rows(design.input_grad), design.rows(~design.input_grad)
     X, y = design.X, design.y
     if not len(y):
         raise ValueError("calibration needs at least one measured observation")

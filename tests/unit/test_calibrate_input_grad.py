@@ -124,7 +124,7 @@ def test_a_split_timeline_times_each_input_gradient_alone(machine):
     whole = [o for o in obs if o.part is Part.BOTH]
     assert sum(o.seconds for o in whole) == pytest.approx(float((costs.fwd + costs.bwd).sum()))
     design = Design.of(base, obs)
-    assert design.input_grad_rows().sum() == plan.num_micro_batches * (plan.num_stages - 1)
+    assert design.input_grad.sum() == plan.num_micro_batches * (plan.num_stages - 1)
     assert design.stage_work_rows().sum() == len(whole)
 
 
@@ -158,7 +158,7 @@ def test_skipping_the_input_gradient_fit_fails_the_accuracy_check(machine, monke
 def test_input_gradient_rows_leave_the_whole_backward_fit_as_it_was(machine):
     _, base, _, _ = machine
     design = Design.stack([s.design for s in measured_steps(machine, "on")])
-    inputs = design.input_grad_rows()
+    inputs = design.input_grad
     assert inputs.any()
     with_i, with_report = calibrate_design(base.table, design)
     without_i, without_report = calibrate_design(base.table, design.rows(~inputs))
@@ -177,7 +177,7 @@ def test_without_split_timelines_the_refit_is_exactly_as_before(machine):
     _, base, _, _ = machine
     steps = measured_steps(machine, "off")
     assert not any(a.op is Op.BACKWARD_INPUT for s in steps for r in s.plan.table().ranks for a in r)
-    assert not any(s.design.input_grad_rows().any() for s in steps)
+    assert not any(s.design.input_grad.any() for s in steps)
     cost, report = fit_steps(base, steps)
     assert report.input_grad == {}
     assert all(cost.table.curves[n] is c for n, c in base.table.curves.items())  # no split written
@@ -206,7 +206,7 @@ def test_a_fitted_part_never_exceeds_its_backward(machine):
     backward: capped there, and the table still loads."""
     _, base, _, _ = machine
     design = Design.stack([s.design for s in measured_steps(machine, "on")])
-    slow = replace(design, y=np.where(design.input_grad_rows(), 1.6 * design.y, design.y))
+    slow = replace(design, y=np.where(design.input_grad, 1.6 * design.y, design.y))
     table, report = calibrate_design(base.table, slow)
     assert report.input_grad["rest"] == pytest.approx(2.0)  # 1 / INPUT_GRAD_SHARE["rest"]
     np.testing.assert_array_equal(table.curves["rest"].bwd_input, table.curves["rest"].bwd)
@@ -224,7 +224,7 @@ def test_stage_0_input_gradient_rows_only_for_a_trained_encoders_images(tiny, en
     if encoder == "frozen":
         assert len(design.y) == 0
         return
-    assert len(design.y) == 1 and design.input_grad_rows().all()
+    assert len(design.y) == 1 and design.input_grad.all()
     row = dict(zip(action_fit.UNKNOWNS, design.X[0]))
     assert row["projector"] == pytest.approx(0.5 * 2e-3) and row["embedding"] == 0.0 and row["bwd_s"] == 0.5 and row["fwd_s"] == 0.0
     assert "projector" in INPUT_GRAD_FITTED and "embedding" not in INPUT_GRAD_FITTED
