@@ -23,3 +23,20 @@ def job(tmp_path_factory):
         run_profile(model, ProfileConfig(max_seq_len=512, max_tokens=2048, max_images=8, points=3, repeats=1, warmup=1, p2p=False, tp=tp),
                     d / name, progress=False)
     return d
+
+
+@pytest.fixture(scope="session")
+def qwen_job(tmp_path_factory):
+    """A small generated data set and coarse latency tables of the ``qwen3_5_debug`` job's planning
+    shapes: ViT frozen or trained (its table also times its backward), on one rank or one TP 2
+    rank's shards."""
+    from profiling.profile_layers import ProfileConfig, run_profile
+
+    d = tmp_path_factory.mktemp("qwen_job")
+    write_dataset(make_mix(parse_mix("datamix2"), 100, 0), d / "data", {"mix": "datamix2"})
+    config = config_registry.qwen3_5_debug()
+    for frozen, tp, name in ((True, 1, "table.json"), (False, 1, "table_trained.json"), (False, 2, "table_tp2_trained.json")):
+        model = planning_model_config(config.model_spec, image_grid=config.pipetune.image_grid, encoder_frozen=frozen)
+        run_profile(model, ProfileConfig(max_seq_len=512, max_tokens=1024, max_images=4, points=2, repeats=1, warmup=0, p2p=False, tp=tp),
+                    d / name, progress=False)
+    return d

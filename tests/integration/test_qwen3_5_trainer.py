@@ -8,34 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from configs import config_registry
-from pipetune.data import make_mix, write_dataset
-from pipetune.data.mixes import parse_mix
 from titan_jobs import job_args, torchrun
-from torchtitan_patches.data.micro_batch import IMAGE_TOKEN_ID
-from torchtitan_patches.model.packed_attention import varlen_metadata
-from torchtitan_patches.model.vlm import token_loss_sum
-from torchtitan_patches.titan.model_spec import planning_model_config
-from torchtitan_patches.titan.qwen3_5 import block_order, mrope_positions
-from torchtitan_patches.titan.stages import collated_images
+from titan_reference import qwen3_5_unsplit_model, qwen3_5_unsplit_step
 
 WORKER = Path(__file__).with_name("titan_grad_worker.py")
 CONFIG = "qwen3_5_debug"
-
-
-@pytest.fixture(scope="module")
-def qwen_job(tmp_path_factory):
-    """A small generated data set and a coarse latency table of the job's planning shapes."""
-    from profiling.profile_layers import ProfileConfig, run_profile
-
-    d = tmp_path_factory.mktemp("qwen_job")
-    write_dataset(make_mix(parse_mix("datamix2"), 100, 0), d / "data", {"mix": "datamix2"})
-    config = getattr(config_registry, CONFIG)()
-    for frozen, name in ((True, "table.json"), (False, "table_trained.json")):  # a trained ViT's table also times its backward
-        model = planning_model_config(config.model_spec, image_grid=config.pipetune.image_grid, encoder_frozen=frozen)
-        run_profile(model, ProfileConfig(max_seq_len=512, max_tokens=1024, max_images=4, points=2, repeats=1, warmup=0, p2p=False),
-                    d / name, progress=False)
-    return d
 
 
 def _unsplit_gradients(weights: dict, batch, *, trained: bool) -> dict:
@@ -43,31 +20,10 @@ def _unsplit_gradients(weights: dict, batch, *, trained: bool) -> dict:
     MRoPE positions of ``titan.qwen3_5`` (proven equal to TorchTitan's collator's in the unit tests)."""
     from torchtitan.distributed import utils as dist_utils
 
-    config = getattr(config_registry, CONFIG)()
-    with torch.device("meta"):
-        model = config.model_spec.model.build()
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)
-    model.load_state_dict(weights, strict=True)
-    model.vision_encoder.requires_grad_(trained)
-    model.vision_encoder.merger.requires_grad_(True)
+    model = qwen3_5_unsplit_model(weights, trained=trained)
     backend, dist_utils._spmd_backend = dist_utils._spmd_backend, "partial_dtensor"  # no device mesh in this process
     try:
-        for mb in batch.micro_batches:
-            bounds = mb.cu_seqlens.tolist()
-            images = [(span.start, (span.grid[0] // 2, span.grid[1] // 2)) for span in mb.image_spans]
-            mrope = torch.from_numpy(mrope_positions(bounds, images))[None]
-            kwargs = {}
-            if mb.num_images:
-                patches, grid_thw = collated_images(mb)  # the loader's raster order; Qwen's merger wants block order
-                blocks = torch.stack([torch.nn.functional.pad(block_order(p[:h * w], (h, w), 2)[0], (0, 0, 0, len(p) - h * w))
-                                      for p, (_, h, w) in zip(patches, grid_thw.tolist())])
-                kwargs = {"pixel_values": blocks, "grid_thw": grid_thw}
-            masks = varlen_metadata(mb.cu_seqlens)
-            logits = model(mb.tokens[None], attention_masks={"quadratic_attention": masks, "deltanet": masks}, positions=mb.positions[None],
-                           mrope_positions=mrope, special_tokens={"image_id": IMAGE_TOKEN_ID, "video_id": -1}, **kwargs)
-            (token_loss_sum(logits, mb.labels[None]) / batch.num_label_tokens).backward()
+        qwen3_5_unsplit_step(model, batch)
     finally:
         dist_utils._spmd_backend = backend
     return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}

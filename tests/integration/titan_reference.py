@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from torchtitan_patches.data.micro_batch import IMAGE_TOKEN_ID
 from torchtitan_patches.model.packed_attention import varlen_metadata
 from torchtitan_patches.model.vlm import token_loss_sum
+from torchtitan_patches.titan.qwen3_5 import block_order, mrope_positions
 from torchtitan_patches.titan.stages import collated_images
 
 
@@ -25,3 +27,58 @@ def unsplit_step(model, batch) -> float:
         loss.backward()
         total += loss.detach()
     return float(total)
+
+
+def qwen3_5_unsplit_model(weights: dict | None, *, trained: bool, dtype: torch.dtype = torch.float32):
+    """The ``qwen3_5_debug`` job's model, unsplit, with ``weights`` (else TorchTitan's init) in
+    ``dtype``; its ViT trained or frozen (the merger trains either way, as under pipetune)."""
+    from configs import config_registry
+
+    with torch.device("meta"):
+        model = config_registry.qwen3_5_debug().model_spec.model.build()
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    if weights is not None:
+        model.load_state_dict(weights, strict=True)
+    model.to(dtype)
+    model.vision_encoder.requires_grad_(trained)
+    model.vision_encoder.merger.requires_grad_(True)
+    return model
+
+
+def qwen3_5_unsplit_step(model, batch) -> float:
+    """``unsplit_step`` for TorchTitan's Qwen3.5 (ViT and merger inside its forward), with the MRoPE
+    positions of ``titan.qwen3_5`` (proven equal to TorchTitan's collator's in the unit tests) and
+    the pixels in the model's dtype. Run it with TorchTitan's ``_spmd_backend`` at
+    ``partial_dtensor`` (no device mesh in the test's process)."""
+    merge, dtype, total = model.spatial_merge_size, model.tok_embeddings.weight.dtype, torch.zeros(())
+    for mb in batch.micro_batches:
+        images = [(span.start, (span.grid[0] // merge, span.grid[1] // merge)) for span in mb.image_spans]
+        mrope = torch.from_numpy(mrope_positions(mb.cu_seqlens.tolist(), images))[None]
+        kwargs = {}
+        if mb.num_images:
+            patches, grid_thw = collated_images(mb)  # the loader's raster order; Qwen's merger wants block order
+            blocks = torch.stack([torch.nn.functional.pad(block_order(p[:h * w], (h, w), merge)[0], (0, 0, 0, len(p) - h * w))
+                                  for p, (_, h, w) in zip(patches, grid_thw.tolist())])
+            kwargs = {"pixel_values": blocks.to(dtype), "grid_thw": grid_thw}
+        masks = varlen_metadata(mb.cu_seqlens)
+        logits = model(mb.tokens[None], attention_masks={"quadratic_attention": masks, "deltanet": masks}, positions=mb.positions[None],
+                       mrope_positions=mrope, special_tokens={"image_id": IMAGE_TOKEN_ID, "video_id": -1}, **kwargs)
+        loss = token_loss_sum(logits, mb.labels[None]) / batch.num_label_tokens
+        loss.backward()
+        total += loss.detach()
+    return float(total)
+
+
+def join_tensor_parallel(pieces: list[torch.Tensor], shape: torch.Size, what: str) -> torch.Tensor:
+    """A whole tensor of ``shape`` from its tensor-parallel ranks' ``pieces`` (in TP rank order):
+    shards joined along the one dim they split, or, held whole on every rank, the same on each."""
+    if pieces[0].shape == shape:
+        for k, p in enumerate(pieces[1:], 1):
+            err = float((p - pieces[0]).norm() / max(float(pieces[0].norm()), 1e-30))
+            assert err < 1e-5, f"{what}: tensor-parallel rank {k} holds another copy (relative difference {err:.2e})"
+        return pieces[0]
+    dims = [d for d, (a, b) in enumerate(zip(pieces[0].shape, shape)) if a != b]
+    assert len(dims) == 1, f"{what}: shard {tuple(pieces[0].shape)} of {tuple(shape)}"
+    return torch.cat(pieces, dim=dims[0])

@@ -201,7 +201,7 @@ def test_qwen3_5_job_is_accepted_and_what_its_mapping_lacks_is_refused():
         config.pipetune = dataclasses.replace(config.pipetune, layout=layout)
         with pytest.raises(ValueError, match=f"pipetune.layout {layout}: Qwen3.5 runs with its vision encoder on stage 0"):
             refuse_unsupported(config)
-    config = config_registry.qwen3_5_debug()
-    config.parallelism.tensor_parallel_degree = 2
-    with pytest.raises(ValueError, match="without data or tensor parallelism"):
+    for degree in ("data_parallel_shard_degree", "tensor_parallel_degree"):  # run in test_qwen3_5_scale_out
+        config = config_registry.qwen3_5_debug()
+        setattr(config.parallelism, degree, 2)
         refuse_unsupported(config)

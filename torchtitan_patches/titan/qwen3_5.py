@@ -14,7 +14,12 @@ pieces do not:
   ``VisionBlockAttention``, under the argument names TorchTitan's sharding config uses).
 
 Parameters, initialisation and the state-dict adapter stay TorchTitan's. ``parallelize_for_pipetune``
-is TorchTitan's ``parallelize_qwen3_5`` without FSDP (pipetune runs one replica per pipeline).
+is TorchTitan's ``parallelize_qwen3_5`` without FSDP: with data parallelism pipetune applies FSDP
+(HSDP) itself, one unit per decoder block, the ViT with its merger, and the root
+(``model_parts.for_pipetune``, ``runtime.data_parallel``). Tensor parallelism is the model's own
+plan (sequence-parallel decoder, Gated DeltaNet and full attention sharded by heads, the ViT by its
+linear layers), with one change: the ViT's output conversion moves to its merger
+(``merger_converts_output``), which pipetune runs on its own.
 
 ``Qwen35Stage`` runs a model part on pipetune's packed micro-batch: the document metadata feeds
 both the full-attention and the DeltaNet layers, and the 3D MRoPE positions (``mrope_positions``)
@@ -22,8 +27,11 @@ are built on the host from the documents and the image spans, on every stage (la
 tokens). ``Qwen35EncoderChunk`` runs the ViT blocks on stage 0's images; the merger (the adapter
 step) runs in stage 0's forward, so it trains while the ViT is frozen, as pipetune's projector does.
 
-Limits: the co-located layout only (the separated layout is refused in ``titan.job_checks``), no
-data or tensor parallelism yet, dense flavours only. Images come at their own resolution (the
+Limits: the co-located layout only (the separated layout is refused in ``titan.job_checks``),
+dense flavours only. Data parallelism (FSDP) and tensor parallelism are each tested beside 2
+pipeline stages on 4 gloo ranks (test_qwen3_5_scale_out: the unsplit model's gradients); DP x TP x
+PP has run once by hand (8 gloo ranks, one step, the same gradients) but has no test, and HSDP has
+not run with Qwen3.5. Images come at their own resolution (the
 loader's patch grids; ``block_order`` puts each image's patches in the merger's order). On a GPU the ViT keeps
 its dense masks (no FlexAttention) and every stage uploads its MRoPE positions each forward; none
 of this has run on a GPU. Planning prices the DeltaNet layers as linear attention (``model_spec``);
@@ -49,6 +57,7 @@ from torchtitan.models.qwen3_5 import _qwen35_deltanet_config, model_registry, p
 from torchtitan.models.qwen3_5.model import GatedDeltaKernel, GatedDeltaNet, Qwen35Model
 from torchtitan.models.qwen3_5.vision_encoder import Qwen35VisionEncoder, _compute_2d_rope_cache, _compute_learned_pos_embeds
 from torchtitan.protocols.model_spec import ModelSpec
+from torchtitan.protocols.sharding import ShardingConfig
 
 from pipetune.config.model import BackboneConfig, ConfigError
 from torchtitan_patches.model.gated_delta_cpu import causal_conv1d, gated_delta_rule
@@ -172,15 +181,30 @@ def with_cpu_paths(model_config: Qwen35Model.Config) -> Qwen35Model.Config:
     return cfg
 
 
+def merger_converts_output(encoder: Qwen35VisionEncoder) -> None:
+    """Move the encoder's output conversion (TP ``I`` -> ``R``, whose backward sums the merged
+    tokens' gradients over TP: under sequence parallelism each TP rank's decoder sends back only
+    its own slice's) from the encoder to its merger: pipetune runs the merger on its own in stage
+    0's forward (``Qwen35Stage``), never the encoder's ``forward``. Before ``parallelize``."""
+    config = encoder._sharding_config
+    if config is None or config.out_dst_shardings is None:
+        return
+    encoder.merger._sharding_config = ShardingConfig(out_src_shardings=config.out_src_shardings, out_dst_shardings=config.out_dst_shardings)
+    encoder._sharding_config = dataclasses.replace(config, out_src_shardings=None, out_dst_shardings=None)
+
+
 def parallelize_for_pipetune(model, *, parallel_dims, training, parallelism, compile_config, ac_config, dump_folder, skip_dp: bool = False):
     """TorchTitan's ``parallelize_qwen3_5``; with ``skip_dp`` (what ``PipeTuneTrainer`` asks for) its
-    steps before FSDP, in its order: the model's sharding plan, activation checkpointing, compile
-    (TorchTitan's function has no way to skip FSDP, which it applies last)."""
+    steps before FSDP, in its order: the model's sharding plan (its ViT's output conversion on the
+    merger, ``merger_converts_output``), activation checkpointing, compile (TorchTitan's function
+    has no way to skip FSDP, which it applies last)."""
     if not skip_dp:
         return parallelize_qwen3_5(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
                                    compile_config=compile_config, ac_config=ac_config, dump_folder=dump_folder)
     if parallel_dims.cp_enabled:
         raise NotImplementedError("context parallelism is not supported for Qwen3.5 (TorchTitan refuses it too)")
+    if model.vision_encoder is not None:
+        merger_converts_output(model.vision_encoder)
     if parallelism.spmd_backend == "spmd_types":
         validate_config(parallel_dims, model)
         model.parallelize(parallel_dims)

@@ -1,0 +1,100 @@
+"""TorchTitan's Qwen3.5 ``debugmodel`` (small vocabulary) under ``PipeTuneTrainer`` beside data
+parallelism (FSDP) and tensor parallelism on 4 gloo ranks, as Muse Glimmer in test_titan_scale_out:
+each step's loss, gradients and gradient norm equal the unsplit model's on the whole global batch.
+Gated DeltaNet runs its CPU path; the merger trains, the ViT's blocks too in the TP test."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipetune.records import StepRecord
+from titan_jobs import job_args, torchrun
+from titan_reference import join_tensor_parallel, qwen3_5_unsplit_model, qwen3_5_unsplit_step
+
+pytestmark = pytest.mark.timeout(150)
+WORKER = Path(__file__).with_name("titan_scale_out_worker.py")
+STEPS = 2
+
+
+@pytest.fixture
+def unsplit_backend(monkeypatch):
+    """The single-process reference runs without TorchTitan's SPMD type annotations (no mesh)."""
+    from torchtitan.distributed import utils as dist_utils
+
+    monkeypatch.setattr(dist_utils, "_spmd_backend", "partial_dtensor")
+
+
+def _scale_out_job(qwen_job, tmp_path, *extra: str) -> tuple[list[list[dict]], list[StepRecord]]:
+    dump = tmp_path / "dump"
+    torchrun([str(WORKER), str(tmp_path), str(STEPS)] + job_args(qwen_job, dump, "--training.steps", str(STEPS), "--training.max_norm", "1e9",
+                                                                   *extra, config="qwen3_5_debug"), timeout=100, ranks=4)
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)], StepRecord.read(dump / "pipetune" / "steps.jsonl")
+
+
+def _reference(weights: dict, batches, dtype, trained: bool) -> tuple[float, dict]:
+    """Loss and gradients of the unsplit model with ``weights`` on the replicas' batches in ``dtype``
+    (the ViT's blocks' too when ``trained``)."""
+    model = qwen3_5_unsplit_model(weights, trained=trained, dtype=dtype)
+    loss = sum(qwen3_5_unsplit_step(model, batch) for batch in batches)
+    return loss, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _check_steps(ranks: list[list[dict]], records: list[StepRecord], replicas: int, *, trained: bool = False) -> None:
+    """Every step: the replicas' batches partition the global batch; loss, gradients (joined over
+    TP, after FSDP's reduction) and the clipped norm equal the unsplit model's on the whole batch
+    from the same weights. Gradients are compared with a float64 reference and must be within 4x
+    the float32 reference's own rounding error, at least 1e-4 relative (Gated DeltaNet's recurrence,
+    summed in another order under TP, rounds more than attention); a missing or doubled reduction
+    is off by 30-100 %."""
+    shapes = {k: v.shape for k, v in qwen3_5_unsplit_model(None, trained=False).state_dict().items()}
+    assert sorted((r.step, r.replica) for r in records) == [(s, d) for s in range(1, STEPS + 1) for d in range(replicas)]
+    for step in range(STEPS):
+        at = [r[step] for r in ranks]
+        batches = [next(a["batch"] for a in at if a["replica"] == d) for d in range(replicas)]
+        assert len({b.num_label_tokens for b in batches}) == 1
+        ids = [set(s for mb in b.micro_batches for s in mb.sample_ids.tolist()) for b in batches]
+        assert sum(map(len, ids)) == len(set().union(*ids)) == 8  # a partition of the 8-sample global batch
+        assert any(mb.num_images for b in batches for mb in b.micro_batches)
+
+        def joined(kind: str, replica: int) -> dict:
+            mine = sorted((a for a in at if a["replica"] == replica), key=lambda a: a["tp_rank"])
+            names = {n for a in mine for n in a[kind]}
+            return {n: join_tensor_parallel([a[kind][n] for a in mine if n in a[kind]], shapes[n], f"step {step + 1}: {kind} {n}")
+                    for n in names}
+
+        weights = joined("weights", 0)
+        loss, rounded = _reference(weights, batches, torch.float32, trained)
+        _, exact = _reference(weights, batches, torch.float64, trained)
+        assert any(n.startswith("vision_encoder.merger.") for n in exact) and any(n.endswith(".attn.A_log") for n in exact)
+        assert any(n.startswith("vision_encoder.layers.") for n in exact) == trained
+        assert not [k for k, g in exact.items() if not g.abs().max() > 0], "a gradient is zero: the comparison would prove nothing"
+        assert sum(r.loss for r in records if r.step == step + 1) == pytest.approx(loss, rel=1e-5)
+        for replica in range(replicas):
+            grads = joined("grads", replica)
+            assert set(grads) == set(exact)
+            for name, g in grads.items():
+                scale = exact[name].norm()
+                err, bound = float((g.double() - exact[name]).norm() / scale), max(4 * float((rounded[name].double() - exact[name]).norm() / scale), 1e-4)
+                assert err < bound, f"step {step + 1}, replica {replica}: {name}: relative gradient error {err:.2e} (bound {bound:.2e})"
+        norm = float(torch.stack([g.norm() for g in exact.values()]).norm())
+        for a in at:
+            assert a["grad_norm"] == pytest.approx(norm, rel=1e-4), f"step {step + 1}: a rank clipped by another norm"
+
+
+def test_qwen3_5_data_parallel_steps_equal_the_unsplit_model(qwen_job, tmp_path, unsplit_backend):
+    """DP 2 x PP 2 with FSDP, 2 steps: the replicas' plans partition each global batch, and every
+    step's loss (summed over replicas), every parameter's gradient (after FSDP's reduction) and the
+    gradient norm equal the unsplit model's on the whole batch from the same weights."""
+    ranks, records = _scale_out_job(qwen_job, tmp_path, "--parallelism.data_parallel_shard_degree", "2")
+    _check_steps(ranks, records, replicas=2)
+
+
+def test_qwen3_5_tensor_parallel_steps_equal_the_unsplit_model(qwen_job, tmp_path, unsplit_backend):
+    """TP 2 x PP 2 with Qwen3.5's own TP plan (sequence parallel; Gated DeltaNet and full attention
+    sharded by heads, the ViT by its linear layers) and the ViT trained, 2 steps: loss, every
+    gradient (joined over TP; the ViT's and merger's included) and the gradient norm equal the
+    unsplit model's."""
+    ranks, records = _scale_out_job(qwen_job, tmp_path, "--parallelism.tensor_parallel_degree", "2", "--pipetune.no-freeze_vision_encoder",
+                                    "--pipetune.latency_table", str(qwen_job / "table_tp2_trained.json"))
+    _check_steps(ranks, records, replicas=1, trained=True)
