@@ -30,8 +30,8 @@ step) runs in stage 0's forward, so it trains while the ViT is frozen, as pipetu
 Limits: the co-located layout only (the separated layout is refused in ``titan.job_checks``),
 dense flavours only. Data parallelism (FSDP) and tensor parallelism are each tested beside 2
 pipeline stages on 4 gloo ranks (test_qwen3_5_scale_out: the unsplit model's gradients); DP x TP x
-PP has run once by hand (8 gloo ranks, one step, the same gradients) but has no test, and HSDP has
-not run with Qwen3.5. Images come at their own resolution (the
+PP (8 gloo ranks) and HSDP (replicate 2) have each run one step by hand with the same gradients
+but have no test. Images come at their own resolution (the
 loader's patch grids; ``block_order`` puts each image's patches in the merger's order). On a GPU the ViT keeps
 its dense masks (no FlexAttention) and every stage uploads its MRoPE positions each forward; none
 of this has run on a GPU. Planning prices the DeltaNet layers as linear attention (``model_spec``);
