@@ -43,10 +43,12 @@ input and weight gradients (``pipetune.split_backward``: off, on, or auto, chose
 
 Virtual stages and split backward run beside data and tensor parallelism as they run alone:
 FSDP gathers and reduces every part of the rank once per step (``FsdpStep``), and TP's own
-backward collectives run inside the ``I`` actions of both TP ranks alike.
+backward collectives run inside the ``I`` actions of both TP ranks alike. So does DIP's separated
+layout: every rank's encoder chunks are TP- and FSDP-sharded as stage 0's are
+(``titan.model_parts.for_pipetune``), and ``FsdpStep`` gathers and reduces them whether or not
+its replica's share has images.
 
-Limits: no context parallelism; DIP's separated layout only without data or tensor parallelism
-(``titan.job_checks`` refuses the rest at config time).
+Limits: no context parallelism (``titan.job_checks`` refuses it and the rest at config time).
 Compute in ``training.mixed_precision_param`` (with FSDP its mixed-precision policy casts the
 weights, without it float32 weights under autocast, whose per-forward weight copies the planner
 counts: ``titan.job_checks.with_job_weights``). The executor has run on one GPU

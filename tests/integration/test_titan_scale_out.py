@@ -20,14 +20,14 @@ WORKER = Path(__file__).with_name("titan_scale_out_worker.py")
 STEPS = 3
 
 
-def _unsplit_model():
+def _unsplit_model(trained: bool = False):
     spec = config_registry.muse_glimmer_mm().model_spec
     with torch.device("meta"):
         model = spec.model.build()
     model.to_empty(device="cpu")
     with torch.no_grad():
         model.init_weights(buffer_device=None)
-    model.vision_encoder.requires_grad_(False)
+    model.vision_encoder.requires_grad_(trained)
     return model
 
 
@@ -44,10 +44,10 @@ def _join(pieces: list[torch.Tensor], shape: torch.Size, what: str) -> torch.Ten
     return torch.cat(pieces, dim=dims[0])
 
 
-def _reference(weights: dict, batches, dtype) -> tuple[float, dict]:
+def _reference(weights: dict, batches, dtype, trained: bool) -> tuple[float, dict]:
     """Loss and gradients of the unsplit model with ``weights`` on the replicas' batches in
-    ``dtype``."""
-    model = _unsplit_model()
+    ``dtype`` (the vision encoder's too when ``trained``)."""
+    model = _unsplit_model(trained)
     model.load_state_dict(weights, strict=True)
     with torch.no_grad():  # not Module.to(dtype), which would cast the complex RoPE cache to a real one
         for t in [*model.parameters(), *model.buffers()]:
@@ -58,7 +58,7 @@ def _reference(weights: dict, batches, dtype) -> tuple[float, dict]:
     return loss, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _check_steps(ranks: list[list[dict]], records: list[StepRecord], replicas: int) -> None:
+def _check_steps(ranks: list[list[dict]], records: list[StepRecord], replicas: int, *, trained: bool = False) -> None:
     """Every step of a 4- or 8-rank job: the replicas' batches partition the global batch; loss,
     gradients (joined over TP, after FSDP's reduction) and the clipped norm equal the unsplit
     model's on the whole batch from the same weights. Gradients are compared with a float64
@@ -82,8 +82,9 @@ def _check_steps(ranks: list[list[dict]], records: list[StepRecord], replicas: i
             return {n: _join([a[kind][n] for a in mine if n in a[kind]], shapes[n], f"step {step + 1}: {kind} {n}") for n in names}
 
         weights = joined("weights", 0)
-        loss, rounded = _reference(weights, batches, torch.float32)
-        _, exact = _reference(weights, batches, torch.float64)
+        loss, rounded = _reference(weights, batches, torch.float32, trained)
+        _, exact = _reference(weights, batches, torch.float64, trained)
+        assert any(n.startswith("vision_encoder.") for n in exact) == trained
         assert not [k for k, g in exact.items() if not g.abs().max() > 0], "a gradient is zero: the comparison would prove nothing"
         assert sum(r.loss for r in records if r.step == step + 1) == pytest.approx(loss, rel=1e-5)
         for replica in range(replicas):
@@ -120,6 +121,33 @@ def test_data_parallel_steps_equal_the_unsplit_model_on_the_global_batch(job, tm
     gradient norm equal the unsplit model's on the whole batch from the same weights."""
     ranks, records = _scale_out_job(job, tmp_path, "--parallelism.data_parallel_shard_degree", "2")
     _check_steps(ranks, records, replicas=2)
+
+
+@pytest.mark.parametrize("dp, tp", [(2, 1), (1, 2), pytest.param(2, 2, marks=pytest.mark.timeout(450))], ids=["dp2", "tp2", "dp2-tp2"])
+def test_separated_layout_beside_data_and_tensor_parallelism(job, tmp_path, unsplit_backend, dp, tp):
+    """DIP's separated layout with a trained encoder beside DP 2 (FSDP), TP 2 (sequence parallel)
+    and both (8 ranks): every rank's encoder chunks, stage 1's (no adapter) included, are TP-sharded
+    as stage 0's are and FSDP-sharded, gathered and reduced once per step whatever its replica's
+    share of the images (a 5:5:90 mix, so that some share has none). Loss, every gradient (the
+    ViT's blocks on both stages) and the norm equal the unsplit model's, as above. The TP table is
+    the trained one relabelled TP 2: this checks numerics, not planning."""
+    import json
+
+    from pipetune.data import make_mix, write_dataset
+
+    write_dataset(make_mix("5:5:90", 300, 0), tmp_path / "data", {"mix": "5:5:90"})
+    table = json.loads((job / "table_trained.json").read_text())
+    (tmp_path / "table.json").write_text(json.dumps({**table, "tp": tp}))
+    ranks, records = _scale_out_job(job, tmp_path, "--parallelism.data_parallel_shard_degree", str(dp), "--parallelism.tensor_parallel_degree",
+                                    str(tp), "--pipetune.layout", "separated", "--pipetune.no-freeze_vision_encoder", "--pipetune.latency_table",
+                                    str(tmp_path / "table.json"), "--dataloader.dataset_path", str(tmp_path / "data"), ranks=2 * dp * tp)
+    assert all(r.separated for r in records)
+    if dp > 1:
+        assert 0 in [sum(mb.num_images for mb in step["batch"].micro_batches) for a in ranks for step in a]
+    whole = _unsplit_model().state_dict()
+    later = {n: g.shape for a in ranks if a[0]["stage"] == 1 for n, g in a[0]["grads"].items() if n.startswith("vision_encoder.layers.")}
+    assert later and any(shape != whole[n].shape for n, shape in later.items()) == (tp > 1)  # TP shards on stage 1 too
+    _check_steps(ranks, records, replicas=dp, trained=True)
 
 
 @pytest.mark.parametrize("degree", ["data_parallel_shard_degree", "tensor_parallel_degree"], ids=["dp", "tp"])

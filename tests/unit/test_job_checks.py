@@ -214,13 +214,13 @@ def test_scale_out_settings_the_runtime_does_not_honour_are_refused(section, nam
 
 
 @pytest.mark.parametrize("degree", ["data_parallel_shard_degree", "tensor_parallel_degree"])
-def test_data_and_tensor_parallel_jobs_pass_but_not_with_the_separated_layout(monkeypatch, degree):
+def test_data_and_tensor_parallel_jobs_pass_with_any_layout(monkeypatch, degree):
     monkeypatch.setenv("WORLD_SIZE", "4")
-    config = config_registry.muse_glimmer_mm()
-    setattr(config.parallelism, degree, 2)
-    refuse_unsupported(config)
-    config.pipetune.layout = "separated"
-    assert "co-located layout" in _refused(config, "pipetune.layout separated")
+    for layout in ("even", "3,5", "auto", "separated"):
+        config = config_registry.muse_glimmer_mm()
+        setattr(config.parallelism, degree, 2)
+        config.pipetune.layout = layout
+        refuse_unsupported(config)
 
 
 @pytest.mark.parametrize("dtype, shard, replicate, world, cp, master", [

@@ -37,7 +37,9 @@ VISION_UNITS = ("vision_encoder", "vision_adapter")
 
 
 def shard_part(part: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> nn.Module:
-    """FSDP (HSDP with a 2-D ``mesh``) over ``part``'s blocks, vision modules and root."""
+    """FSDP (HSDP with a 2-D ``mesh``) over ``part``'s blocks, vision modules and root. In DIP's
+    separated layout a part's ``vision_encoder`` holds the rank's encoder chunks (with or without
+    the adapter): one unit, as TorchTitan shards the whole encoder."""
     config = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False),
               "reshard_after_forward": False}  # gathered once per step by FsdpStep
     for name in VISION_UNITS:

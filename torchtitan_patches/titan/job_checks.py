@@ -11,9 +11,8 @@ virtual stages (``Interleaved1F1B``, ``InterleavedZeroBubble``), V-shaped ones (
 ``DualPipeV``) by name, and schedule CSV files; virtual stages or split backward with DIP's
 separated layout or a searched layout (``_families``); a
 ``training.global_batch_size`` that asks for gradient accumulation;
-context parallelism, FSDP resharding after forward, CPU offload, DIP's separated layout beside data
-or tensor parallelism; TorchTitan's validator; a micro-batch size or stage split set through
-TorchTitan's pipeline settings (pipetune chooses both; ``pipeline_parallel_layers_per_stage``
+context parallelism, FSDP resharding after forward, CPU offload; TorchTitan's validator; a
+micro-batch size or stage split set through TorchTitan's pipeline settings (pipetune chooses both; ``pipeline_parallel_layers_per_stage``
 only sets an interleaved schedule's stages per rank, as in TorchTitan); model families whose planning shapes are
 not mapped (``PLANNED_MODELS``), and what the Qwen3.5 mapping lacks (``_qwen3_5``).
 
@@ -94,8 +93,8 @@ def refuse_unsupported(config) -> None:
 def _scale_out(config) -> None:
     """What the data- and tensor-parallel runtime does not do (yet): FSDP resharding between
     micro-batches (``FsdpStep`` gathers once per step, so that replicas with different micro-batch
-    counts issue the same collectives), CPU offload, DIP's separated layout beside DP or TP (its
-    encoder chunks on ranks past stage 0 are neither FSDP- nor TP-sharded)."""
+    counts issue the same collectives), CPU offload. DIP's separated layout runs beside both: every
+    rank's encoder chunks are TP- and FSDP-sharded (``model_parts.for_pipetune``)."""
     par, training = config.parallelism, config.training
     if par.fsdp_reshard_after_forward != "default":
         raise ValueError(f"parallelism.fsdp_reshard_after_forward {par.fsdp_reshard_after_forward}: pipetune gathers each FSDP "
@@ -103,9 +102,6 @@ def _scale_out(config) -> None:
     if training.enable_cpu_offload:
         raise ValueError("training.enable_cpu_offload: pipetune's executor keeps the parameters on the device it computes on: "
                          "turn it off (--training.no-enable_cpu_offload)")
-    if config.pipetune.layout == "separated" and (replicas_of(config) > 1 or par.tensor_parallel_degree > 1):
-        raise ValueError("pipetune.layout separated: DIP's separated layout runs without data or tensor parallelism for now: "
-                         "use a co-located layout (even, counts, or auto, which stays co-located for such jobs)")
 
 
 def _qwen3_5(config) -> None:

@@ -107,7 +107,8 @@ def for_pipetune(parallelize_fn, encoder_chunks=()):
     sequence parallelism (``compat.muse_glimmer_tp``); ``runtime.tensor_parallel`` sums the
     gradients TorchTitan leaves to its FSDP. With ``encoder_chunks`` (DIP's separated layout: the
     encoder's block ranges), each rank's part is first cut to its encoder chunks (still on the
-    meta device: TorchTitan materialises the parts after parallelising them)."""
+    meta device: TorchTitan materialises the parts after parallelising them), and every rank's
+    chunks are TP- and FSDP-sharded as stage 0's are, so DP and TP run beside that layout too."""
     if "skip_dp" not in inspect.signature(parallelize_fn).parameters:
         raise ValueError(f"{parallelize_fn.__qualname__} cannot skip FSDP (no skip_dp argument); PipeTuneTrainer needs that")
 
@@ -120,12 +121,15 @@ def for_pipetune(parallelize_fn, encoder_chunks=()):
         if encoder_chunks and getattr(model, "vision_adapter", None) is None:
             # a part with encoder chunks but no adapter (not stage 0): Muse Glimmer's parallelize_fn
             # asserts that a vision encoder comes with its adapter, so it parallelises the part
-            # without its encoder chunks (with no TP, compile or activation checkpointing on them)
+            # without its encoder chunks; TP then applies to them alone, from their own sharding
+            # configs as on stage 0 (no compile or activation checkpointing; FSDP: shard_part below)
             chunks, model.vision_encoder = model.vision_encoder, None
             model = parallelize_fn(model, parallel_dims=parallel_dims, skip_dp=True, **kwargs)
             model.vision_encoder = chunks
-            return model
-        model = parallelize_fn(model, parallel_dims=parallel_dims, skip_dp=True, **kwargs)
+            if parallel_dims.tp_enabled:
+                chunks.parallelize(parallel_dims)
+        else:
+            model = parallelize_fn(model, parallel_dims=parallel_dims, skip_dp=True, **kwargs)
         if not parallel_dims.dp_enabled:
             return model
         training = kwargs["training"]
@@ -140,10 +144,10 @@ def for_pipetune(parallelize_fn, encoder_chunks=()):
 def choose_layout(config, model: ModelConfig, table: LatencyTable, sample, *, chunks_per_rank: int = 1) -> StageLayout:
     """``even`` or explicit counts (``chunks_per_rank x P`` of them with virtual stages);
     ``separated``: the partitioner's layout; ``auto``: the faster of the best co-located split and
-    the separated layout on the sampled batches (``sample()``, called only for those two). The
-    separated planner scores deterministic times only, so jitter-aware jobs stay co-located, and so
-    do data- and tensor-parallel jobs (``titan.job_checks``, which also keeps virtual stages to
-    even or explicit layouts)."""
+    the separated layout on the sampled batches (``sample()``, called only for those two; global
+    batches, also under data parallelism, whose replicas each run a share). The separated planner
+    scores deterministic times only, so jitter-aware jobs stay co-located (``titan.job_checks``
+    also keeps virtual stages to even or explicit layouts)."""
     layout, pp = config.pipetune.layout, config.parallelism.pipeline_parallel_degree
     if layout not in ("auto", "separated"):
         parsed = StageLayout.parse(layout, model.backbone.n_layers, pp * chunks_per_rank)
@@ -151,8 +155,7 @@ def choose_layout(config, model: ModelConfig, table: LatencyTable, sample, *, ch
     search = layout_search(config, model, table, sample())
     if layout == "separated":
         return search.partition().layout
-    single = replicas_of(config) == 1 and config.parallelism.tensor_parallel_degree == 1
-    return search.search(separated=model.encoder is not None and not config.pipetune.jitter_draws and single).best.layout
+    return search.search(separated=model.encoder is not None and not config.pipetune.jitter_draws).best.layout
 
 
 def _shard_degree(config) -> int:
