@@ -223,6 +223,25 @@ def test_data_and_tensor_parallel_jobs_pass_with_any_layout(monkeypatch, degree)
         refuse_unsupported(config)
 
 
+@pytest.mark.parametrize("shard, tp, jitter, separated", [(1, 1, 0, True), (2, 1, 0, True), (1, 2, 0, True), (2, 1, 4, False)])
+def test_auto_weighs_the_separated_layout_beside_data_and_tensor_parallelism(monkeypatch, shard, tp, jitter, separated):
+    """``auto`` searches the separated layout too, whatever the DP and TP degrees; jitter-aware jobs
+    stay co-located (the separated planner scores deterministic times only)."""
+    from types import SimpleNamespace
+
+    from torchtitan_patches.titan import model_parts
+
+    monkeypatch.setenv("WORLD_SIZE", str(2 * shard * tp))
+    config = config_registry.muse_glimmer_mm()
+    config.parallelism.data_parallel_shard_degree, config.parallelism.tensor_parallel_degree = shard, tp
+    config.pipetune.layout, config.pipetune.jitter_draws = "auto", jitter
+    asked = []
+    search = SimpleNamespace(search=lambda separated: asked.append(separated) or SimpleNamespace(best=SimpleNamespace(layout="chosen")))
+    monkeypatch.setattr(model_parts, "layout_search", lambda *args: search)
+    assert model_parts.choose_layout(config, SimpleNamespace(encoder=object()), None, lambda: []) == "chosen"
+    assert asked == [separated]
+
+
 @pytest.mark.parametrize("dtype, shard, replicate, world, cp, master", [
     ("float32", 1, 1, 2, 1, False),  # full precision: nothing is cast
     ("bfloat16", 1, 1, 2, 1, True),  # pipeline only: float32 weights under autocast
