@@ -13,7 +13,7 @@ from configs import config_registry
 from pipetune.plan.plan import IterationPlan
 from pipetune.records import StepRecord
 from titan_jobs import job_args, torchrun
-from titan_reference import unsplit_step
+from titan_reference import join_tensor_parallel, unsplit_step
 
 pytestmark = pytest.mark.timeout(170)
 WORKER = Path(__file__).with_name("titan_scale_out_worker.py")
@@ -29,19 +29,6 @@ def _unsplit_model(trained: bool = False):
         model.init_weights(buffer_device=None)
     model.vision_encoder.requires_grad_(trained)
     return model
-
-
-def _join(pieces: list[torch.Tensor], shape: torch.Size, what: str) -> torch.Tensor:
-    """A whole tensor of ``shape`` from its tensor-parallel ranks' ``pieces`` (in TP rank order):
-    shards joined along the one dim they split, or, held whole on every rank, the same on each."""
-    if pieces[0].shape == shape:
-        for k, p in enumerate(pieces[1:], 1):
-            err = float((p - pieces[0]).norm() / max(float(pieces[0].norm()), 1e-30))
-            assert err < 1e-5, f"{what}: tensor-parallel rank {k} holds another copy (relative difference {err:.2e})"
-        return pieces[0]
-    dims = [d for d, (a, b) in enumerate(zip(pieces[0].shape, shape)) if a != b]
-    assert len(dims) == 1, f"{what}: shard {tuple(pieces[0].shape)} of {tuple(shape)}"
-    return torch.cat(pieces, dim=dims[0])
 
 
 def _reference(weights: dict, batches, dtype, trained: bool) -> tuple[float, dict]:
@@ -79,7 +66,7 @@ def _check_steps(ranks: list[list[dict]], records: list[StepRecord], replicas: i
         def joined(kind: str, replica: int) -> dict:
             mine = sorted((a for a in at if a["replica"] == replica), key=lambda a: a["tp_rank"])
             names = {n for a in mine for n in a[kind]}
-            return {n: _join([a[kind][n] for a in mine if n in a[kind]], shapes[n], f"step {step + 1}: {kind} {n}") for n in names}
+            return {n: join_tensor_parallel([a[kind][n] for a in mine if n in a[kind]], shapes[n], f"step {step + 1}: {kind} {n}") for n in names}
 
         weights = joined("weights", 0)
         loss, rounded = _reference(weights, batches, torch.float32, trained)

@@ -25,9 +25,12 @@ def main() -> None:
     trainer = ConfigManager().parse_args(argv).build()
     parts = trainer.model_parts  # with virtual stages, one per backbone chunk of this rank
     named = [(name, p) for part in parts for name, p in part.named_parameters()]
+    tp = trainer.parallel_dims.get_optional_mesh("tp")
+    tp_rank = tp.get_local_rank() if tp is not None else 0
     with torch.no_grad():  # Muse Glimmer zero-initialises its norm weights: at init only the final norm would get a gradient
-        for name, p in named:
-            noise = 0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode())))
+        for name, p in named:  # TP shards get their own noise: TorchTitan initialises every TP rank's shard alike
+            seed = zlib.crc32(name.encode()) + (tp_rank if trainer.tp_grads.copies.get(p) == 1 else 0)
+            noise = 0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(seed))
             p.add_(distribute_tensor(noise, p.device_mesh, p.placements) if isinstance(p, DTensor) else noise)
     seen, norms = [], []
 
@@ -43,8 +46,7 @@ def main() -> None:
         return torch.tensor(norms[-1])
 
     trainer.clip_gradients = clip_gradients
-    tp = trainer.parallel_dims.get_optional_mesh("tp")
-    place = {"stage": trainer.stage, "tp_rank": tp.get_local_rank() if tp is not None else 0, "replica": trainer.replica}
+    place = {"stage": trainer.stage, "tp_rank": tp_rank, "replica": trainer.replica}
     it, saved = batches(), []
     for step in range(1, steps + 1):
         weights = {k: whole(v) for part in parts for k, v in part.state_dict().items()}

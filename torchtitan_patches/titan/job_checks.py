@@ -106,16 +106,12 @@ def _scale_out(config) -> None:
 
 def _qwen3_5(config) -> None:
     """What pipetune's Qwen3.5 mapping (``titan.qwen3_5``) does not do yet: the separated layout
-    (and ``auto``, which may choose it), data and tensor parallelism."""
+    (and ``auto``, which may choose it)."""
     if config.model_spec.name != "qwen3_5":
         return
-    par = config.parallelism
     if config.pipetune.layout in ("separated", "auto"):
         raise ValueError(f"pipetune.layout {config.pipetune.layout}: Qwen3.5 runs with its vision encoder on stage 0 (co-located "
                          "layouts) only: use --pipetune.layout even or layer counts such as 3,5")
-    if replicas_of(config) > 1 or par.tensor_parallel_degree > 1:
-        raise ValueError("Qwen3.5 under PipeTuneTrainer runs without data or tensor parallelism for now: set "
-                         "--parallelism.data_parallel_shard_degree 1 and --parallelism.tensor_parallel_degree 1")
 
 
 def _model(spec) -> None:
