@@ -242,6 +242,27 @@ def test_auto_weighs_the_separated_layout_beside_data_and_tensor_parallelism(mon
     assert asked == [separated]
 
 
+@pytest.mark.parametrize("shard, replicate, share", [(1, 1, 16), (2, 1, 8), (2, 2, 4)])
+def test_layout_and_baseline_are_chosen_on_batches_of_one_replicas_share(monkeypatch, shard, replicate, share):
+    """Each pipeline plans its replica's share of the global batch, so the sampled batches the
+    layout search and the guard's baseline are chosen on are that large."""
+    from types import SimpleNamespace
+
+    from torchtitan_patches.titan import model_parts
+
+    monkeypatch.setenv("WORLD_SIZE", str(2 * shard * replicate))
+    config = config_registry.muse_glimmer_mm()
+    config.parallelism.data_parallel_shard_degree, config.parallelism.data_parallel_replicate_degree = shard, replicate
+    config.dataloader.gbs = 16
+    asked = {}
+    monkeypatch.setattr(model_parts, "text_tokenizer", lambda tok: None)
+    monkeypatch.setattr(model_parts, "open_dataset", lambda path, tokenizer: SimpleNamespace(table=None))
+    monkeypatch.setattr(model_parts, "sample_batches", lambda table, model, **kw: asked.update(kw) or [])
+    config.tokenizer = SimpleNamespace(build=lambda tokenizer_path: None)
+    model_parts.sample_job_batches(config, None)
+    assert asked["gbs"] == share and asked["count"] == 8
+
+
 @pytest.mark.parametrize("dtype, shard, replicate, world, cp, master", [
     ("float32", 1, 1, 2, 1, False),  # full precision: nothing is cast
     ("bfloat16", 1, 1, 2, 1, True),  # pipeline only: float32 weights under autocast

@@ -82,11 +82,14 @@ def local_encoder_chunks(rank: int, pp: int, chunk_ranges) -> list[int]:
 
 def sample_job_batches(config, model: ModelConfig) -> list[BatchMeta]:
     """8 batches of the job's data drawn with their own seed (deterministic, so every rank draws
-    the same): the layout search and the choice of the guard's baseline are made on them."""
+    the same): the layout search and the choice of the guard's baseline are made on them. Each is
+    as large as one data-parallel replica's share (``dataloader.gbs / replicas``), what every
+    pipeline plans: a global batch's worth of rows would favour larger micro-batches and layouts
+    that need more micro-batches than a replica gets."""
     dl = config.dataloader
     tokenizer = text_tokenizer(config.tokenizer.build(tokenizer_path=config.hf_assets_path))
-    return sample_batches(open_dataset(dl.dataset_path, tokenizer=tokenizer).table, model, gbs=dl.gbs, max_seq_len=config.training.seq_len,
-                          count=8, seed=dl.seed, overlong=dl.overlong)
+    return sample_batches(open_dataset(dl.dataset_path, tokenizer=tokenizer).table, model, gbs=max(dl.gbs // replicas_of(config), 1),
+                          max_seq_len=config.training.seq_len, count=8, seed=dl.seed, overlong=dl.overlong)
 
 
 def layout_search(config, model: ModelConfig, table: LatencyTable, sample: list[BatchMeta]) -> LayoutSearch:
@@ -144,8 +147,8 @@ def for_pipetune(parallelize_fn, encoder_chunks=()):
 def choose_layout(config, model: ModelConfig, table: LatencyTable, sample, *, chunks_per_rank: int = 1) -> StageLayout:
     """``even`` or explicit counts (``chunks_per_rank x P`` of them with virtual stages);
     ``separated``: the partitioner's layout; ``auto``: the faster of the best co-located split and
-    the separated layout on the sampled batches (``sample()``, called only for those two; global
-    batches, also under data parallelism, whose replicas each run a share). The separated planner
+    the separated layout on the sampled batches (``sample()``, called only for those two; one
+    replica's share each, ``sample_job_batches``). The separated planner
     scores deterministic times only, so jitter-aware jobs stay co-located (``titan.job_checks``
     also keeps virtual stages to even or explicit layouts)."""
     layout, pp = config.pipetune.layout, config.parallelism.pipeline_parallel_degree
