@@ -3,6 +3,7 @@ TorchTitan's own collator's, and the stage wrapper + encoder chunk on a two-part
 unsplit model's loss and gradients (packed documents with images of several grids, a frozen ViT,
 a trained merger)."""
 
+import contextlib
 import copy
 import dataclasses
 import sys
@@ -141,45 +142,83 @@ def _split(model, cut):
     return first, last
 
 
+def _case():
+    """The packed micro-batch of ``LENGTHS`` and ``IMAGES``: tokens, labels, positions, document
+    bounds, image spans (sequence order) and each image's patch rows."""
+    tokens, positions, bounds, spans = _packed(LENGTHS, IMAGES)
+    gen = torch.Generator().manual_seed(3)
+    rows = [torch.from_numpy(patchify(torch.randn(3, h * 16, w * 16, generator=gen, dtype=torch.float64).numpy(), 16, 2)) for _, _, (h, w) in IMAGES]
+    return tokens, torch.roll(tokens, -1), positions, bounds, spans, rows
+
+
+def _unsplit_gradients(model) -> dict:
+    """The unsplit TorchTitan model's gradients on ``_case`` (fed as TorchTitan's collator feeds it)."""
+    tokens, labels, positions, bounds, spans, rows = _case()
+    longest = max(r.shape[0] for r in rows)  # TorchTitan's collator: block order, padded to the largest image, sequence order
+    patches = torch.stack([torch.nn.functional.pad(block_order(r, s.grid, 2)[0], (0, 0, 0, longest - r.shape[0])) for r, s in zip(rows, spans)])
+    masks = varlen_metadata(torch.from_numpy(bounds))
+    logits = model(tokens[None], pixel_values=patches, grid_thw=_grid_thw(spans),
+                   attention_masks={"quadratic_attention": masks, "deltanet": masks}, positions=positions[None],
+                   mrope_positions=_torchtitan_mrope(tokens[None], _grid_thw(spans), positions[None]),
+                   special_tokens={"image_id": IMAGE_ID, "video_id": -1})
+    torch.nn.functional.cross_entropy(logits[0], labels).backward()
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _pipelined_gradients(first, last, *, device="cpu", compute=None) -> dict:
+    """Gradients of the two parts run as pipetune runs them on ``_case`` (the encoder chunk on the
+    loader's image order, stage 0, stage 1), on ``device``, under autocast to ``compute`` if given."""
+    tokens, labels, positions, bounds, spans, rows = _case()
+    tokens, labels, positions, rows = tokens.to(device), labels.to(device), positions.to(device), [r.to(device) for r in rows]
+    cast = torch.autocast(torch.device(device).type, dtype=compute) if compute is not None else contextlib.nullcontext()
+    dtype = next(first.parameters()).dtype
+    masks = varlen_metadata(torch.from_numpy(bounds).to(device))
+    order = sorted(range(len(spans)), key=lambda i: spans[i].grid)  # the loader's feature order: images sorted by grid
+    spans = tuple(spans[i] for i in order)
+    with torch.no_grad(), cast:
+        features = Qwen35EncoderChunk(first.vision_encoder, image_grid=GRID)(torch.cat([rows[i].to(dtype) for i in order]), tuple(s.grid for s in spans))
+    assert features.shape == (sum(r.shape[0] for r in rows), first.vision_encoder.config.dim)
+    s0 = Qwen35Stage(first, is_first=True, is_last=False)
+    s1 = Qwen35Stage(last, is_first=False, is_last=True)
+    with cast:
+        hidden = s0(tokens[None], positions=positions[None], masks=masks, image_features=features, image_spans=spans)
+    sent = hidden.detach().requires_grad_()
+    with cast:
+        loss = torch.nn.functional.cross_entropy(s1(sent, positions=positions[None], masks=masks, image_spans=spans)[0], labels)
+    loss.backward()
+    hidden.backward(sent.grad)
+    with torch.no_grad(), cast:  # stage 0 without images: text embeddings only
+        assert s0(tokens[None], positions=positions[None], masks=masks).shape == hidden.shape
+    return {n: p.grad for part in (first, last) for n, p in part.named_parameters() if p.grad is not None}
+
+
+def _worst(pipelined: dict, reference: dict) -> tuple[float, str]:
+    assert set(pipelined) == set(reference)
+    assert all(g.abs().max() > 0 for g in reference.values())
+    return max((float((pipelined[n].double().cpu() - g).norm() / g.norm()), n) for n, g in reference.items())
+
+
 def test_stages_and_encoder_chunk_give_the_unsplit_models_gradients(spec):
     model = _model(spec)
     first, last = _split(model, 3)
-    tokens, positions, bounds, spans = _packed(LENGTHS, IMAGES)
-    labels = torch.roll(tokens, -1)
-    gen = torch.Generator().manual_seed(3)
-    rows = [torch.from_numpy(patchify(torch.randn(3, h * 16, w * 16, generator=gen, dtype=torch.float64).numpy(), 16, 2)) for _, _, (h, w) in IMAGES]
-    masks = varlen_metadata(torch.from_numpy(bounds))
-    loss_fn = torch.nn.functional.cross_entropy
-
-    enc = model.vision_encoder
-    longest = max(r.shape[0] for r in rows)  # TorchTitan's collator: block order, padded to the largest image, sequence order
-    patches = torch.stack([torch.nn.functional.pad(block_order(r, s.grid, 2)[0], (0, 0, 0, longest - r.shape[0])) for r, s in zip(rows, spans)])
-    mrope = _torchtitan_mrope(tokens[None], _grid_thw(spans), positions[None])
-    logits = model(tokens[None], pixel_values=patches, grid_thw=_grid_thw(spans),
-                   attention_masks={"quadratic_attention": masks, "deltanet": masks}, positions=positions[None], mrope_positions=mrope,
-                   special_tokens={"image_id": IMAGE_ID, "video_id": -1})
-    loss_fn(logits[0], labels).backward()
-    reference = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    reference = _unsplit_gradients(model)
     assert any(n.startswith("vision_encoder.merger.") for n in reference) and not any(n.startswith("vision_encoder.layers") for n in reference)
+    worst, name = _worst(_pipelined_gradients(first, last), reference)
+    assert worst < 1e-10, (name, worst)  # float64: images in grid batches vs padded to the largest differ by rounding only
 
-    order = sorted(range(len(spans)), key=lambda i: spans[i].grid)  # the loader's feature order: images sorted by grid
-    spans = tuple(spans[i] for i in order)
-    with torch.no_grad():
-        features = Qwen35EncoderChunk(first.vision_encoder, image_grid=GRID)(torch.cat([rows[i] for i in order]), tuple(s.grid for s in spans))
-    assert features.shape == (sum(r.shape[0] for r in rows), enc.config.dim)
-    s0 = Qwen35Stage(first, is_first=True, is_last=False)
-    s1 = Qwen35Stage(last, is_first=False, is_last=True)
-    hidden = s0(tokens[None], positions=positions[None], masks=masks, image_features=features, image_spans=spans)
-    sent = hidden.detach().requires_grad_()
-    loss_fn(s1(sent, positions=positions[None], masks=masks, image_spans=spans)[0], labels).backward()
-    hidden.backward(sent.grad)
-    pipelined = {n: p.grad for part in (first, last) for n, p in part.named_parameters() if p.grad is not None}
-    assert set(pipelined) == set(reference)
-    assert all(g.abs().max() > 0 for g in reference.values())
-    worst = max(float((pipelined[n] - g).norm() / g.norm()) for n, g in reference.items())
-    assert worst < 1e-10, worst  # float64: images in grid batches vs padded to the largest differ by rounding only
-    text = s0(tokens[None], positions=positions[None], masks=masks)  # stage 0 without images: text embeddings only
-    assert text.shape == hidden.shape
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: fla's Triton kernels run the DeltaNet layers there")
+@pytest.mark.parametrize("compute, tol", [(None, 2e-3), (torch.bfloat16, 6e-2)])
+def test_stages_on_a_gpu_give_the_cpu_float64_models_gradients(spec, compute, tol):
+    """On a GPU the DeltaNet layers run TorchTitan's own forward (fla's chunked Triton kernels) and
+    full attention its varlen path in bf16: the parts in float32 (plain, or under bf16 autocast as
+    pipetune's executor trains) give the CPU float64 unsplit model's gradients within that
+    precision's rounding."""
+    model = _model(spec)
+    first, last = (part.float().cuda() for part in _split(model, 3))
+    reference = _unsplit_gradients(model)
+    worst, name = _worst(_pipelined_gradients(first, last, device="cuda", compute=compute), reference)
+    assert worst < tol, (name, worst)
 
 
 def test_moe_flavours_are_refused():

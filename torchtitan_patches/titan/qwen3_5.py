@@ -33,8 +33,11 @@ pipeline stages on 4 gloo ranks (test_qwen3_5_scale_out: the unsplit model's gra
 PP (8 gloo ranks) and HSDP (replicate 2) have each run one step by hand with the same gradients
 but have no test. Images come at their own resolution (the
 loader's patch grids; ``block_order`` puts each image's patches in the merger's order). On a GPU the ViT keeps
-its dense masks (no FlexAttention) and every stage uploads its MRoPE positions each forward; none
-of this has run on a GPU. Planning prices the DeltaNet layers as linear attention (``model_spec``);
+its dense masks (no FlexAttention) and every stage uploads its MRoPE positions each forward. Tried
+on one H100 (torch 2.11, Triton 3.6): fla refuses the DeltaNet's gated backward there (Triton 3.4 to
+3.7.1 computes it wrongly on Hopper, fla issue 640; it asks for Triton >= 3.7.1 or tilelang), so
+Qwen3.5 trains on Hopper only with those; ``test_stages_on_a_gpu_give_the_cpu_float64_models_gradients``
+checks the GPU path's gradients where it runs. Planning prices the DeltaNet layers as linear attention (``model_spec``);
 the profiler times ``gated_delta_net``, the model's own layer rebuilt from the planning shapes.
 """
 
