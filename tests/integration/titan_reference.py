@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from torchtitan_patches.data.micro_batch import IMAGE_TOKEN_ID
@@ -82,3 +83,34 @@ def join_tensor_parallel(pieces: list[torch.Tensor], shape: torch.Size, what: st
     dims = [d for d, (a, b) in enumerate(zip(pieces[0].shape, shape)) if a != b]
     assert len(dims) == 1, f"{what}: shard {tuple(pieces[0].shape)} of {tuple(shape)}"
     return torch.cat(pieces, dim=dims[0])
+
+
+def check_unsplit_step(at: list[dict], batches, loss: float, shapes: dict, reference, *, step: int, replicas: int, floor: float) -> dict:
+    """One step of a scale-out job (``at``: every rank's record of it; ``batches``: each replica's;
+    ``loss``: summed over replicas) against the unsplit model (``reference(weights, batches, dtype)``
+    gives its loss and gradients from the weights the ranks held): the same loss, every gradient
+    (joined over TP, after FSDP's reduction) within 4x the float32 reference's own rounding error of
+    the float64 one (at least ``floor`` relative; a missing or doubled reduction is off by 30-100 %),
+    none of them zero, and every rank clipped by the float64 norm. The float64 gradients."""
+
+    def joined(kind: str, replica: int) -> dict:
+        mine = sorted((a for a in at if a["replica"] == replica), key=lambda a: a["tp_rank"])
+        names = {n for a in mine for n in a[kind]}
+        return {n: join_tensor_parallel([a[kind][n] for a in mine if n in a[kind]], shapes[n], f"step {step}: {kind} {n}") for n in names}
+
+    weights = joined("weights", 0)
+    expected, rounded = reference(weights, batches, torch.float32)
+    _, exact = reference(weights, batches, torch.float64)
+    assert not [k for k, g in exact.items() if not g.abs().max() > 0], "a gradient is zero: the comparison would prove nothing"
+    assert loss == pytest.approx(expected, rel=1e-5)
+    for replica in range(replicas):
+        grads = joined("grads", replica)
+        assert set(grads) == set(exact)
+        for name, g in grads.items():
+            scale = exact[name].norm()
+            err, bound = float((g.double() - exact[name]).norm() / scale), max(4 * float((rounded[name].double() - exact[name]).norm() / scale), floor)
+            assert err < bound, f"step {step}, replica {replica}: {name}: relative gradient error {err:.2e} (bound {bound:.2e})"
+    norm = float(torch.stack([g.norm() for g in exact.values()]).norm())
+    for a in at:
+        assert a["grad_norm"] == pytest.approx(norm, rel=1e-4), f"step {step}: a rank clipped by another norm"
+    return exact
