@@ -48,7 +48,7 @@ def test_a_gpu_region_is_queued_behind_a_sleep_that_grows_until_it_covers_the_la
 
     class Event:
         def __init__(self, enable_timing):
-            self.t = None
+            pass
 
         def record(self):
             calls.append("record")
