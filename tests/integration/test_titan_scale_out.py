@@ -92,14 +92,12 @@ def test_data_parallel_steps_equal_the_unsplit_model_on_the_global_batch(job, tm
     _check_steps(ranks, records, replicas=2)
 
 
-@pytest.mark.parametrize("dp, tp", [(2, 1), (1, 2), pytest.param(2, 2, marks=pytest.mark.timeout(450))], ids=["dp2", "tp2", "dp2-tp2"])
-def test_separated_layout_beside_data_and_tensor_parallelism(job, tmp_path, unsplit_backend, dp, tp):
-    """DIP's separated layout with a trained encoder beside DP 2 (FSDP), TP 2 (sequence parallel)
-    and both (8 ranks): every rank's encoder chunks, stage 1's (no adapter) included, are TP-sharded
-    as stage 0's are and FSDP-sharded, gathered and reduced once per step whatever its replica's
-    share of the images (a 5:5:90 mix, so that some share has none). Loss, every gradient (the
-    ViT's blocks on both stages) and the norm equal the unsplit model's, as above. The TP table is
-    the trained one relabelled TP 2: this checks numerics, not planning."""
+def _separated_job(job, tmp_path, *extra: str, replicate: int = 1, dp: int = 1, tp: int = 1):
+    """A job in DIP's separated layout with a trained encoder on a 5:5:90 mix (some replica's share
+    has no image when there are several), ``replicate x dp`` replicas (HSDP when both exceed 1), TP
+    ``tp``; its TP table is the trained one relabelled: this checks numerics, not planning. Checks
+    that stage 1's encoder chunks are TP-sharded exactly when ``tp > 1`` and every step against the
+    unsplit model; returns the ranks' records."""
     import json
 
     from pipetune.data import make_mix, write_dataset
@@ -107,16 +105,41 @@ def test_separated_layout_beside_data_and_tensor_parallelism(job, tmp_path, unsp
     write_dataset(make_mix("5:5:90", 300, 0), tmp_path / "data", {"mix": "5:5:90"})
     table = json.loads((job / "table_trained.json").read_text())
     (tmp_path / "table.json").write_text(json.dumps({**table, "tp": tp}))
-    ranks, records = _scale_out_job(job, tmp_path, "--parallelism.data_parallel_shard_degree", str(dp), "--parallelism.tensor_parallel_degree",
-                                    str(tp), "--pipetune.layout", "separated", "--pipetune.no-freeze_vision_encoder", "--pipetune.latency_table",
-                                    str(tmp_path / "table.json"), "--dataloader.dataset_path", str(tmp_path / "data"), ranks=2 * dp * tp)
+    ranks, records = _scale_out_job(job, tmp_path, "--parallelism.data_parallel_replicate_degree", str(replicate),
+                                    "--parallelism.data_parallel_shard_degree", str(dp), "--parallelism.tensor_parallel_degree", str(tp),
+                                    "--pipetune.layout", "separated", "--pipetune.no-freeze_vision_encoder", "--pipetune.latency_table",
+                                    str(tmp_path / "table.json"), "--dataloader.dataset_path", str(tmp_path / "data"), *extra,
+                                    ranks=2 * replicate * dp * tp)
     assert all(r.separated for r in records)
-    if dp > 1:
+    if replicate * dp > 1:
         assert 0 in [sum(mb.num_images for mb in step["batch"].micro_batches) for a in ranks for step in a]
     whole = _unsplit_model().state_dict()
     later = {n: g.shape for a in ranks if a[0]["stage"] == 1 for n, g in a[0]["grads"].items() if n.startswith("vision_encoder.layers.")}
     assert later and any(shape != whole[n].shape for n, shape in later.items()) == (tp > 1)  # TP shards on stage 1 too
-    _check_steps(ranks, records, replicas=dp, trained=True)
+    _check_steps(ranks, records, replicas=replicate * dp, trained=True)
+    return ranks
+
+
+@pytest.mark.parametrize("replicate, dp, tp", [(1, 2, 1), (1, 1, 2), pytest.param(1, 2, 2, marks=pytest.mark.timeout(450)),
+                                               pytest.param(2, 2, 1, marks=pytest.mark.timeout(450))], ids=["dp2", "tp2", "dp2-tp2", "hsdp2x2"])
+def test_separated_layout_beside_data_and_tensor_parallelism(job, tmp_path, unsplit_backend, replicate, dp, tp):
+    """DIP's separated layout with a trained encoder beside DP 2 (FSDP), TP 2 (sequence parallel),
+    both, and HSDP (2 replicas of 2 FSDP shards; 8 ranks): every rank's encoder chunks, stage 1's
+    (no adapter) included, are TP-sharded as stage 0's are and FSDP-sharded, gathered and reduced
+    once per step whatever its replica's share of the images. Loss, every gradient (the ViT's
+    blocks on both stages) and the norm equal the unsplit model's, as above."""
+    _separated_job(job, tmp_path, replicate=replicate, dp=dp, tp=tp)
+
+
+def test_separated_layout_checkpoints_every_encoder_chunk(job, tmp_path, unsplit_backend):
+    """Full activation checkpointing (``activation_checkpoint:full``) in the separated layout beside
+    DP 2: every ViT block of both stages is checkpoint-wrapped, as the job asks (stage 1's chunks
+    are parallelised apart from TorchTitan's ``parallelize_fn``), and the recomputing backward
+    gives the unsplit model's loss, gradients and norm."""
+    ranks = _separated_job(job, tmp_path, "activation_checkpoint:full", dp=2)
+    blocks = {a[0]["stage"]: {n for n in a[0]["checkpointed"] if n.startswith("vision_encoder.layers.")} for a in ranks}
+    held = {a[0]["stage"]: {n.split(".")[2] for n in a[0]["grads"] if n.startswith("vision_encoder.layers.")} for a in ranks}
+    assert blocks == {s: {f"vision_encoder.layers.{i}" for i in held[s]} for s in (0, 1)} and all(held.values())
 
 
 @pytest.mark.parametrize("degree", ["data_parallel_shard_degree", "tensor_parallel_degree"], ids=["dp", "tp"])

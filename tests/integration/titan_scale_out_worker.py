@@ -1,10 +1,11 @@
 """Several PipeTuneTrainer steps of a data- or tensor-parallel job (torchrun worker for
 tests/integration/test_titan_scale_out.py): per step, this rank's weights before the step, its
 gradients after it, the gradient norm the trainer clipped by and its replica's batch, with the
-rank's place (pipeline stage, tensor-parallel rank, replica), for comparison with an unsplit
-TorchTitan model on the global batch. FSDP-sharded tensors are saved whole, tensor-parallel
-shards as they are (the test joins them). The weights are perturbed from TorchTitan's init
-first, so that every parameter gets a gradient."""
+rank's place (pipeline stage, tensor-parallel rank, replica) and the modules activation
+checkpointing wraps, for comparison with an unsplit TorchTitan model on the global batch.
+FSDP-sharded tensors are saved whole, tensor-parallel shards as they are (the test joins them);
+names are the unsplit model's. The weights are perturbed from TorchTitan's init first, so that
+every parameter gets a gradient."""
 
 import os
 import sys
@@ -12,8 +13,14 @@ import zlib
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX, CheckpointWrapper
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torchtitan.config import ConfigManager
+
+
+def fqn(name: str) -> str:
+    """A name as the unsplit model has it: without activation checkpointing's wrapper."""
+    return name.replace(_CHECKPOINT_PREFIX, "")
 
 
 def whole(t: torch.Tensor) -> torch.Tensor:
@@ -24,7 +31,8 @@ def main() -> None:
     out, steps, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
     trainer = ConfigManager().parse_args(argv).build()
     parts = trainer.model_parts  # with virtual stages, one per backbone chunk of this rank
-    named = [(name, p) for part in parts for name, p in part.named_parameters()]
+    named = [(fqn(name), p) for part in parts for name, p in part.named_parameters()]
+    checkpointed = [fqn(name) for part in parts for name, m in part.named_modules() if isinstance(m, CheckpointWrapper)]
     tp = trainer.parallel_dims.get_optional_mesh("tp")
     tp_rank = tp.get_local_rank() if tp is not None else 0
     with torch.no_grad():  # Muse Glimmer zero-initialises its norm weights: at init only the final norm would get a gradient
@@ -53,7 +61,7 @@ def main() -> None:
         trainer.step = step
         trainer.train_step(it)
         grads = {n: whole(p.grad) for n, p in named if p.grad is not None}
-        saved.append({"weights": weights, "grads": grads, "batch": seen[-1], "grad_norm": norms[-1], **place})
+        saved.append({"weights": weights, "grads": grads, "batch": seen[-1], "grad_norm": norms[-1], "checkpointed": checkpointed, **place})
     torch.save(saved, os.path.join(out, f"rank{dist.get_rank()}.pt"))
     trainer.close()
     dist.destroy_process_group()

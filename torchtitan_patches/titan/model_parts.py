@@ -9,6 +9,14 @@ Virtual stages: with TorchTitan's ``Interleaved1F1B`` or ``InterleavedZeroBubble
 layout has ``V x P`` backbone chunks (``schedule_family``: V as TorchTitan derives its stages per
 rank), and TorchTitan's splitter gives rank ``r`` the parts of chunks ``r, r + P, ...`` (its "loop"
 style), in that order: chunk ``c`` on rank ``c mod P``, ``Placement.interleaved``.
+
+Limits: the separated layout's encoder chunks past stage 0 get the job's activation checkpointing
+but not ``torch.compile``, which no Muse Glimmer job with its vision stack can use in TorchTitan
+0.3.0, pipetune's or stock: ``parallelize_muse_glimmer`` compiles the vision adapter with
+``apply_compile``, which needs ``layers`` (AttributeError), so compiling the chunks could not be
+tested. With that call skipped by hand, a compiled (aot_eager) separated DP 2 x PP 2 job ran, and
+with full activation checkpointing too it stopped at dynamo's recompile limit
+(``CheckpointWrapper.forward``, ``fullgraph``).
 """
 
 from __future__ import annotations
@@ -111,7 +119,8 @@ def for_pipetune(parallelize_fn, encoder_chunks=()):
     gradients TorchTitan leaves to its FSDP. With ``encoder_chunks`` (DIP's separated layout: the
     encoder's block ranges), each rank's part is first cut to its encoder chunks (still on the
     meta device: TorchTitan materialises the parts after parallelising them), and every rank's
-    chunks are TP- and FSDP-sharded as stage 0's are, so DP and TP run beside that layout too."""
+    chunks get stage 0's TP, activation checkpointing and FSDP (``encoder_as_stage_0``), so DP
+    and TP run beside that layout too and the job's AC applies to the whole encoder."""
     if "skip_dp" not in inspect.signature(parallelize_fn).parameters:
         raise ValueError(f"{parallelize_fn.__qualname__} cannot skip FSDP (no skip_dp argument); PipeTuneTrainer needs that")
 
@@ -124,13 +133,11 @@ def for_pipetune(parallelize_fn, encoder_chunks=()):
         if encoder_chunks and getattr(model, "vision_adapter", None) is None:
             # a part with encoder chunks but no adapter (not stage 0): Muse Glimmer's parallelize_fn
             # asserts that a vision encoder comes with its adapter, so it parallelises the part
-            # without its encoder chunks; TP then applies to them alone, from their own sharding
-            # configs as on stage 0 (no compile or activation checkpointing; FSDP: shard_part below)
+            # without its encoder chunks, and they get what it gives stage 0's (FSDP: shard_part below)
             chunks, model.vision_encoder = model.vision_encoder, None
             model = parallelize_fn(model, parallel_dims=parallel_dims, skip_dp=True, **kwargs)
             model.vision_encoder = chunks
-            if parallel_dims.tp_enabled:
-                chunks.parallelize(parallel_dims)
+            encoder_as_stage_0(chunks, parallel_dims, **kwargs)
         else:
             model = parallelize_fn(model, parallel_dims=parallel_dims, skip_dp=True, **kwargs)
         if not parallel_dims.dp_enabled:
@@ -142,6 +149,16 @@ def for_pipetune(parallelize_fn, encoder_chunks=()):
                           param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param], reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce])
 
     return parallelize
+
+
+def encoder_as_stage_0(chunks, parallel_dims, *, ac_config, dump_folder, **_) -> None:
+    """What Muse Glimmer's ``parallelize_fn`` does to stage 0's vision encoder before FSDP, on the
+    encoder chunks of a later rank, by TorchTitan's own functions: TP from their own sharding
+    configs, then the job's activation checkpointing of every block (not compile: module doc)."""
+    if parallel_dims.tp_enabled:
+        chunks.parallelize(parallel_dims)
+    if ac_config is not None:
+        ac_config.build(dump_folder=dump_folder).apply(chunks)
 
 
 def choose_layout(config, model: ModelConfig, table: LatencyTable, sample, *, chunks_per_rank: int = 1) -> StageLayout:
