@@ -1,7 +1,7 @@
 """TorchTitan's Qwen3.5 ``debugmodel`` (small vocabulary) under ``PipeTuneTrainer`` beside data
-parallelism (FSDP) and tensor parallelism on 4 gloo ranks, as Muse Glimmer in test_titan_scale_out:
+parallelism (FSDP) and tensor parallelism on 4 and 8 gloo ranks, as Muse Glimmer in test_titan_scale_out:
 each step's loss, gradients and gradient norm equal the unsplit model's on the whole global batch.
-Gated DeltaNet runs its CPU path; the merger trains, the ViT's blocks too in the TP test."""
+Gated DeltaNet runs its CPU path; the merger trains, the ViT's blocks too in the TP tests."""
 
 from pathlib import Path
 
@@ -25,11 +25,11 @@ def unsplit_backend(monkeypatch):
     monkeypatch.setattr(dist_utils, "_spmd_backend", "partial_dtensor")
 
 
-def _scale_out_job(qwen_job, tmp_path, *extra: str) -> tuple[list[list[dict]], list[StepRecord]]:
+def _scale_out_job(qwen_job, tmp_path, *extra: str, ranks: int = 4) -> tuple[list[list[dict]], list[StepRecord]]:
     dump = tmp_path / "dump"
     torchrun([str(WORKER), str(tmp_path), str(STEPS)] + job_args(qwen_job, dump, "--training.steps", str(STEPS), "--training.max_norm", "1e9",
-                                                                   *extra, config="qwen3_5_debug"), timeout=100, ranks=4)
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)], StepRecord.read(dump / "pipetune" / "steps.jsonl")
+                                                                   *extra, config="qwen3_5_debug"), timeout=25 * ranks, ranks=ranks)
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(ranks)], StepRecord.read(dump / "pipetune" / "steps.jsonl")
 
 
 def _reference(weights: dict, batches, dtype, trained: bool) -> tuple[float, dict]:
@@ -78,3 +78,14 @@ def test_qwen3_5_tensor_parallel_steps_equal_the_unsplit_model(qwen_job, tmp_pat
     ranks, records = _scale_out_job(qwen_job, tmp_path, "--parallelism.tensor_parallel_degree", "2", "--pipetune.no-freeze_vision_encoder",
                                     "--pipetune.latency_table", str(qwen_job / "table_tp2_trained.json"))
     _check_steps(ranks, records, replicas=1, trained=True)
+
+
+@pytest.mark.timeout(250)
+def test_qwen3_5_data_tensor_and_pipeline_parallel_steps_equal_the_unsplit_model(qwen_job, tmp_path, unsplit_backend):
+    """DP 2 x TP 2 x PP 2 on 8 gloo ranks (FSDP over the replicas, Qwen3.5's TP plan inside each
+    stage, the ViT trained), 2 steps: the replicas' plans partition each global batch, and loss,
+    every gradient (joined over TP after FSDP's reduction) and the norm equal the unsplit model's."""
+    ranks, records = _scale_out_job(qwen_job, tmp_path, "--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree",
+                                    "2", "--pipetune.no-freeze_vision_encoder", "--pipetune.latency_table",
+                                    str(qwen_job / "table_tp2_trained.json"), ranks=8)
+    _check_steps(ranks, records, replicas=2, trained=True)

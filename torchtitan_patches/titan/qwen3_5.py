@@ -28,10 +28,10 @@ tokens). ``Qwen35EncoderChunk`` runs the ViT blocks on stage 0's images; the mer
 step) runs in stage 0's forward, so it trains while the ViT is frozen, as pipetune's projector does.
 
 Limits: the co-located layout only (the separated layout is refused in ``titan.job_checks``),
-dense flavours only. Data parallelism (FSDP) and tensor parallelism are each tested beside 2
-pipeline stages on 4 gloo ranks (test_qwen3_5_scale_out: the unsplit model's gradients); DP x TP x
-PP (8 gloo ranks) and HSDP (replicate 2) have each run one step by hand with the same gradients
-but have no test. Images come at their own resolution (the
+dense flavours only. Data parallelism (FSDP) and tensor parallelism are tested beside 2 pipeline
+stages, each on 4 gloo ranks and both on 8 (test_qwen3_5_scale_out: the unsplit model's
+gradients); HSDP (replicate 2) has run one step by hand with the same gradients but has no test.
+Images come at their own resolution (the
 loader's patch grids; ``block_order`` puts each image's patches in the merger's order). On a GPU the ViT keeps
 its dense masks (no FlexAttention) and every stage uploads its MRoPE positions each forward. Tried
 on one H100 (torch 2.11, Triton 3.6): fla refuses the DeltaNet's gated backward there (Triton 3.4 to
