@@ -293,3 +293,11 @@ def test_the_job_sets_the_tables_weight_precision_and_a_measured_mismatch_is_log
         assert not with_job_weights(dataclasses.replace(table, master_weights=True), False, where="t.json").master_weights
         assert with_job_weights(dataclasses.replace(table, master_weights=True), True, where="t.json").master_weights
     assert len([r for r in caplog.records if "t.json was timed with" in r.getMessage()]) == (0 if estimate else 2)
+
+
+def test_compiling_muse_glimmers_model_refused_and_the_loss_alone_passes():
+    config = config_registry.muse_glimmer_mm()
+    config.compile.enable = True
+    assert "--compile.no-enable" in _refused(config, "compile.enable")
+    config.compile.components = ["loss"]
+    refuse_unsupported(config)

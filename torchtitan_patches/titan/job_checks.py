@@ -20,7 +20,9 @@ Limits, plainly: the data-parallel degree is known before ``init_distributed`` o
 and torchrun's ``WORLD_SIZE`` (``model_parts.replicas_of``; without it, a shard degree of -1 counts
 as one replica). Not checked, because the trainer does
 apply them (its cost is then not what the latency table says until the online calibration has
-refitted it): ``compile``, ``activation_checkpoint``, quantisation converters, ``training.dtype``.
+refitted it; the planner's memory model assumes no activation checkpointing, which over-counts
+what a checkpointed job holds): ``compile`` (refused for Muse Glimmer's model, which TorchTitan
+cannot compile), ``activation_checkpoint``, quantisation converters, ``training.dtype``.
 ``training.local_batch_size`` only sizes TorchTitan's unused torch schedule (and its accumulation
 arithmetic); the batch is ``dataloader.gbs``. Scale-out limits are in ``_scale_out``.
 """
@@ -85,6 +87,7 @@ def refuse_unsupported(config) -> None:
     _accumulation(config)
     _scale_out(config)
     _qwen3_5(config)
+    _muse_glimmer_compile(config)
     if config.validator.enable:
         raise ValueError("validator.enable: TorchTitan's validation runs the torch pipeline schedule, which PipeTuneTrainer "
                          "builds but never runs: turn it off (--validator.no-enable)")
@@ -102,6 +105,16 @@ def _scale_out(config) -> None:
     if training.enable_cpu_offload:
         raise ValueError("training.enable_cpu_offload: pipetune's executor keeps the parameters on the device it computes on: "
                          "turn it off (--training.no-enable_cpu_offload)")
+
+
+def _muse_glimmer_compile(config) -> None:
+    """TorchTitan 0.3.0 compiles Muse Glimmer's vision adapter per block (``apply_compile``), but the
+    adapter has no ``layers``, so its ``parallelize_muse_glimmer`` stops with an ``AttributeError``
+    (stock TorchTitan's trainer too): refused here with the setting named instead."""
+    if config.model_spec.name == "muse_glimmer" and config.compile.enable and "model" in config.compile.components:
+        raise ValueError("compile.enable with 'model' in compile.components: TorchTitan 0.3.0 cannot compile Muse Glimmer's "
+                         "vision adapter (apply_compile needs a block stack named layers; the stock trainer fails too): turn it "
+                         "off (--compile.no-enable) or compile the loss only (--compile.components loss)")
 
 
 def _qwen3_5(config) -> None:
