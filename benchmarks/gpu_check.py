@@ -23,7 +23,7 @@ Each check prints PASS, FAIL or SKIP with its figures; the exit code is 1 if any
    (its profiled ``bwd_input`` curves) and against the table refitted to the first batch's
    timeline by online calibration (``fit_steps``, which also fits the I/W split). On a GPU, also the
    same step measured with its host queued ahead (``HostAheadClock``: the device sleeps about
-   160 ms at the step's start): if that agrees with the table where the plain step does not, the
+   0.15 s at the step's start): if that agrees with the table where the plain step does not, the
    in-pipeline actions waited on their kernels' launches, not on the kernels.
 6. ``<family> memory``: the plan's weights plus the most its second step allocated
    (``max_memory_allocated``) does not exceed the plan's predicted peaks of its two ranks, summed
@@ -228,9 +228,9 @@ def on_one_rank(plan):
 
 
 class HostAheadTimeline(ActionTimeline):
-    """A step's timeline whose device first sleeps (about 160 ms) while the host queues the step's
-    kernels: where the host is the bottleneck, its actions then time their kernels only, as the
-    profiler's ``Clock.measure`` does (a diagnostic)."""
+    """A step's timeline whose device first sleeps (eight of the clock's longest sleeps, about
+    0.15 s) while the host queues the step's kernels: where the host is the bottleneck, its
+    actions then time their kernels only, as the profiler's ``Clock.measure`` does (a diagnostic)."""
 
     def start(self) -> None:
         super().start()
