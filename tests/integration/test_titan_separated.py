@@ -106,7 +106,8 @@ def test_the_trainers_parallelize_wrapper_cuts_each_part_to_its_encoder_chunks()
     wrapped = for_pipetune(parallelize, chunks)
     for rank, blocks in ((0, [0, 1, 2, 6, 7]), (1, [3, 4, 5, 8, 9])):
         dims = SimpleNamespace(pp=2, dp_enabled=False, tp_enabled=False, get_mesh=lambda name, r=rank: SimpleNamespace(get_local_rank=lambda: r))
-        enc = wrapped(_split_module(whole, fqns[rank]), parallel_dims=dims).vision_encoder
+        part = wrapped(_split_module(whole, fqns[rank]), parallel_dims=dims, ac_config=None, dump_folder="")  # TorchTitan's keywords
+        enc = part.vision_encoder
         assert sorted(int(k) for k in enc.layers.keys()) == blocks
         assert (enc.conv1_linear is not None, enc.positional_embedding_vlm is not None, enc.ln_post is not None) == (rank == 0, rank == 0,
                                                                                                                         rank == 1)
