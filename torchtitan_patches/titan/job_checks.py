@@ -11,7 +11,8 @@ virtual stages (``Interleaved1F1B``, ``InterleavedZeroBubble``), V-shaped ones (
 ``DualPipeV``) by name, and schedule CSV files; virtual stages or split backward with DIP's
 separated layout or a searched layout (``_families``); a
 ``training.global_batch_size`` that asks for gradient accumulation;
-context parallelism, FSDP resharding after forward, CPU offload; TorchTitan's validator; a
+context parallelism, FSDP resharding after forward, CPU offload; compiling Muse Glimmer's model
+(``_muse_glimmer_compile``); TorchTitan's validator; a
 micro-batch size or stage split set through TorchTitan's pipeline settings (pipetune chooses both; ``pipeline_parallel_layers_per_stage``
 only sets an interleaved schedule's stages per rank, as in TorchTitan); model families whose planning shapes are
 not mapped (``PLANNED_MODELS``), and what the Qwen3.5 mapping lacks (``_qwen3_5``).
@@ -21,8 +22,8 @@ and torchrun's ``WORLD_SIZE`` (``model_parts.replicas_of``; without it, a shard 
 as one replica). Not checked, because the trainer does
 apply them (its cost is then not what the latency table says until the online calibration has
 refitted it; the planner's memory model assumes no activation checkpointing, which over-counts
-what a checkpointed job holds): ``compile`` (refused for Muse Glimmer's model, which TorchTitan
-cannot compile), ``activation_checkpoint``, quantisation converters, ``training.dtype``.
+what a checkpointed job holds): ``compile`` (but for Muse Glimmer's model), ``activation_checkpoint``,
+quantisation converters, ``training.dtype``.
 ``training.local_batch_size`` only sizes TorchTitan's unused torch schedule (and its accumulation
 arithmetic); the batch is ``dataloader.gbs``. Scale-out limits are in ``_scale_out``.
 """
