@@ -1,7 +1,8 @@
 """TorchTitan's Qwen3.5 ``debugmodel`` (small vocabulary) under ``PipeTuneTrainer`` beside data
-parallelism (FSDP) and tensor parallelism on 4 and 8 gloo ranks, as Muse Glimmer in test_titan_scale_out:
-each step's loss, gradients and gradient norm equal the unsplit model's on the whole global batch.
-Gated DeltaNet runs its CPU path; the merger trains, the ViT's blocks too in the TP tests."""
+parallelism (FSDP; HSDP, replicate 2 x shard 2) and tensor parallelism on 4 and 8 gloo ranks, as
+Muse Glimmer in test_titan_scale_out: each step's loss, gradients and gradient norm equal the
+unsplit model's on the whole global batch. Gated DeltaNet runs its CPU path; the merger trains,
+the ViT's blocks too in the TP tests."""
 
 from pathlib import Path
 
@@ -89,3 +90,14 @@ def test_qwen3_5_data_tensor_and_pipeline_parallel_steps_equal_the_unsplit_model
                                     "2", "--pipetune.no-freeze_vision_encoder", "--pipetune.latency_table",
                                     str(qwen_job / "table_tp2_trained.json"), ranks=8)
     _check_steps(ranks, records, replicas=2, trained=True)
+
+
+@pytest.mark.timeout(180)
+def test_qwen3_5_hsdp_and_pipeline_parallel_steps_equal_the_unsplit_model(qwen_job, tmp_path, unsplit_backend):
+    """HSDP (replicate 2 x shard 2) x PP 2 on 8 gloo ranks, 2 steps: the 4 replicas' plans partition
+    each global batch, and loss, every gradient (reduced over both data-parallel axes) and the norm
+    equal the unsplit model's."""
+    ranks, records = _scale_out_job(qwen_job, tmp_path, "--parallelism.data_parallel_replicate_degree", "2",
+                                    "--parallelism.data_parallel_shard_degree", "2", ranks=8)
+    assert sorted({(a[0]["replica"], a[0]["stage"]) for a in ranks}) == [(d, s) for d in range(4) for s in range(2)]
+    _check_steps(ranks, records, replicas=4)

@@ -30,7 +30,7 @@ step) runs in stage 0's forward, so it trains while the ViT is frozen, as pipetu
 Limits: the co-located layout only (the separated layout is refused in ``titan.job_checks``),
 dense flavours only. Data parallelism (FSDP) and tensor parallelism are tested beside 2 pipeline
 stages, each on 4 gloo ranks and both on 8 (test_qwen3_5_scale_out: the unsplit model's
-gradients); HSDP (replicate 2) has run one step by hand with the same gradients but has no test.
+gradients), and HSDP (replicate 2 x shard 2) beside 2 stages on 8 (2 steps, the same gradients).
 Images come at their own resolution (the
 loader's patch grids; ``block_order`` puts each image's patches in the merger's order). On a GPU the ViT keeps
 its dense masks (no FlexAttention) and every stage uploads its MRoPE positions each forward. Tried
