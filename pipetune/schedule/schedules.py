@@ -250,7 +250,7 @@ def in_order(table: ScheduleTable, order: Sequence[int]) -> ScheduleTable:
     order = _check_order(order)
     if len(order) != table.num_micro_batches or (table.encoder and table.sub_mb_parent != tuple(range(len(order)))):
         raise ScheduleError(f"in_order needs a co-located table of {len(order)} micro-batches with one encoder unit per micro-batch")
-    return replace(table, ranks=tuple(tuple(a._replace(unit=order[a.unit]) for a in r) for r in table.ranks))
+    return replace(table, ranks=tuple(tuple(Action(a.chunk, a.op, order[a.unit], a.module) for a in r) for r in table.ranks))
 
 
 def place_encoders(table: ScheduleTable, before: dict[int, int], *, validate: bool = True) -> ScheduleTable:

@@ -93,3 +93,20 @@ def test_the_input_gradient_share_grows_with_attention_and_stays_within_the_back
         assert ((0 <= c.bwd_input) & (c.bwd_input <= c.bwd)).all()
         share.append(c.bwd_input[0, 1] / c.bwd[0, 1])
     assert 0.5 < share[0] < share[1] < 1.0
+
+
+def test_a_runner_up_packing_wins_once_its_weight_gradients_fill_its_own_bubbles():
+    """DataMix1 at PP 8, V = 2 (batch 7: a long sample and little else): on unit-time zero-bubble
+    tables 6 micro-batches look best, but placed by the batch's own latencies the 8-micro-batch
+    packing is faster, so the planner time-weights the two best packings, not only the first; the
+    plan it returns is the table it simulated."""
+    model, cost = costs(V=2, pp=8)
+    meta = metas(8, mix="datamix1")[7]
+    config = dict(max_seq_len=8192, memory_bytes=A100.memory_bytes, split_backward="auto")
+    unit_time = {count: PlannerConfig(mode="balanced", mbs=1, min_micro_batches=count, **config).build(model, cost).plan(meta)
+                 for count in (1, 8)}
+    assert len(unit_time[1].order) == 6 and unit_time[1].predicted_s < unit_time[8].predicted_s
+    plan = PlannerConfig(**config).build(model, cost).plan(meta)
+    assert len(plan.order) == 8 and plan.table().split_backward
+    assert simulate(plan.table(), plan.latencies(cost, meta)).makespan == pytest.approx(plan.predicted_s)
+    assert plan.predicted_s <= PlannerConfig(min_micro_batches=8, **config).build(model, cost).plan(meta).predicted_s + 1e-9
