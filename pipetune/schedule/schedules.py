@@ -118,7 +118,8 @@ def activation_caps(num_ranks: int, chunks_per_rank: int) -> tuple[int, ...]:
 def list_scheduled(num_ranks: int, chunks_per_rank: int, order: Sequence[int], *, split_backward: bool = False,
                    encoder: bool = False, encoder_trained: bool = False, caps: Sequence[int] | None = None,
                    duration: Callable[[Action], float] | None = None,
-                   delay: Callable[[Action, Action], float] | None = None) -> ScheduleTable:
+                   delay: Callable[[Action, Action], float] | None = None,
+                   lazy_weights_from: int | None = None) -> ScheduleTable:
     """Interleaved 1F1B (``chunks_per_rank >= 2``) and zero-bubble (``split_backward``) tables.
 
     Backbone chunk ``c`` sits on rank ``c mod P``. Each rank's forwards and backwards follow
@@ -137,6 +138,11 @@ def list_scheduled(num_ranks: int, chunks_per_rank: int, order: Sequence[int], *
     rank): the planner passes a batch's latencies so that ``W`` fill the bubbles that batch has.
     ``caps`` defaults to the largest of 1F1B's caps on every rank: ZB-H1's rule (no rank holds
     more than 1F1B's first rank; later ranks defer their ``W`` into the drain's bubbles).
+    ``lazy_weights_from``: ranks from this one on leave their bubbles empty and run a ``W`` only
+    when their activations are capped, or after their last ``F`` and ``I``. With few micro-batches
+    the ranks late in the pipeline finish their input gradients early, and a ``W`` filling one of
+    their bubbles delays the next input gradient, which every earlier rank is waiting for (an
+    exact solver's tables for such batches do this).
     ``ScheduleError`` when the sequence cannot run (no rank able to proceed).
     """
     order = _check_order(order)
@@ -157,6 +163,7 @@ def list_scheduled(num_ranks: int, chunks_per_rank: int, order: Sequence[int], *
         seqs.append(deque(a for a in fwd[:warm] + steady + bwd[len(fwd) - warm:] if a.unit < m))
     producers = _backbone_producers(P, V, split_backward)
     proto = ScheduleTable(Placement.interleaved(P, V), 1, ((),) * P, split_backward=split_backward)  # backbone actions only
+    lazy_from = P if lazy_weights_from is None else lazy_weights_from
     duration = duration or (lambda a: UNIT_TIME[a.op])
     delay = delay or (lambda q, a: 0)
     ends: dict[Action, float] = {}
@@ -186,12 +193,13 @@ def list_scheduled(num_ranks: int, chunks_per_rank: int, order: Sequence[int], *
                 continue
             seq = seqs[r]
             at = ready_at(seq[0]) if seq else math.inf
-            if at <= t and not (weights[r] and seq[0].op is Op.FORWARD and live[r] >= caps[r]):
+            capped = bool(seq) and seq[0].op is Op.FORWARD and live[r] >= caps[r]
+            if at <= t and not (weights[r] and capped):
                 a = seq.popleft()
                 live[r] += 1 if a.op is Op.FORWARD else -1 if a.op is Op.BACKWARD else 0
                 if a.op is Op.BACKWARD_INPUT:
                     weights[r].append(Action(a.chunk, Op.BACKWARD_WEIGHT, a.unit))
-            elif weights[r]:
+            elif weights[r] and (r < lazy_from or capped or not seq):
                 a = weights[r].popleft()
                 live[r] -= 1
             else:

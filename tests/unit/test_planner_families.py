@@ -110,3 +110,23 @@ def test_a_runner_up_packing_wins_once_its_weight_gradients_fill_its_own_bubbles
     assert len(plan.order) == 8 and plan.table().split_backward
     assert simulate(plan.table(), plan.latencies(cost, meta)).makespan == pytest.approx(plan.predicted_s)
     assert plan.predicted_s <= PlannerConfig(min_micro_batches=8, **config).build(model, cost).plan(meta).predicted_s + 1e-9
+
+
+def test_leaving_the_last_ranks_weight_gradients_to_their_end_speeds_up_batches_of_few_micro_batches(monkeypatch):
+    """DataMix1 at PP 8, V = 2 (no more micro-batches than ranks): the variants whose last ranks run
+    their ``W`` after their input gradients make some plans faster and none slower, and each plan
+    is the table it simulated (memory included)."""
+    from pipetune.plan import planner as planner_module
+
+    model, cost = costs(V=2, pp=8)
+    config = PlannerConfig(max_seq_len=8192, memory_bytes=A100.memory_bytes, split_backward="auto")
+    batches = metas(6, mix="datamix1")
+    with_lazy = [config.build(model, cost).plan(meta) for meta in batches]
+    monkeypatch.setattr(planner_module, "LAZY_WEIGHTS_FROM", ())
+    without = [config.build(model, cost).plan(meta) for meta in batches]
+    faster = [b.predicted_s < a.predicted_s - 1e-9 for a, b in zip(without, with_lazy)]
+    assert all(b.predicted_s <= a.predicted_s + 1e-9 for a, b in zip(without, with_lazy)) and any(faster)
+    for meta, plan in zip(batches, with_lazy):
+        sim = simulate(plan.table(), plan.latencies(cost, meta))
+        assert sim.makespan == pytest.approx(plan.predicted_s)
+        assert max(sim.peak_bytes + model_state_bytes(cost)) <= config.memory_bytes * (1 - config.reserve)

@@ -97,6 +97,30 @@ def test_weights_placed_by_a_batch_s_latencies_move_only_w_and_stay_runnable():
     assert moved > 0
 
 
+def test_lazy_ranks_leave_their_bubbles_empty_and_run_w_last_unless_their_activations_are_capped():
+    """``lazy_weights_from``: every rank keeps its forwards and input gradients in Megatron's order;
+    ranks from ``k`` on run no ``W`` before their last ``F`` and ``I`` while uncapped, and under
+    1F1B's caps (which force ``W`` out early: one micro-batch on the last rank) the tables still
+    run within them."""
+    uncapped = 0
+    for P, V, m, _ in CASES[::6]:
+        plain = list_scheduled(P, V, range(m), split_backward=True)
+        without_w = lambda t: [[a for a in r if a.op is not Op.BACKWARD_WEIGHT] for r in t.ranks]  # noqa: E731
+        for k in sorted({0, P // 2, P - 1}):
+            lazy = list_scheduled(P, V, range(m), split_backward=True, lazy_weights_from=k).validate()
+            assert without_w(lazy) == without_w(plain)
+            if slot_table(lazy)[2].max() < max(activation_caps(P, V)):  # never capped: W strictly last on lazy ranks
+                uncapped += 1
+                for r in range(k, P):
+                    ops = [a.op for a in lazy.ranks[r]]
+                    assert Op.BACKWARD_WEIGHT not in ops[:len(ops) - ops.count(Op.BACKWARD_WEIGHT)], (P, V, m, k, r)
+            if m <= P + 2 and P <= 4:
+                assert_runs_in_order(lazy)
+        capped = list_scheduled(P, V, range(m), split_backward=True, caps=activation_caps(P, V), lazy_weights_from=0).validate()
+        assert (slot_table(capped)[2] <= np.array(activation_caps(P, V))).all()
+    assert uncapped > 20
+
+
 def test_a_table_over_positions_relabelled_by_an_order_is_the_table_of_that_order():
     rng = np.random.default_rng(5)
     for P, V, m, split in CASES[::5]:
