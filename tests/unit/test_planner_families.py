@@ -96,10 +96,10 @@ def test_the_input_gradient_share_grows_with_attention_and_stays_within_the_back
 
 
 def test_a_runner_up_packing_wins_once_its_weight_gradients_fill_its_own_bubbles():
-    """DataMix1 at PP 8, V = 2 (batch 7: a long sample and little else): on unit-time zero-bubble
-    tables 6 micro-batches look best, but placed by the batch's own latencies the 8-micro-batch
-    packing is faster, so the planner time-weights the two best packings, not only the first; the
-    plan it returns is the table it simulated."""
+    """DataMix1 at PP 8, V = 2 (batch 7: its samples fill 6 rows, fewer than the ranks): on
+    unit-time zero-bubble tables 6 micro-batches look best, but placed by the batch's own latencies
+    the 8-micro-batch packing is faster, so the planner time-weights the two best packings, not
+    only the first; the plan it returns is the table it simulated."""
     model, cost = costs(V=2, pp=8)
     meta = metas(8, mix="datamix1")[7]
     config = dict(max_seq_len=8192, memory_bytes=A100.memory_bytes, split_backward="auto")
