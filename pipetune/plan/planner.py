@@ -270,18 +270,18 @@ class Planner:
                         cands.append(self._candidate(meta, 1, PackerKind.BALANCED, count))
             best = min(cands, key=self._score)
             if mode in (Mode.REORDER, Mode.PIPETUNE):
-                searched = [best]
+                searched = {id(best): best}  # the packings searched, each once
                 for c in sorted(cands, key=lambda c: c.base_s * self._factor(c.mbs))[: self.config.top_sizes]:
                     if c.lower_bound_s * self._factor(c.mbs) >= self._score(best):
                         continue
                     if deadline is not None and time.perf_counter() > deadline:
                         return self._fallback(meta, t0)
                     self._improve(c)
-                    searched.append(c)
+                    searched[id(c)] = c
                     if self._score(c) < self._score(best):
                         best = c
                 if True in self.families:
-                    for c in sorted({id(c): c for c in searched}.values(), key=self._score)[:TIME_WEIGHTED]:
+                    for c in sorted(searched.values(), key=self._score)[:TIME_WEIGHTED]:
                         if (deadline is not None and time.perf_counter() > deadline) or (
                                 c is not best and c.lower_bound_s * self._factor(c.mbs) >= self._score(best)):
                             continue

@@ -14,9 +14,10 @@ Limits: the separated layout's encoder chunks past stage 0 get the job's activat
 but not ``torch.compile`` (refused for Muse Glimmer in ``titan.job_checks``), which no Muse Glimmer
 job with its vision stack can use in TorchTitan 0.3.0, pipetune's or stock:
 ``parallelize_muse_glimmer`` compiles the vision adapter with ``apply_compile``, which needs
-``layers`` (AttributeError), so compiling the chunks could not be tested. With that call skipped by hand, a compiled (aot_eager) separated DP 2 x PP 2 job ran, and
-with full activation checkpointing too it stopped at dynamo's recompile limit
-(``CheckpointWrapper.forward``, ``fullgraph``).
+``layers`` (AttributeError), so compiling the chunks could not be tested. With that call skipped
+by hand, a compiled (aot_eager) separated DP 2 x PP 2 job ran, and with full activation
+checkpointing too it stopped at dynamo's recompile limit (``CheckpointWrapper.forward``,
+``fullgraph``).
 """
 
 from __future__ import annotations

@@ -31,14 +31,14 @@ Limits: the co-located layout only (the separated layout is refused in ``titan.j
 dense flavours only. Data parallelism (FSDP) and tensor parallelism are tested beside 2 pipeline
 stages, each on 4 gloo ranks and both on 8 (test_qwen3_5_scale_out: the unsplit model's
 gradients), and HSDP (replicate 2 x shard 2) beside 2 stages on 8 (2 steps, the same gradients).
-Images come at their own resolution (the
-loader's patch grids; ``block_order`` puts each image's patches in the merger's order). On a GPU the ViT keeps
-its dense masks (no FlexAttention) and every stage uploads its MRoPE positions each forward. Tried
-on one H100 (torch 2.11, Triton 3.6): fla refuses the DeltaNet's gated backward there (Triton 3.4 to
-3.7.1 computes it wrongly on Hopper, fla issue 640; it asks for Triton >= 3.7.1 or tilelang), so
-Qwen3.5 trains on Hopper only with those; ``test_stages_on_a_gpu_give_the_cpu_float64_models_gradients``
-checks the GPU path's gradients where it runs. Planning prices the DeltaNet layers as linear attention (``model_spec``);
-the profiler times ``gated_delta_net``, the model's own layer rebuilt from the planning shapes.
+Images come at their own resolution (the loader's patch grids; ``block_order`` puts each image's
+patches in the merger's order). On a GPU the ViT keeps its dense masks (no FlexAttention) and every
+stage uploads its MRoPE positions each forward. Tried on one H100 (torch 2.11, Triton 3.6): fla
+refuses the DeltaNet's gated backward there (Triton 3.4 to 3.7.1 computes it wrongly on Hopper, fla
+issue 640; it asks for Triton >= 3.7.1 or tilelang), so Qwen3.5 trains on Hopper only with those;
+``test_stages_on_a_gpu_give_the_cpu_float64_models_gradients`` checks the GPU path's gradients where
+it runs. Planning prices the DeltaNet layers as linear attention (``model_spec``); the profiler
+times ``gated_delta_net``, the model's own layer rebuilt from the planning shapes.
 """
 
 from __future__ import annotations
