@@ -119,8 +119,8 @@ def static_planners(model: ModelConfig, cost: CostModel, *, max_seq_len: int, me
     each whole/split backward ``split_backward`` allows, and on co-located layouts the balanced
     packer at mbs 1 with each of the pipetune planner's ``finer_counts`` as its fewest
     micro-batches, and on interleaved layouts every size with each multiple of the ranks up to
-    ``STATIC_ROUNDS`` rounds (``jitter_draws``: predict expected times, as a jitter-aware planner they are
-    compared with)."""
+    ``STATIC_ROUNDS`` rounds as its fewest (``jitter_draws``: predict expected times, as a
+    jitter-aware planner they are compared with)."""
     splits = [SplitBackward.ON if split else SplitBackward.OFF for split in SplitBackward(split_backward).families]
     probes = {split: PlannerConfig(mode=Mode.BALANCED, max_seq_len=max_seq_len, memory_bytes=memory_bytes, max_mbs=max_mbs,
                                    split_backward=split).build(model, cost) for split in splits}

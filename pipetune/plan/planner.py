@@ -29,6 +29,7 @@ faster and within memory: the packing that is second on unit-time tables is ofte
 micro-batches than ranks also gets tables whose last ranks leave their ``W`` to their end
 (``LAZY_WEIGHTS_FROM``): their bubbles stay free for the input gradients the earlier ranks wait
 for, as CP-SAT's tables for such batches do (DataMix1 at PP 8: plans 0.9 % faster on average).
+The lower bound then holds for split tables (``placement_lower_bound`` of a split table).
 On interleaved layouts, each size of 2 or more also packs the batch into the next multiple of
 ``P`` above its count when that stays below size 1's count (``_whole_rounds``): Megatron's
 interleaved order runs micro-batches in rounds of ``P``, and a packing between the sizes' own
@@ -36,7 +37,6 @@ counts that fills whole rounds is often faster than both (DataMix3 at PP 8: 16 m
 beat 12-13 at size 2 and 24-25 at size 1). Those packings are time-weighted in their packing
 order, without the order search, which keeps the search within its budget; their bounds count
 in the plan's lower bound like every packing searched.
-The lower bound then holds for split tables (``placement_lower_bound`` of a split table).
 
 Modes (the paper's ablation): ``original`` = random first-fit packing at the fixed maximum mbs in
 packing order; ``balanced`` = Alg. 1 at that mbs; ``reorder`` = ``balanced`` + ordering and
