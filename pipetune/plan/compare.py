@@ -7,7 +7,10 @@ memory on every iteration (PipeTune compares against ``original`` at the largest
 Since pipetune may spread a batch of few tokens over more micro-batches than rows (``Planner``'s
 ``finer_counts``), the balanced packer at mbs 1 is also tried with each of those counts as a
 fixed minimum; on interleaved layouts, where pipetune also packs into whole rounds of the ranks,
-so is every size with 1 to ``STATIC_ROUNDS`` rounds' worth of micro-batches.
+so is every size with 1 to ``STATIC_ROUNDS`` rounds' worth of micro-batches, and on the separated
+layout, where pipetune spreads a size's micro-batches over more of them, every size with every
+count from 2 to ``STATIC_ROUNDS`` times the ranks (a fixed count of micro-batches, as TorchTitan's
+``n_microbatches`` is).
 When the planner may split backwards (``split_backward``), so may the fixed configuration: the
 split is then one more fixed choice (and virtual stages come with the cost model's layout, for
 both).
@@ -31,7 +34,7 @@ from pipetune.plan.mode import Mode
 from pipetune.plan.planner import Planner
 from pipetune.plan.planner_config import PlannerConfig, SplitBackward
 
-STATIC_ROUNDS = 4  # interleaved layouts: fixed micro-batch counts of 1 .. this many whole rounds of the ranks, at every size
+STATIC_ROUNDS = 4  # fixed micro-batch counts up to this many rounds of the ranks (module doc)
 
 
 @dataclass(frozen=True)
@@ -118,18 +121,22 @@ def static_planners(model: ModelConfig, cost: CostModel, *, max_seq_len: int, me
     """One planner per fixed configuration: packer (original or balanced) x every mbs that fits x
     each whole/split backward ``split_backward`` allows, and on co-located layouts the balanced
     packer at mbs 1 with each of the pipetune planner's ``finer_counts`` as its fewest
-    micro-batches, and on interleaved layouts every size with each multiple of the ranks up to
-    ``STATIC_ROUNDS`` rounds as its fewest (``jitter_draws``: predict expected times, as a
-    jitter-aware planner they are compared with)."""
+    micro-batches; on interleaved layouts every size with each multiple of the ranks up to
+    ``STATIC_ROUNDS`` rounds as its fewest, on the separated layout with every count up to that
+    (``jitter_draws``: predict expected times, as a jitter-aware planner they are compared with)."""
     splits = [SplitBackward.ON if split else SplitBackward.OFF for split in SplitBackward(split_backward).families]
     probes = {split: PlannerConfig(mode=Mode.BALANCED, max_seq_len=max_seq_len, memory_bytes=memory_bytes, max_mbs=max_mbs,
                                    split_backward=split).build(model, cost) for split in splits}
     keys = [StaticKey(packer, size, 1, split) for packer in (Mode.ORIGINAL, Mode.BALANCED) for split in splits
             for size in range(1, probes[split].max_mbs + 1)]
     for split, probe in probes.items():
-        counts = set() if cost.layout.is_separated else {(1, count) for count in probe.finer_counts}
-        if probe.chunks_per_rank > 1:
-            counts |= {(size, k * probe.finer_counts[0]) for size in range(1, probe.max_mbs + 1) for k in range(1, STATIC_ROUNDS + 1)}
+        P, sizes = probe.finer_counts[0], range(1, probe.max_mbs + 1)
+        if cost.layout.is_separated:
+            counts = {(size, count) for size in sizes for count in range(2, STATIC_ROUNDS * P + 1)}
+        else:
+            counts = {(1, count) for count in probe.finer_counts}
+            if probe.chunks_per_rank > 1:
+                counts |= {(size, k * P) for size in sizes for k in range(1, STATIC_ROUNDS + 1)}
         keys += [StaticKey(Mode.BALANCED, size, count, split) for size, count in sorted(counts)]
     return {k: PlannerConfig(mode=k.packer, max_seq_len=max_seq_len, memory_bytes=memory_bytes, mbs=k.mbs, seed=seed,
                              jitter_draws=jitter_draws, split_backward=k.split, min_micro_batches=k.min_micro_batches).build(model, cost)

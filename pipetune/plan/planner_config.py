@@ -42,7 +42,7 @@ class PlannerConfig:
     ``SplitBackward`` (co-located 1F1B layouts only; the stage layout's ``chunks_per_rank`` sets
     virtual stages). ``min_micro_batches``: pack every batch into at least that many micro-batches
     (the balanced packer's ``PackingConfig.min_micro_batches``; a fixed choice for the fixed-size
-    modes, a floor for ``pipetune``, which also tries its own counts; co-located layouts only).
+    modes, a floor for ``pipetune``, which also tries its own counts).
     """
 
     mode: Mode = Mode.PIPETUNE
@@ -89,7 +89,5 @@ class PlannerConfig:
                 raise ValueError("jitter_draws: the separated layout's planner scores deterministic times only; use jitter_draws=0")
             if self.split_backward is not SplitBackward.OFF:
                 raise ValueError("split_backward: the separated layout's tables keep whole backwards; use split_backward=off")
-            if self.min_micro_batches > 1:
-                raise ValueError("min_micro_batches: the separated layout's planner packs the fewest micro-batches; use 1")
             return SeparatedPlanner(self, model, cost)
         return Planner(self, model, cost)

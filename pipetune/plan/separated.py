@@ -7,9 +7,12 @@ every table fits), at the layout's image sub-microbatch size ``B``.
 
 ``reorder`` and ``pipetune`` run the joint search of ``pipetune.plan.segment_search``: ``reorder``
 over orders and encoder leads and lags at the fixed size and ``B``; ``pipetune`` also over every
-micro-batch size that fits and over ``B`` and ``B / 2`` per batch (the plan carries its ``B``; the
-runtime pads each sub-microbatch to it). The search spends at most ``EVALUATIONS`` greedy runs per batch
-(``CLIMB`` hill-climbing moves in each of the ``TOP_CONFIGURATIONS`` best configurations), starts
+micro-batch size that fits, over the counts of micro-batches between two sizes' (size ``k``'s
+micro-batches spread over up to ``P`` more of them, fewer than size ``k - 1`` packs: DIP's 5B + 8B
+without recomputation, DataMix3, size 2 packs a batch into 5 and size 1 into 10, and 6-8
+micro-batches of at most 2 rows are often faster than both), and over ``B`` and ``B / 2`` per
+batch (the plan carries its ``B``; the runtime pads each sub-microbatch to it). The search spends
+at most ``EVALUATIONS`` greedy runs per batch (``CLIMB`` hill-climbing moves in each of the ``TOP_CONFIGURATIONS`` best configurations), starts
 from the previous batch's choice, and past a ``deadline`` returns the best table found so far.
 The plan's lower bound is the smallest over every configuration it considered, so its gap says how
 far the plan is from anything that search space allows (memory enters the bound only through its
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from itertools import chain
 
 import numpy as np
 
@@ -51,8 +55,11 @@ class SeparatedPlanner(Planner):
     def _cost_for(self, B: int) -> CostModel:
         return self.cost if B == self.cost.layout.image_sub_batch else self.cost.with_layout(replace(self.cost.layout, image_sub_batch=B))
 
-    def _packing(self, meta: BatchMeta, mbs: int, packer: PackerKind):
-        cfg = PackingConfig(packer=packer, mbs=mbs, max_seq_len=self.config.max_seq_len, seed=self.config.seed)
+    def _packing(self, meta: BatchMeta, mbs: int, packer: PackerKind, count: int | None = None):
+        """``meta``'s batch packed at ``mbs`` into at least ``count`` micro-batches (default: the
+        configuration's ``min_micro_batches``)."""
+        cfg = PackingConfig(packer=packer, mbs=mbs, max_seq_len=self.config.max_seq_len, seed=self.config.seed,
+                            min_micro_batches=count or self.config.min_micro_batches)
         packing = cfg.build(self.model)(meta.table.lengths, meta.step)
         return packing, MicroBatchShapes.from_packing(meta.table, packing)
 
@@ -69,21 +76,28 @@ class SeparatedPlanner(Planner):
 
     def configurations(self, meta: BatchMeta, sizes, *, adaptive: bool, deadline: float | None = None) -> list[Configuration]:
         """The search's configurations of one batch (``segment_search``), each scored at its base
-        point; a size that packs the same micro-batches as a smaller one is left out, and past
-        ``deadline`` no further size is added once one fits."""
+        point: every size's packing and, after a size, its batch spread over each count of
+        micro-batches between its own and the next smaller size's, at most ``P`` more than its own
+        (module doc). A packing seen before is left out, and past ``deadline`` no further packing
+        is added once one fits."""
         limit = self.budget - self.states
         configs: list[Configuration] = []
         packings = set()
+        counts: dict[int, int] = {}
         for mbs in sizes:
-            if deadline is not None and time.perf_counter() > deadline and any(np.isfinite(c.best_s) for c in configs):
-                break
-            packing, shapes = self._packing(meta, mbs, PackerKind.BALANCED)
-            groups = tuple(map(tuple, packing.groups()))
-            if groups in packings:
-                continue
-            packings.add(groups)
-            for B in sub_batch_sizes(self.cost.layout, adaptive):
-                configs.append(configuration(self._cost_for(B), packing, shapes, mbs, limit))
+            natural = self._packing(meta, mbs, PackerKind.BALANCED)
+            counts[mbs] = natural[0].num_micro_batches
+            more = range(counts[mbs] + 1, min(counts.get(mbs - 1, 0), counts[mbs] + self.finer_counts[0] + 1))
+            spread = (self._packing(meta, mbs, PackerKind.BALANCED, count) for count in more)
+            for packing, shapes in chain([natural], spread):
+                if deadline is not None and time.perf_counter() > deadline and any(np.isfinite(c.best_s) for c in configs):
+                    return configs
+                groups = tuple(map(tuple, packing.groups()))
+                if groups in packings:
+                    continue
+                packings.add(groups)
+                for B in sub_batch_sizes(self.cost.layout, adaptive):
+                    configs.append(configuration(self._cost_for(B), packing, shapes, mbs, limit))
         return configs
 
     def _plan(self, meta: BatchMeta, deadline: float | None) -> IterationPlan:

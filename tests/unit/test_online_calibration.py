@@ -210,7 +210,7 @@ def test_separated_plans_calibrate_encoder_chunks_forward_and_backward():
         obs = timeline_observations(timeline, plan, meta)
         enc = [o for o in obs if o.kind is Observed.ENCODER]
         assert {o.part for o in enc} == {Part.FWD, Part.BWD} and {o.stage for o in enc} == {0, 1, 2, 3}
-        assert all(o.shapes.images[0] == 8 for o in enc)  # charged at the padded size
+        assert all(o.shapes.images[0] == plan.image_sub_batch for o in enc)  # charged at the padded size
         steps.append(MeasuredStep.from_timelines(base, [timeline], plan, meta, simulate_plan(truth, plan, meta).makespan))
     fitted, _ = fit_steps(base, steps)
     assert fitted.table.scale("encoder") == pytest.approx(1.3, rel=0.02) and fitted.recompute_encoder

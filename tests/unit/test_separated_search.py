@@ -111,3 +111,35 @@ def test_the_greedy_without_admission_is_kept_only_when_it_fits():
         faster += fits and free.makespan < admitted.makespan * (1 - 1e-9)
         overflow += not fits
     assert faster >= 20 and overflow >= 50, (faster, overflow)
+
+
+def test_the_search_spreads_a_size_over_the_counts_between_two_sizes(monkeypatch):
+    """DIP's 5B + 8B without recomputation, DataMix3, GBS 128 (batch 1): size 2 packs the batch
+    into 5 micro-batches and size 1 into 10; 8 micro-batches of at most 2 rows are faster than
+    every natural packing, so the search tries the counts between. Without them (``_packing``
+    ignoring the count) the plan is slower; with them it fits memory, simulates to its prediction,
+    holds every sample once and lowers onto in-order transports."""
+    from pipetune.cost import CostModel, StageLayout, analytical_table
+    from pipetune.config import load_model_config
+    from pipetune.data import BatchStream, batch_meta, make_mix
+    from pipetune.data.images import ImageSizing
+    from pipetune.plan.separated import SeparatedPlanner
+
+    model = load_model_config("dip_5b_8b")
+    layout = StageLayout.even(model.backbone.n_layers, 4).separated(model.encoder.n_layers, 1, 20)
+    cost = CostModel(analytical_table(model, H100, tp=4), layout, recompute_encoder=False)
+    data = make_mix("datamix3", 20_000, 0)
+    meta = batch_meta(data, BatchStream(num_rows=len(data), gbs=128, seed=0), 1, images=ImageSizing.for_model(model), max_seq_len=8192)
+    config = PlannerConfig(max_seq_len=8192, memory_bytes=H100.memory_bytes)
+    planner = config.build(model, cost)
+    natural = {mbs: planner._packing(meta, mbs, "balanced")[0].num_micro_batches for mbs in (1, 2)}
+    assert natural == {1: 10, 2: 5}
+    plan = planner.plan(meta)
+    assert plan.mbs == 2 and natural[2] < plan.num_micro_batches < natural[1]
+    assert max(plan.peak_bytes) <= planner.budget and plan.lower_bound_s <= plan.predicted_s
+    assert simulate(plan.table(), plan.latencies(cost, meta)).makespan == pytest.approx(plan.predicted_s)
+    assert sorted(i for mb in plan.micro_batches for i in mb) == sorted(meta.table.ids.tolist())
+    check(plan.table())
+    fewest = SeparatedPlanner._packing
+    monkeypatch.setattr(SeparatedPlanner, "_packing", lambda self, meta, mbs, packer, count=None: fewest(self, meta, mbs, packer))
+    assert plan.predicted_s < config.build(model, cost).plan(meta).predicted_s - 1e-9
