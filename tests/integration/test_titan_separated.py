@@ -76,6 +76,15 @@ def test_the_separated_search_s_plans_give_the_unsplit_models_gradients(datamix2
     _assert_unsplit_gradients(r0, r1, trained)
 
 
+def test_a_separated_plan_spread_over_more_micro_batches_gives_the_unsplit_models_gradients(datamix2_dir, tmp_path):
+    """The search at size 2 with the batch spread over one more micro-batch than size 2 packs (a
+    count the pipetune search also tries) runs in strict message order with the unsplit model's
+    loss and gradients, the ViT trained."""
+    r0, r1 = _run(datamix2_dir, tmp_path, trained=True, sub_batch=4, search=True, spread=True)
+    assert r0["mbs"] == 2 and r0["micro_batches"] == r0["fewest"] + 1
+    _assert_unsplit_gradients(r0, r1, True)
+
+
 def test_the_trainers_parallelize_wrapper_cuts_each_part_to_its_encoder_chunks():
     """What ``PipeTuneTrainer`` hands TorchTitan for a separated job, on the meta device: every
     stage's fqns keep ``vision_encoder`` (a nested fqn would drop it), and the ``parallelize_fn``

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import replace
 from datetime import timedelta
 
 import numpy as np
@@ -81,7 +82,11 @@ def main() -> None:
         assert list(layout.encoder_chunks) == CHUNKS
         h100 = load_hardware("h100")
         cost = CostModel(analytical_table(model, h100, max_tokens=SEQ, max_images=64), layout)
-        plan = PlannerConfig(max_seq_len=SEQ, memory_bytes=h100.memory_bytes).build(model, cost).plan(meta)
+        config = PlannerConfig(max_seq_len=SEQ, memory_bytes=h100.memory_bytes)
+        if opts.get("spread"):  # the search at size 2, its micro-batches spread over one more than size 2 packs
+            fewest = PackingConfig(mbs=2, max_seq_len=SEQ).build(model)(meta.table.lengths, meta.step).num_micro_batches
+            config = replace(config, mode="reorder", mbs=2, min_micro_batches=fewest + 1)
+        plan = config.build(model, cost).plan(meta)
         images = plan.shapes(meta).images
         B = plan.image_sub_batch
     else:
@@ -99,7 +104,8 @@ def main() -> None:
     result = {"errors": errors, "reference": sorted(ref), "zero_grads": sorted(n for n in got if not ref[n].any()), "loss": res.loss, "loss_ref": ref_loss, "chunks": local,
               "blocks": sorted(int(k) for k in part.vision_encoder.layers.keys()),
               "padded": sum(n < B for _, _, n in ranges), "order": list(plan.order),
-              "ranks": [list(r) for r in plan.ranks]}
+              "ranks": [list(r) for r in plan.ranks], "micro_batches": len(plan.micro_batches), "mbs": plan.mbs,
+              "fewest": fewest if opts.get("spread") else None}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
