@@ -130,7 +130,7 @@ def static_planners(model: ModelConfig, cost: CostModel, *, max_seq_len: int, me
     keys = [StaticKey(packer, size, 1, split) for packer in (Mode.ORIGINAL, Mode.BALANCED) for split in splits
             for size in range(1, probes[split].max_mbs + 1)]
     for split, probe in probes.items():
-        P, sizes = probe.finer_counts[0], range(1, probe.max_mbs + 1)
+        P, sizes = probe.num_ranks, range(1, probe.max_mbs + 1)
         if cost.layout.is_separated:
             counts = {(size, count) for size in sizes for count in range(2, STATIC_ROUNDS * P + 1)}
         else:

@@ -92,6 +92,11 @@ TIME_WEIGHTED = 2  # packings whose best order gets a zero-bubble table placed b
 LAZY_WEIGHTS_FROM = (0.625, 0.75)  # of the ranks: where W may stop filling bubbles (best at PP 8 on DataMix1: ranks 5, 6)
 
 
+def past(deadline: float | None) -> bool:
+    """Whether ``deadline`` (``time.perf_counter()`` seconds; None: none) has passed."""
+    return deadline is not None and time.perf_counter() > deadline
+
+
 class Planner:
     """Plans iterations for one model, cost model and configuration (co-located layout; the
     separated layout's ``SeparatedPlanner`` overrides how a candidate is scheduled and improved).
@@ -127,8 +132,8 @@ class Planner:
         self.encoder = model.encoder is not None
         self.families = config.split_backward.families
         self.chunks_per_rank = cost.placement().chunks_per_rank
-        ranks = cost.num_stages // self.chunks_per_rank
-        self.finer_counts = (ranks, 2 * ranks)  # micro-batch counts a batch of few tokens is also spread over
+        self.num_ranks = cost.num_stages // self.chunks_per_rank
+        self.finer_counts = (self.num_ranks, 2 * self.num_ranks)  # micro-batch counts a batch of few tokens is also spread over
         self.correction: dict[int, float] = {}
         self._lock = threading.Lock()
 
@@ -151,6 +156,10 @@ class Planner:
 
     def _score(self, c: Candidate) -> float:
         return c.best_s * self._factor(c.mbs)
+
+    def _may_beat(self, c: Candidate, best: Candidate) -> bool:
+        """Whether ``c``'s lower bound leaves it a chance against ``best`` (else its search is skipped)."""
+        return c.lower_bound_s * self._factor(c.mbs) < self._score(best)
 
     def _dag(self, m: int, split_backward: bool) -> CompiledSchedule:
         key = (m, split_backward)
@@ -184,7 +193,7 @@ class Planner:
         micro-batch counts of size 1 and of the larger sizes, each at the smallest size that packs it."""
         if self.chunks_per_rank == 1:
             return []
-        P, most = self.finer_counts[0], cands[0].packing.num_micro_batches
+        P, most = self.num_ranks, cands[0].packing.num_micro_batches
         fewest: dict[int, int] = {}
         for c in cands:
             count = (c.packing.num_micro_batches // P + 1) * P
@@ -241,8 +250,7 @@ class Planner:
         Done for the ``TIME_WEIGHTED`` best packings only: each compiles a table of its own. With
         no more micro-batches than ranks, also with the ``W`` of the last ranks left to their end
         (``list_scheduled``'s ``lazy_weights_from``, from each of ``LAZY_WEIGHTS_FROM`` x ranks)."""
-        lat, m, V = c.lat, len(order), self.chunks_per_rank
-        P = self.cost.num_stages // V
+        lat, m, V, P = c.lat, len(order), self.chunks_per_rank, self.num_ranks
         times = {op: durations(lat, Module.BACKBONE, op)[order] for op in (Op.FORWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)}
         if self.encoder:  # the co-located encoder's actions count in their chunk-0 forward and input gradient
             times[Op.FORWARD][:, 0] += durations(lat, Module.ENCODER, Op.FORWARD).sum(axis=1)[order]
@@ -280,7 +288,7 @@ class Planner:
             sizes = range(1, self.max_mbs + 1) if mode is Mode.PIPETUNE else [self.fixed_mbs]
             cands = []
             for mbs in sizes:
-                if deadline is not None and time.perf_counter() > deadline:
+                if past(deadline):
                     return self._fallback(meta, t0)
                 cands.append(self._candidate(meta, mbs, PackerKind.BALANCED))
             if mode is Mode.PIPETUNE:
@@ -292,25 +300,24 @@ class Planner:
             if mode in (Mode.REORDER, Mode.PIPETUNE):
                 searched = {id(best): best}  # the packings searched, each once
                 for c in sorted(cands, key=lambda c: c.base_s * self._factor(c.mbs))[: self.config.top_sizes]:
-                    if c.lower_bound_s * self._factor(c.mbs) >= self._score(best):
+                    if not self._may_beat(c, best):
                         continue
-                    if deadline is not None and time.perf_counter() > deadline:
+                    if past(deadline):
                         return self._fallback(meta, t0)
                     self._improve(c)
                     searched[id(c)] = c
                     if self._score(c) < self._score(best):
                         best = c
-                if mode is Mode.PIPETUNE and (deadline is None or time.perf_counter() < deadline):
+                if mode is Mode.PIPETUNE and not past(deadline):
                     for c in self._whole_rounds(meta, cands):
                         cands.append(c)
-                        if True in self.families and c.lower_bound_s * self._factor(c.mbs) < self._score(best):
+                        if True in self.families and self._may_beat(c, best):
                             self._time_weights(c, c.order)
                         if self._score(c) < self._score(best):
                             best = c
                 if True in self.families:
                     for c in sorted(searched.values(), key=self._score)[:TIME_WEIGHTED]:
-                        if (deadline is not None and time.perf_counter() > deadline) or (
-                                c is not best and c.lower_bound_s * self._factor(c.mbs) >= self._score(best)):
+                        if past(deadline) or (c is not best and not self._may_beat(c, best)):
                             continue
                         self._time_weights(c, c.order)
                         if self._score(c) < self._score(best):

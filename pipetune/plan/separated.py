@@ -34,7 +34,7 @@ from pipetune.plan.candidate import Candidate
 from pipetune.plan.interleave import Interleaved
 from pipetune.plan.mode import Mode
 from pipetune.plan.plan import IterationPlan, plan_from_table
-from pipetune.plan.planner import Planner
+from pipetune.plan.planner import Planner, past
 from pipetune.plan.segment_search import Budget, Configuration, climb, configuration, scan, sub_batch_sizes
 from pipetune.simulate.simulator import Latencies, simulate
 
@@ -87,10 +87,10 @@ class SeparatedPlanner(Planner):
         for mbs in sizes:
             natural = self._packing(meta, mbs, PackerKind.BALANCED)
             counts[mbs] = natural[0].num_micro_batches
-            more = range(counts[mbs] + 1, min(counts.get(mbs - 1, 0), counts[mbs] + self.finer_counts[0] + 1))
+            more = range(counts[mbs] + 1, min(counts.get(mbs - 1, 0), counts[mbs] + self.num_ranks + 1))
             spread = (self._packing(meta, mbs, PackerKind.BALANCED, count) for count in more)
             for packing, shapes in chain([natural], spread):
-                if deadline is not None and time.perf_counter() > deadline and any(np.isfinite(c.best_s) for c in configs):
+                if past(deadline) and any(np.isfinite(c.best_s) for c in configs):
                     return configs
                 groups = tuple(map(tuple, packing.groups()))
                 if groups in packings:
@@ -108,20 +108,19 @@ class SeparatedPlanner(Planner):
         sizes = range(1, self.max_mbs + 1) if mode is Mode.PIPETUNE else [self.fixed_mbs]
         limit = self.budget - self.states
         configs = self.configurations(meta, sizes, adaptive=mode is Mode.PIPETUNE, deadline=deadline)
-        score = lambda c: c.best_s * self._factor(c.mbs)  # noqa: E731
         warm = self._warm
         first = lambda c: warm is not None and (c.mbs, c.image_sub_batch) == warm[:2]  # noqa: E731
         budget = Budget(EVALUATIONS, deadline)
-        best = min(configs, key=score)
+        best = min(configs, key=self._score)
         for c in sorted(configs, key=lambda c: c.lower_bound_s * self._factor(c.mbs)):
-            if np.isfinite(c.base_s) and c.lower_bound_s * self._factor(c.mbs) < score(best):
+            if np.isfinite(c.base_s) and self._may_beat(c, best):
                 scan(c, limit, budget, warm=warm[2:] if first(c) else None)
-                best = min(best, c, key=score)
+                best = min(best, c, key=self._score)
         rng = np.random.default_rng((self.config.seed, meta.step))
-        for c in sorted(configs, key=lambda c: (not first(c), score(c)))[:TOP_CONFIGURATIONS]:
-            if np.isfinite(c.best_s) and c.lower_bound_s * self._factor(c.mbs) < score(best):
+        for c in sorted(configs, key=lambda c: (not first(c), self._score(c)))[:TOP_CONFIGURATIONS]:
+            if np.isfinite(c.best_s) and self._may_beat(c, best):
                 climb(c, limit, budget, rng, CLIMB)
-                best = min(best, c, key=score)
+                best = min(best, c, key=self._score)
         if not np.isfinite(best.best_s):
             if mode is Mode.PIPETUNE:
                 raise ValueError(
