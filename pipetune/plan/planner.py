@@ -245,7 +245,7 @@ class Planner:
 
     def _time_weights(self, c: Candidate, order: np.ndarray) -> None:
         """Try ``order``'s zero-bubble table with its ``W`` placed by this batch's latencies
-        (``list_scheduled``'s ``duration``; the cached tables place them by unit times, which
+        (``list_scheduled``'s ``times``; the cached tables place them by unit times, which
         misses the bubbles of uneven micro-batches), with and without encoder pre-computation.
         Done for the ``TIME_WEIGHTED`` best packings only: each compiles a table of its own. With
         no more micro-batches than ranks, also with the ``W`` of the last ranks left to their end
@@ -256,12 +256,10 @@ class Planner:
             times[Op.FORWARD][:, 0] += durations(lat, Module.ENCODER, Op.FORWARD).sum(axis=1)[order]
             if self.cost.encoder_trainable:
                 times[Op.BACKWARD_INPUT][:, 0] += durations(lat, Module.ENCODER, Op.BACKWARD).sum(axis=1)[order]
-        p2p = lat.p2p[order]
         lazy = sorted({int(f * P) for f in LAZY_WEIGHTS_FROM} - {0, P}) if m <= P else []
         for lazy_from in (None, *lazy):
             table = list_scheduled(P, V, range(m), split_backward=True, encoder=self.encoder, encoder_trained=self.cost.encoder_trainable,
-                                   duration=lambda a: times[a.op][a.unit, a.chunk], delay=lambda q, a: p2p[a.unit],
-                                   lazy_weights_from=lazy_from)
+                                   times=times, p2p=lat.p2p[order], lazy_weights_from=lazy_from)
             dag = compile_schedule(table, validate=False)
             slots = dag.float_slot[None]
             if self.encoder and self.config.precompute and not self.cost.encoder_trainable:

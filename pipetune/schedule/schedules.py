@@ -18,12 +18,15 @@ packing gives).
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from enum import StrEnum
 from functools import lru_cache
+
+import numpy as np
 
 from pipetune.schedule.table import Action, Module, Op, Placement, ScheduleError, ScheduleTable
 
@@ -117,8 +120,7 @@ def activation_caps(num_ranks: int, chunks_per_rank: int) -> tuple[int, ...]:
 
 def list_scheduled(num_ranks: int, chunks_per_rank: int, order: Sequence[int], *, split_backward: bool = False,
                    encoder: bool = False, encoder_trained: bool = False, caps: Sequence[int] | None = None,
-                   duration: Callable[[Action], float] | None = None,
-                   delay: Callable[[Action, Action], float] | None = None,
+                   times: Mapping[Op, np.ndarray] | None = None, p2p: np.ndarray | None = None,
                    lazy_weights_from: int | None = None) -> ScheduleTable:
     """Interleaved 1F1B (``chunks_per_rank >= 2``) and zero-bubble (``split_backward``) tables.
 
@@ -132,10 +134,12 @@ def list_scheduled(num_ranks: int, chunks_per_rank: int, order: Sequence[int], *
     backward is its ``I``, and the ``W`` actions are placed by a run of the sequences: a rank runs
     its oldest deferred ``W`` when its next action is not ready yet (a bubble) or is a forward
     while the rank holds ``caps[r]`` micro-batches' activations, and the rest at the end. The run
-    takes unit times (``UNIT_TIME``: F 1, B 2, I 1, W 1; messages free) unless given ``duration``
-    (each action's time; the co-located encoder's actions count in their chunk-0 forward and
-    gradient action) and ``delay`` (the message time from a producer to its consumer on another
-    rank): the planner passes a batch's latencies so that ``W`` fill the bubbles that batch has.
+    takes unit times (``UNIT_TIME``: F 1, B 2, I 1, W 1; messages free) unless given ``times``
+    (per op of the table, ``[units, chunks]`` seconds; the co-located encoder's actions count in
+    their chunk-0 forward and gradient action) and ``p2p`` (``[units]``: a message between ranks):
+    the planner passes a batch's latencies so that ``W`` fill the bubbles that batch has. The run
+    is event-driven (a rank is looked at only when it frees up or an input reaches it) over
+    actions numbered by op, chunk and unit: the planner builds such tables in its search.
     ``caps`` defaults to the largest of 1F1B's caps on every rank: ZB-H1's rule (no rank holds
     more than 1F1B's first rank; later ranks defer their ``W`` into the drain's bubbles).
     ``lazy_weights_from``: ranks from this one on leave their bubbles empty and run a ``W`` only
@@ -147,85 +151,76 @@ def list_scheduled(num_ranks: int, chunks_per_rank: int, order: Sequence[int], *
     """
     order = _check_order(order)
     m, P, V = len(order), num_ranks, chunks_per_rank
+    S, FWD, GRAD, WEIGHT = P * V, 0, 1, 2  # action (op, chunk, unit) as (op, chunk, chunk * m + unit)
     placement = Placement.interleaved(P, V, encoder=encoder, encoder_trained=encoder_trained)
     padded = order + list(range(m, -(-m // P) * P))
     rounds = [padded[i:i + P] for i in range(0, len(padded), P)]
     warmups = activation_caps(P, V)
     caps = tuple(caps) if caps is not None else (max(warmups),) * P if split_backward else warmups
-    grad = Op.BACKWARD_INPUT if split_backward else Op.BACKWARD
-    own = [[c for c in range(P * V) if c % P == r] for r in range(P)]
-    seqs: list[deque[Action]] = []
+    ops = (Op.FORWARD, Op.BACKWARD_INPUT if split_backward else Op.BACKWARD, Op.BACKWARD_WEIGHT)[:2 + split_backward]
+    seqs: list[deque[tuple[int, int, int]]] = []
     for r in range(P):
-        fwd = [Action(c, Op.FORWARD, j) for g in rounds for c in own[r] for j in g]
-        bwd = [Action(c, grad, j) for g in rounds for c in reversed(own[r]) for j in g]
+        own = range(r, S, P)
+        fwd = [(FWD, c, j) for g in rounds for c in own for j in g]
+        bwd = [(GRAD, c, j) for g in rounds for c in reversed(own) for j in g]
         warm = min(len(fwd), warmups[r], caps[r])
-        steady = [a for k in range(len(fwd) - warm) for a in (bwd[k], fwd[warm + k])]
-        seqs.append(deque(a for a in fwd[:warm] + steady + bwd[len(fwd) - warm:] if a.unit < m))
-    producers = _backbone_producers(P, V, split_backward)
-    proto = ScheduleTable(Placement.interleaved(P, V), 1, ((),) * P, split_backward=split_backward)  # backbone actions only
-    lazy_from = P if lazy_weights_from is None else lazy_weights_from
-    duration = duration or (lambda a: UNIT_TIME[a.op])
-    delay = delay or (lambda q, a: 0)
-    ends: dict[Action, float] = {}
+        steady = [x for k in range(len(fwd) - warm) for x in (bwd[k], fwd[warm + k])]
+        seqs.append(deque((op, c, c * m + j) for op, c, j in fwd[:warm] + steady + bwd[len(fwd) - warm:] if j < m))
+    took = [np.broadcast_to(np.asarray(times[op], float) if times is not None else float(UNIT_TIME[op]), (m, S)).T.ravel().tolist()
+            for op in ops]
+    hop = (np.broadcast_to(np.asarray(p2p, float), (S, m)).ravel() if p2p is not None and P > 1 else np.zeros(S * m)).tolist()
+    ends = [[math.inf] * (S * m), [math.inf] * (S * m)]  # F and G (B or I); a W feeds nothing the run waits on
 
-    def ready_at(a: Action) -> float:
-        at = 0.0
-        if a not in producers:
-            producers[a] = proto.producers(a)
-        for q in producers[a]:
-            end = ends.get(q)
-            if end is None:
-                return math.inf
-            at = max(at, end + delay(q, a) if q.chunk % P != a.chunk % P else end)
-        return at
+    def ready_at(op: int, c: int, k: int) -> float:
+        if op == FWD:
+            return ends[FWD][k - m] + hop[k] if c > 0 else 0.0
+        at = ends[FWD][k]
+        return max(at, ends[GRAD][k + m] + hop[k]) if c < S - 1 else at
 
-    lists: list[list[Action]] = [[] for _ in range(P)]
-    weights: list[deque[Action]] = [deque() for _ in range(P)]
+    lists: list[list[tuple[int, int, int]]] = [[] for _ in range(P)]
+    weights: list[deque[tuple[int, int, int]]] = [deque() for _ in range(P)]
     free_at, live = [0.0] * P, [0] * P
-    left = sum(len(q) + sum(a.op is Op.BACKWARD_INPUT for a in q) for q in seqs)  # every action, and a W per I
-    t = 0.0
+    left = sum(len(q) + split_backward * sum(op == GRAD for op, _, _ in q) for q in seqs)  # every action, and a W per I
+    lazy_from = P if lazy_weights_from is None else lazy_weights_from
+    wake = [(0.0, r) for r in range(P)]  # (time, rank): when a rank frees up or an input reaches it
     while left:
-        started, later = False, math.inf  # later: the next time a rank frees up or an input arrives
-        for r in range(P):
-            if free_at[r] > t:
-                if free_at[r] < later:
-                    later = free_at[r]
-                continue
-            seq = seqs[r]
-            at = ready_at(seq[0]) if seq else math.inf
-            capped = bool(seq) and seq[0].op is Op.FORWARD and live[r] >= caps[r]
-            if at <= t and not (weights[r] and capped):
-                a = seq.popleft()
-                live[r] += 1 if a.op is Op.FORWARD else -1 if a.op is Op.BACKWARD else 0
-                if a.op is Op.BACKWARD_INPUT:
-                    weights[r].append(Action(a.chunk, Op.BACKWARD_WEIGHT, a.unit))
-            elif weights[r] and (r < lazy_from or capped or not seq):
-                a = weights[r].popleft()
-                live[r] -= 1
-            else:
-                if t < at < later:
-                    later = at
-                continue
-            lists[r].append(a)
-            ends[a] = free_at[r] = end = t + duration(a)
-            if t < end < later:
-                later = end
-            started = True
-            left -= 1
-        if not started and later == math.inf:
-            stuck = ", ".join(f"rank {r} at {seqs[r][0]}" for r in range(P) if seqs[r])
+        if not wake:
+            stuck = ", ".join(f"rank {r} at {Action(c, ops[op], k - c * m)}" for r in range(P) if seqs[r] for op, c, k in [seqs[r][0]])
             raise ScheduleError(f"the {P} x {V} interleaved sequence of {m} micro-batches cannot run ({stuck})")
-        if later < math.inf:
-            t = later
+        t, r = heapq.heappop(wake)
+        if free_at[r] > t:
+            continue
+        seq = seqs[r]
+        capped = bool(seq) and seq[0][0] == FWD and live[r] >= caps[r]
+        if seq and ready_at(*seq[0]) <= t and not (weights[r] and capped):
+            a = seq.popleft()
+            if a[0] == FWD:
+                live[r] += 1
+            elif split_backward:
+                weights[r].append((WEIGHT, a[1], a[2]))
+            else:
+                live[r] -= 1
+        elif weights[r] and (r < lazy_from or capped or not seq):
+            a = weights[r].popleft()
+            live[r] -= 1
+        else:
+            continue
+        op, c, k = a
+        lists[r].append(a)
+        free_at[r] = end = t + took[op][k]
+        heapq.heappush(wake, (end, r))
+        if op == FWD:
+            ends[FWD][k] = end
+            if c < S - 1:
+                heapq.heappush(wake, (end + hop[k + m], (c + 1) % P))
+        elif op == GRAD:
+            ends[GRAD][k] = end
+            if c > 0:
+                heapq.heappush(wake, (end + hop[k - m], (c - 1) % P))
+        left -= 1
+    per_rank = [[Action(c, ops[op], k - c * m) for op, c, k in acts] for acts in lists]
     name = ("Interleaved" if V > 1 else "") + ("ZB" if split_backward else "1F1B")
-    return _table(lists, m, placement, name, caps, split_backward)
-
-
-@lru_cache(maxsize=64)
-def _backbone_producers(num_ranks: int, chunks_per_rank: int, split_backward: bool) -> dict[Action, tuple[Action, ...]]:
-    """Backbone actions' producers, filled in as the list scheduler asks (they do not depend on the
-    micro-batch count, so one map serves every table of these ranks and chunks)."""
-    return {}
+    return _table(per_rank, m, placement, name, caps, split_backward)
 
 
 class Schedule(StrEnum):

@@ -249,9 +249,11 @@ def interleaved_plan(model, meta, world: int, opts: dict):
     groups = [meta.table.ids[g].tolist() for g in packing.groups()]
     order = np.random.default_rng(opts.get("seed", 0)).permutation(len(groups)).tolist()
     trained = not model.encoder.frozen
-    uneven = lambda a: UNIT_TIME[a.op] * (1 + (5 * a.unit + 3 * a.chunk) % 4)  # noqa: E731  W placed as by a batch's latencies
-    table = list_scheduled(world, opts.get("chunks_per_rank", 2), order, split_backward=opts.get("split", False), encoder=True,
-                           encoder_trained=trained, duration=uneven)
+    V, split = opts.get("chunks_per_rank", 2), opts.get("split", False)
+    unit, chunk = np.indices((len(groups), V * world))
+    ops = (Op.FORWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT) if split else (Op.FORWARD, Op.BACKWARD)
+    uneven = {op: UNIT_TIME[op] * (1 + (5 * unit + 3 * chunk) % 4) for op in ops}  # W placed as by a batch's latencies
+    table = list_scheduled(world, V, order, split_backward=split, encoder=True, encoder_trained=trained, times=uneven)
     if not trained and len(order) > 2:
         table = place_encoders(table, {order[-1]: 1, order[-2]: 0})
     return plan_from_table(table, step=meta.step, micro_batches=groups, order=order, mbs=mbs, max_seq_len=MAX_SEQ_LEN).validate()

@@ -73,7 +73,7 @@ def test_every_family_runs_for_any_micro_batch_count_on_an_in_order_transport():
 
 
 def test_weights_placed_by_a_batch_s_latencies_move_only_w_and_stay_runnable():
-    """``duration``/``delay``: the run that places ``W`` takes real times. Each rank's forwards and
+    """``times``/``p2p``: the run that places ``W`` takes real times. Each rank's forwards and
     input gradients keep their order (the sequence is Megatron's either way); only ``W`` moves."""
     rng = np.random.default_rng(4)
     moved = 0
@@ -83,11 +83,8 @@ def test_weights_placed_by_a_batch_s_latencies_move_only_w_and_stay_runnable():
         bwd_input, weight, p2p = fwd * rng.uniform(0.5, 1.5, (m, S)), fwd * rng.uniform(0.5, 1.5, (m, S)), rng.uniform(0, 0.3, m)
         order = rng.permutation(m)
 
-        def duration(a):
-            table = {Op.FORWARD: fwd, Op.BACKWARD_INPUT: bwd_input, Op.BACKWARD_WEIGHT: weight}[a.op]
-            return table[order[a.unit], a.chunk]
-
-        timed = list_scheduled(P, V, range(m), split_backward=True, duration=duration, delay=lambda q, a: p2p[order[a.unit]]).validate()
+        times = {Op.FORWARD: fwd[order], Op.BACKWARD_INPUT: bwd_input[order], Op.BACKWARD_WEIGHT: weight[order]}
+        timed = list_scheduled(P, V, range(m), split_backward=True, times=times, p2p=p2p[order]).validate()
         unit = list_scheduled(P, V, range(m), split_backward=True)
         without_w = lambda t: [[a for a in r if a.op is not Op.BACKWARD_WEIGHT] for r in t.ranks]  # noqa: E731
         assert without_w(timed) == without_w(unit)
