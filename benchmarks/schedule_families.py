@@ -16,7 +16,8 @@ configuration; pipetune's cut against it; pipetune's mean gap to its lower bound
 the bound, so pipetune cannot cut the best static configuration by more than that (the bound is
 ``placement_lower_bound`` of the space's split table, which holds for whole backwards too); search
 time per iteration, the p50 of the space where it is largest / the max over all (ms, one thread;
-noisy unless the machine is quiet). Compiled tables are cached per
+noisy unless the machine is quiet; automatic GC off, as TorchTitan's trainer runs, unless
+``--python-gc``). Compiled tables are cached per
 micro-batch count, so early iterations of a run search slower than later ones: all are counted.
 ``--gbs 1024`` measures the search at the issue's larger batch.
 """
@@ -24,6 +25,7 @@ micro-batch count, so early iterations of a run search slower than later ones: a
 from __future__ import annotations
 
 import argparse
+import gc
 from dataclasses import replace
 
 import numpy as np
@@ -44,7 +46,10 @@ def main() -> None:
     ap.add_argument("--pp", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--mixes", nargs="+", default=["datamix1", "datamix2", "datamix3"])
     ap.add_argument("--gbs", type=int, default=128)
+    ap.add_argument("--python-gc", action="store_true", help="time the search with Python's automatic GC on (a TorchTitan job turns it off)")
     args = ap.parse_args()
+    if not args.python_gc:
+        gc.disable()  # as in a TorchTitan job: its trainer collects every training.gc_freq steps, outside the step
     model = load_model_config("13b")
     hw = load_hardware("a100")
     table = analytical_table(model, hw, tp=4)
@@ -56,6 +61,7 @@ def main() -> None:
             data = make_mix(mix, args.samples, seed=0)
             runs = {}
             for name, V, split in SPACES:
+                gc.collect()  # what the job's periodic collection does between steps, outside the timed search
                 cost = CostModel(table, replace(StageLayout.even(model.backbone.n_layers, pp * V), chunks_per_rank=V))
                 runs[name] = compare_modes(model, cost, data, gbs=args.gbs, max_seq_len=8192, memory_bytes=hw.memory_bytes, iters=args.iters,
                                            modes=(Mode.PIPETUNE,), split_backward=split)

@@ -232,15 +232,21 @@ def compile_schedule(table: ScheduleTable, *, validate: bool = True) -> Compiled
     while True:
         progressed = False
         for r, acts in enumerate(work):
-            while ptr[r] < len(acts):
-                a = acts[ptr[r]]
-                if any(d not in done for d, _ in needs[a]):
-                    break
-                done[a] = len(order)
-                order.append(a)
-                order_rank.append(r)
-                ptr[r] += 1
-                progressed = True
+            k = ptr[r]
+            while k < len(acts):
+                a = acts[k]
+                for d, _ in needs[a]:
+                    if d not in done:
+                        break
+                else:
+                    done[a] = len(order)
+                    order.append(a)
+                    order_rank.append(r)
+                    k += 1
+                    continue
+                break
+            progressed |= k > ptr[r]
+            ptr[r] = k
         if all(q == len(a) for q, a in zip(ptr, work)):
             break
         if not progressed:
@@ -267,7 +273,7 @@ def compile_schedule(table: ScheduleTable, *, validate: bool = True) -> Compiled
         for a in acts:
             if a in is_float:
                 pending.append(a)
-            else:
+            elif pending:
                 slot_of.update((f, done[a]) for f in pending)
                 pending = []
         if pending:
