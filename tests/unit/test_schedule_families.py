@@ -94,6 +94,33 @@ def test_weights_placed_by_a_batch_s_latencies_move_only_w_and_stay_runnable():
     assert moved > 0
 
 
+def test_a_w_never_runs_ahead_of_an_input_gradient_that_was_ready_even_after_zero_time_actions():
+    """A rank fills a bubble with a ``W`` only when its next input gradient is not ready yet. Chunk
+    0's input gradient takes no time when nothing before it is trained (a frozen encoder); the run
+    must not hold its rank after it (its clock would lag, and ``W`` go where no bubble is). Checked
+    on the table replayed with the same times: every action as soon as its rank and inputs allow."""
+    rng = np.random.default_rng(11)
+    for P, V, m in [(4, 2, 10), (4, 2, 7), (8, 2, 16), (3, 3, 8)]:
+        S = P * V
+        times = {op: rng.uniform(0.5, 1.5, (m, S)) for op in (Op.FORWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)}
+        times[Op.BACKWARD_INPUT][:, 0] = 0.0
+        p2p = rng.uniform(0.01, 0.1, m)
+        table = list_scheduled(P, V, range(m), split_backward=True, times=times, p2p=p2p).validate()
+        start, ready, end, free = {}, {}, {}, [0.0] * P
+        left = [list(acts) for acts in table.ranks]
+        while any(left):
+            for r, acts in enumerate(left):
+                while acts and all(q in end for q in table.producers(acts[0])):
+                    a = acts.pop(0)
+                    ready[a] = max([0.0] + [end[q] + (p2p[a.unit] if q.chunk % P != r else 0.0) for q in table.producers(a)])
+                    start[a] = max(free[r], ready[a])
+                    end[a] = free[r] = start[a] + times[a.op][a.unit, a.chunk]
+        for acts in table.ranks:
+            for w, nxt in zip(acts, acts[1:]):
+                if w.op is Op.BACKWARD_WEIGHT and nxt.op is Op.BACKWARD_INPUT:
+                    assert ready[nxt] > start[w], (P, V, m, w, nxt)
+
+
 def test_lazy_ranks_leave_their_bubbles_empty_and_run_w_last_unless_their_activations_are_capped():
     """``lazy_weights_from``: every rank keeps its forwards and input gradients in Megatron's order;
     ranks from ``k`` on run no ``W`` before their last ``F`` and ``I`` while uncapped, and under
