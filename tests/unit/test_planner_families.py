@@ -12,7 +12,7 @@ from pipetune.data import BatchStream, batch_meta, make_mix
 from pipetune.plan import IterationPlan, PlannerConfig
 from pipetune.plan.compare import compare_modes
 from pipetune.schedule.lowering import lower_all
-from pipetune.schedule.table import Op, Placement
+from pipetune.schedule.table import Action, Op, Placement
 from pipetune.simulate import simulate
 from image_sizing import square_images
 
@@ -155,3 +155,23 @@ def test_interleaved_plans_also_pack_into_whole_rounds_of_the_ranks(monkeypatch)
         sim = simulate(plan.table(), plan.latencies(cost, meta))
         assert sim.makespan == pytest.approx(plan.predicted_s)
         assert max(sim.peak_bytes + model_state_bytes(cost)) <= config.memory_bytes * (1 - config.reserve)
+
+
+def test_interleaved_plans_get_encoder_pre_computation_on_the_chosen_plan():
+    """On interleaved layouts the search leaves encoder pre-computation out and tries it on the
+    chosen plan: never slower than without it, faster where it moves an encoder (DataMix3, PP 8,
+    batch 12), and each plan simulates to its prediction within memory."""
+    model, cost = costs(V=2, pp=8)
+    make = lambda pre: PlannerConfig(max_seq_len=8192, memory_bytes=A100.memory_bytes, split_backward="auto", precompute=pre).build(model, cost)  # noqa: E731
+    with_pre, without = make(True), make(False)
+    faster = 0
+    for meta in metas(13)[10:]:
+        plan, plain = with_pre.plan(meta), without.plan(meta)
+        assert plan.predicted_s <= plain.predicted_s + 1e-12
+        table = plan.table()
+        moved = sum(a.is_encoder and a.op is Op.FORWARD and r[k + 1] != Action(0, Op.FORWARD, a.unit) for r in table.ranks for k, a in enumerate(r[:-1]))
+        faster += moved > 0 and plan.predicted_s < plain.predicted_s
+        sim = simulate(table, plan.latencies(cost, meta))
+        assert sim.makespan == pytest.approx(plan.predicted_s)
+        assert max(np.array(plan.peak_bytes) - model_state_bytes(cost) - sim.peak_bytes) < 1e-3 * max(plan.peak_bytes)
+    assert faster >= 1
