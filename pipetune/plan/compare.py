@@ -6,8 +6,10 @@ with the lowest mean simulated iteration time over the same iterations among tho
 memory on every iteration (PipeTune compares against ``original`` at the largest mbs that fits).
 Since pipetune may spread a batch of few tokens over more micro-batches than rows (``Planner``'s
 ``finer_counts``), the balanced packer at mbs 1 is also tried with each of those counts as a
-fixed minimum; on interleaved layouts, where pipetune also packs into whole rounds of the ranks,
-so is every size with 1 to ``STATIC_ROUNDS`` rounds' worth of micro-batches, and on the separated
+fixed minimum; on interleaved layouts, where pipetune also packs into whole rounds of the ranks
+and spreads size 2 over the counts between, so is every size with each count from ``P`` to
+``STATIC_ROUNDS`` rounds that torch's ``Interleaved1F1B`` accepts (``n`` a multiple of its
+``n // P`` rounds: 8-15, 16, 18, 20, 22, 24, 27, 30, 32 at ``P`` 8), and on the separated
 layout, where pipetune spreads a size's micro-batches over more of them, every size with every
 count from 2 to ``STATIC_ROUNDS`` times the ranks (a fixed count of micro-batches, as TorchTitan's
 ``n_microbatches`` is).
@@ -18,6 +20,7 @@ both).
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -118,29 +121,35 @@ class StaticKey(NamedTuple):
 def static_planners(model: ModelConfig, cost: CostModel, *, max_seq_len: int, memory_bytes: float, seed: int = 0,
                     max_mbs: int = 64, jitter_draws: int = 0,
                     split_backward: SplitBackward = SplitBackward.OFF) -> dict[StaticKey, Planner]:
-    """One planner per fixed configuration: packer (original or balanced) x every mbs that fits x
-    each whole/split backward ``split_backward`` allows, and on co-located layouts the balanced
+    """One planner per fixed configuration: packer (original or balanced) x every mbs pipetune may
+    use (the largest any family's memory estimate allows) x each whole/split backward ``split_backward`` allows, and on co-located layouts the balanced
     packer at mbs 1 with each of the pipetune planner's ``finer_counts`` as its fewest
-    micro-batches; on interleaved layouts every size with each multiple of the ranks up to
-    ``STATIC_ROUNDS`` rounds as its fewest, on the separated layout with every count up to that
+    micro-batches; on interleaved layouts every size with each count ``Interleaved1F1B`` accepts up
+    to ``STATIC_ROUNDS`` rounds as its fewest, on the separated layout with every count up to that
     (``jitter_draws``: predict expected times, as a jitter-aware planner they are compared with)."""
     splits = [SplitBackward.ON if split else SplitBackward.OFF for split in SplitBackward(split_backward).families]
     probes = {split: PlannerConfig(mode=Mode.BALANCED, max_seq_len=max_seq_len, memory_bytes=memory_bytes, max_mbs=max_mbs,
                                    split_backward=split).build(model, cost) for split in splits}
-    keys = [StaticKey(packer, size, 1, split) for packer in (Mode.ORIGINAL, Mode.BALANCED) for split in splits
-            for size in range(1, probes[split].max_mbs + 1)]
+    sizes = range(1, max(probe.max_mbs for probe in probes.values()) + 1)  # pipetune's: a family may fit more than its estimate
+    keys = [StaticKey(packer, size, 1, split) for packer in (Mode.ORIGINAL, Mode.BALANCED) for split in splits for size in sizes]
     for split, probe in probes.items():
-        P, sizes = probe.num_ranks, range(1, probe.max_mbs + 1)
+        P = probe.num_ranks
         if cost.layout.is_separated:
             counts = {(size, count) for size in sizes for count in range(2, STATIC_ROUNDS * P + 1)}
         else:
             counts = {(1, count) for count in probe.finer_counts}
-            if probe.chunks_per_rank > 1:
-                counts |= {(size, k * P) for size in sizes for k in range(1, STATIC_ROUNDS + 1)}
+            if probe.chunks_per_rank > 1:  # the counts torch's Interleaved1F1B runs: a whole number of equal rounds
+                counts |= {(size, n) for size in sizes for n in range(P, STATIC_ROUNDS * P + 1) if n % (n // P) == 0}
         keys += [StaticKey(Mode.BALANCED, size, count, split) for size, count in sorted(counts)]
-    return {k: PlannerConfig(mode=k.packer, max_seq_len=max_seq_len, memory_bytes=memory_bytes, mbs=k.mbs, seed=seed,
-                             jitter_draws=jitter_draws, split_backward=k.split, min_micro_batches=k.min_micro_batches).build(model, cost)
-            for k in keys}
+    planner_log = logging.getLogger(Planner.__module__)
+    level = planner_log.level
+    planner_log.setLevel(logging.ERROR)  # sizes over a family's full-row memory estimate are meant: each plan's memory is checked
+    try:
+        return {k: PlannerConfig(mode=k.packer, max_seq_len=max_seq_len, memory_bytes=memory_bytes, mbs=k.mbs, seed=seed,
+                                 jitter_draws=jitter_draws, split_backward=k.split, min_micro_batches=k.min_micro_batches).build(model, cost)
+                for k in keys}
+    finally:
+        planner_log.setLevel(level)
 
 
 def pick_best_static(static: dict[StaticKey, Planner], rows: dict) -> StaticKey | None:

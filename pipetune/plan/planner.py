@@ -30,18 +30,22 @@ micro-batches than ranks also gets tables whose last ranks leave their ``W`` to 
 (``LAZY_WEIGHTS_FROM``): their bubbles stay free for the input gradients the earlier ranks wait
 for, as CP-SAT's tables for such batches do (DataMix1 at PP 8: plans 0.9 % faster on average).
 The lower bound then holds for split tables (``placement_lower_bound`` of a split table).
-On interleaved layouts the search leaves encoder pre-computation out and tries it on the chosen
-plan only: there the ``W`` and the later chunks leave rank 0 little idle time,
-and searching it with every order changed mean plan times by at most 0.006 % on 13B + SigLIP at
-PP 4 / 8 (DataMix1-3, 20 batches each) and not at all on DIP's 5B + 8B with a frozen encoder, while
-taking a fifth of the search time.
+Encoder pre-computation is searched on one chunk per rank only: on interleaved layouts the ``W``
+and the later chunks leave rank 0 little idle time, and searching it changed mean plan times by at
+most 0.006 % on 13B + SigLIP at PP 4 / 8 (DataMix1-3, 20 batches each) and not at all on DIP's
+5B + 8B with a frozen encoder, while taking a fifth of the search time (trying it on the chosen
+plan alone changed none of 80 plans).
 On interleaved layouts, each size of 2 or more also packs the batch into the next multiple of
 ``P`` above its count when that stays below size 1's count (``_whole_rounds``): Megatron's
 interleaved order runs micro-batches in rounds of ``P``, and a packing between the sizes' own
 counts that fills whole rounds is often faster than both (DataMix3 at PP 8: 16 micro-batches
 beat 12-13 at size 2 and 24-25 at size 1). Those packings are time-weighted in their packing
 order, without the order search, which keeps the search within its budget; their bounds count
-in the plan's lower bound like every packing searched.
+in the plan's lower bound like every packing searched. Size 2 is also packed into each count up
+to ``P`` above its own and below size 1's (``_between_counts``), each timed in packing order on
+the zero-bubble unit-time table (which ranks such counts as their time-weighted tables do), and
+the fastest is time-weighted: DataMix3 at PP 8 then runs 20-21 micro-batches, 0.9 % faster than
+the whole rounds' 16. Their bounds count too.
 
 Modes (the paper's ablation): ``original`` = random first-fit packing at the fixed maximum mbs in
 packing order; ``balanced`` = Alg. 1 at that mbs; ``reorder`` = ``balanced`` + ordering and
@@ -85,7 +89,7 @@ from pipetune.schedule.schedules import in_order, list_scheduled, place_encoders
 from pipetune.schedule.table import Module, Op
 from pipetune.simulate.dag import CompiledSchedule, compile_schedule
 from pipetune.simulate.jitter import JitteredLatencies, expected_makespan, jitter
-from pipetune.simulate.lower_bound import placement_lower_bound
+from pipetune.simulate.lower_bound import makespan_lower_bound, placement_lower_bound
 from pipetune.simulate.simulator import Latencies, durations, evaluate
 
 if TYPE_CHECKING:
@@ -135,11 +139,11 @@ class Planner:
         self.last_mbs = self.fixed_mbs
         self._dags: dict[tuple[int, bool], CompiledSchedule] = {}
         self.encoder = model.encoder is not None
-        # frozen encoders' pre-computation: searched on one chunk per rank, tried on the chosen plan when interleaved (module doc)
-        self.precompute = self.encoder and config.precompute and not cost.encoder_trainable
         self.families = config.split_backward.families
         self.chunks_per_rank = cost.placement().chunks_per_rank
         self.num_ranks = cost.num_stages // self.chunks_per_rank
+        # frozen encoders' pre-computation, on one chunk per rank (module doc)
+        self.precompute = self.encoder and config.precompute and not cost.encoder_trainable and self.chunks_per_rank == 1
         self.finer_counts = (self.num_ranks, 2 * self.num_ranks)  # micro-batch counts a batch of few tokens is also spread over
         self.correction: dict[int, float] = {}
         self._lock = threading.Lock()
@@ -177,7 +181,11 @@ class Planner:
             self._dags[key] = compile_schedule(table, validate=False)
         return self._dags[key]
 
-    def _candidate(self, meta: BatchMeta, mbs: int, packer: PackerKind, min_micro_batches: int | None = None) -> Candidate:
+    def _candidate(self, meta: BatchMeta, mbs: int, packer: PackerKind, min_micro_batches: int | None = None, *,
+                   families: tuple[bool, ...] | None = None, bound_above: float = np.inf) -> Candidate:
+        """One packing timed in its packing order on each of ``families`` (default: the planner's).
+        Its lower bound is exact unless the co-located bound, never above it, already reaches
+        ``bound_above`` (then that one: the packing cannot lower a plan's bound of ``bound_above``)."""
         lengths = meta.table.lengths
         packing = PackingConfig(packer=packer, mbs=mbs, max_seq_len=self.config.max_seq_len, seed=self.config.seed,
                                 min_micro_batches=min_micro_batches or self.config.min_micro_batches).build(self.model)(lengths, meta.step)
@@ -186,12 +194,13 @@ class Planner:
         draws, variability = self.config.jitter_draws, self.cost.table.variability
         noisy = jitter(lat, variability, draws, (self.config.seed, meta.step)) if draws and variability else None
         timed = []
-        for split in self.families:
+        for split in families or self.families:
             dag = self._dag(packing.num_micro_batches, split)
             span, fits = self._evaluate(dag, lat, noisy, identity[None])
             timed.append((not fits[0], float(span[0]), dag))
         unfit, span, dag = min(timed, key=lambda t: t[:2])
-        c = Candidate(mbs, packing, lat, dag, span, self._lower_bound(lat), not unfit, noisy)
+        cheap = makespan_lower_bound(lat, self.cost.placement(), split_backward=True in self.families) if bound_above < np.inf else -np.inf
+        c = Candidate(mbs, packing, lat, dag, span, cheap if cheap >= bound_above else self._lower_bound(lat), not unfit, noisy)
         c.best_s, c.order, c.slots = (c.base_s if c.fits else np.inf), identity, dag.float_slot.copy()
         return c
 
@@ -207,6 +216,21 @@ class Planner:
             if c.mbs > 1 and count < most:
                 fewest.setdefault(count, c.mbs)
         return [self._candidate(meta, mbs, PackerKind.BALANCED, count) for count, mbs in sorted(fewest.items())]
+
+    def _between_counts(self, meta: BatchMeta, cands: list[Candidate]) -> Candidate | None:
+        """Interleaved layouts: the batch packed at size 2 into every count above size 2's own and
+        below size 1's (at most ``P`` more; ``cands`` starts with those two sizes' packings; counts
+        packed already are skipped), each timed in its packing order on the zero-bubble unit-time
+        table and kept in ``cands``; the fastest of them (None if none)."""
+        if self.chunks_per_rank == 1 or True not in self.families or self.max_mbs < 2:
+            return None
+        have = {c.packing.num_micro_batches for c in cands}
+        floor = min(c.lower_bound_s for c in cands)
+        two, most = cands[1].packing.num_micro_batches, cands[0].packing.num_micro_batches
+        screened = [self._candidate(meta, 2, PackerKind.BALANCED, count, families=(True,), bound_above=floor)
+                    for count in range(two + 1, min(most, two + self.num_ranks + 1)) if count not in have]
+        cands += screened
+        return min(screened, key=self._score, default=None)
 
     def _lower_bound(self, lat: Latencies) -> float:
         """A bound on every table the planner may choose for these latencies (a split table's bound
@@ -238,7 +262,7 @@ class Planner:
             if dag is not ranked_on:
                 other, fits = self._evaluate(dag, c.lat, c.noisy, cands)
                 spans = np.where(fits, other, np.inf)
-            if self.precompute and self.chunks_per_rank == 1:
+            if self.precompute:
                 moved_orders = np.repeat(cands, len(PRECOMPUTE_OVERFLOWS), axis=0)
                 overflows = np.tile(PRECOMPUTE_OVERFLOWS, len(keep))
                 moved = move_encoders_into_gaps(dag, c.lat, moved_orders, overflows)
@@ -253,8 +277,7 @@ class Planner:
     def _time_weights(self, c: Candidate, order: np.ndarray) -> None:
         """Try ``order``'s zero-bubble table with its ``W`` placed by this batch's latencies
         (``list_scheduled``'s ``times``; the cached tables place them by unit times, which
-        misses the bubbles of uneven micro-batches), with and without encoder pre-computation
-        on one chunk per rank.
+        misses the bubbles of uneven micro-batches), with and without encoder pre-computation.
         Done for the ``TIME_WEIGHTED`` best packings only: each compiles a table of its own. With
         no more micro-batches than ranks, also with the ``W`` of the last ranks left to their end
         (``list_scheduled``'s ``lazy_weights_from``, from each of ``LAZY_WEIGHTS_FROM`` x ranks)."""
@@ -269,20 +292,15 @@ class Planner:
             table = list_scheduled(P, V, range(m), split_backward=True, encoder=self.encoder, encoder_trained=self.cost.encoder_trainable,
                                    times=times, p2p=lat.p2p[order], lazy_weights_from=lazy_from)
             dag = compile_schedule(table, validate=False)
-            self._keep_fastest(c, dag, order, self.precompute and self.chunks_per_rank == 1)
-
-    def _keep_fastest(self, c: Candidate, dag: CompiledSchedule, order: np.ndarray, precompute: bool) -> None:
-        """Time ``order`` on ``dag`` with its own encoder placement and, with ``precompute``, the
-        pre-computation's; ``c`` takes the fastest that fits memory if it beats ``c``'s best."""
-        slots = dag.float_slot[None]
-        if precompute:
-            slots = np.vstack([slots, move_encoders_into_gaps(dag, c.lat, np.tile(order, (len(PRECOMPUTE_OVERFLOWS), 1)),
-                                                              PRECOMPUTE_OVERFLOWS)])
-        spans, fits = self._evaluate(dag, c.lat, c.noisy, np.tile(order, (len(slots), 1)), slots)
-        spans = np.where(fits, spans, np.inf)
-        k = int(np.argmin(spans))
-        if spans[k] < c.best_s:
-            c.best_s, c.order, c.slots, c.dag = float(spans[k]), order, slots[k], dag
+            slots = dag.float_slot[None]
+            if self.precompute:
+                slots = np.vstack([slots, move_encoders_into_gaps(dag, lat, np.tile(order, (len(PRECOMPUTE_OVERFLOWS), 1)),
+                                                                  PRECOMPUTE_OVERFLOWS)])
+            spans, fits = self._evaluate(dag, lat, c.noisy, np.tile(order, (len(slots), 1)), slots)
+            spans = np.where(fits, spans, np.inf)
+            k = int(np.argmin(spans))
+            if spans[k] < c.best_s:
+                c.best_s, c.order, c.slots, c.dag = float(spans[k]), order, slots[k], dag
 
     def plan(self, meta: BatchMeta, *, deadline: float | None = None) -> IterationPlan:
         """The plan for one batch; past ``deadline`` (``time.perf_counter()`` seconds) the fallback."""
@@ -320,8 +338,11 @@ class Planner:
                     if self._score(c) < self._score(best):
                         best = c
                 if mode is Mode.PIPETUNE and not past(deadline):
-                    for c in self._whole_rounds(meta, cands):
-                        cands.append(c)
+                    rounds = self._whole_rounds(meta, cands)
+                    cands += rounds
+                    for c in [*rounds, self._between_counts(meta, cands)]:
+                        if c is None:
+                            continue
                         if True in self.families and self._may_beat(c, best):
                             self._time_weights(c, c.order)
                         if self._score(c) < self._score(best):
@@ -333,8 +354,6 @@ class Planner:
                         self._time_weights(c, c.order)
                         if self._score(c) < self._score(best):
                             best = c
-                if self.precompute and self.chunks_per_rank > 1 and np.isfinite(best.best_s) and not past(deadline):
-                    self._keep_fastest(best, best.dag, best.order, True)  # interleaved: pre-computation on the chosen plan only
             if mode is Mode.PIPETUNE and not np.isfinite(best.best_s):
                 raise ValueError(
                     f"step {meta.step}: no micro-batch size in 1..{self.max_mbs} fits this batch in "

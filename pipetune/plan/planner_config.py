@@ -36,7 +36,8 @@ class PlannerConfig:
     ``mbs`` fixes the micro-batch size of the fixed-size modes (default: the largest that fits).
     ``max_clusters`` bounds the clusters whose permutations are tried (the paper stays below six);
     ``top_sizes`` micro-batch sizes (best packing-order makespan first) get the order search, and
-    their ``top_orders`` best orders get encoder placements. ``jitter_draws`` (0 or >= 2): draws of
+    their ``top_orders`` best orders get encoder placements (``precompute``: frozen encoders, one
+    chunk per rank; interleaved plans gain nothing from it, see the planner). ``jitter_draws`` (0 or >= 2): draws of
     per-action noise that candidates are scored over (expected makespan), when the cost model's
     table has a variability model; 0 scores the deterministic makespan. ``split_backward``: see
     ``SplitBackward`` (co-located 1F1B layouts only; the stage layout's ``chunks_per_rank`` sets

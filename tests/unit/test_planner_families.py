@@ -12,7 +12,7 @@ from pipetune.data import BatchStream, batch_meta, make_mix
 from pipetune.plan import IterationPlan, PlannerConfig
 from pipetune.plan.compare import compare_modes
 from pipetune.schedule.lowering import lower_all
-from pipetune.schedule.table import Action, Op, Placement
+from pipetune.schedule.table import Op, Placement
 from pipetune.simulate import simulate
 from image_sizing import square_images
 
@@ -136,12 +136,14 @@ def test_interleaved_plans_also_pack_into_whole_rounds_of_the_ranks(monkeypatch)
     """DataMix3 at PP 8, V = 2: size 2 packs batch 0 into fewer micro-batches than two rounds of the
     ranks and size 1 into more; the 16-micro-batch packing between them (two whole rounds) is
     faster than either, so the planner tries it. The plan without that step is never faster, each
-    plan is the table it simulated (memory included), and the bound still lies below the plan."""
+    plan is the table it simulated (memory included), and the bound still lies below the plan
+    (the counts between sizes 2 and 1 that are not whole rounds left out: the next test)."""
     from pipetune.plan.planner import Planner
 
     model, cost = costs(V=2, pp=8)
     config = PlannerConfig(max_seq_len=8192, memory_bytes=A100.memory_bytes, split_backward="auto")
     batches = metas(4)
+    monkeypatch.setattr(Planner, "_between_counts", lambda self, meta, cands: None)
     plans = [config.build(model, cost).plan(meta) for meta in batches]
     monkeypatch.setattr(Planner, "_whole_rounds", lambda self, meta, cands: [])
     without = [config.build(model, cost).plan(meta) for meta in batches]
@@ -157,21 +159,26 @@ def test_interleaved_plans_also_pack_into_whole_rounds_of_the_ranks(monkeypatch)
         assert max(sim.peak_bytes + model_state_bytes(cost)) <= config.memory_bytes * (1 - config.reserve)
 
 
-def test_interleaved_plans_get_encoder_pre_computation_on_the_chosen_plan():
-    """On interleaved layouts the search leaves encoder pre-computation out and tries it on the
-    chosen plan: never slower than without it, faster where it moves an encoder (DataMix3, PP 8,
-    batch 12), and each plan simulates to its prediction within memory."""
+
+def test_interleaved_plans_also_spread_size_2_over_the_counts_below_size_1s(monkeypatch):
+    """DataMix3 at PP 8, V = 2: size 2 packs each batch into 12-13 micro-batches, size 1 into 24-25,
+    whole rounds into 16; 20-21 micro-batches of size 2, screened on unit times, are faster than all
+    of them on every batch. The plans without that step are slower; every plan simulates to its
+    prediction within memory, holds every sample once, and its bound counts the screened packings'."""
+    from pipetune.plan.planner import Planner
+
     model, cost = costs(V=2, pp=8)
-    make = lambda pre: PlannerConfig(max_seq_len=8192, memory_bytes=A100.memory_bytes, split_backward="auto", precompute=pre).build(model, cost)  # noqa: E731
-    with_pre, without = make(True), make(False)
-    faster = 0
-    for meta in metas(13)[10:]:
-        plan, plain = with_pre.plan(meta), without.plan(meta)
-        assert plan.predicted_s <= plain.predicted_s + 1e-12
-        table = plan.table()
-        moved = sum(a.is_encoder and a.op is Op.FORWARD and r[k + 1] != Action(0, Op.FORWARD, a.unit) for r in table.ranks for k, a in enumerate(r[:-1]))
-        faster += moved > 0 and plan.predicted_s < plain.predicted_s
-        sim = simulate(table, plan.latencies(cost, meta))
+    config = PlannerConfig(max_seq_len=8192, memory_bytes=A100.memory_bytes, split_backward="auto")
+    batches = metas(3)
+    plans = [config.build(model, cost).plan(meta) for meta in batches]
+    monkeypatch.setattr(Planner, "_between_counts", lambda self, meta, cands: None)
+    without = [config.build(model, cost).plan(meta) for meta in batches]
+    for meta, plan, plain in zip(batches, plans, without):
+        counts = {mbs: len(PlannerConfig(mode="balanced", mbs=mbs, max_seq_len=8192, memory_bytes=A100.memory_bytes)
+                           .build(model, cost).plan(meta).order) for mbs in (1, 2)}
+        assert plan.mbs == 2 and counts[2] + 1 < len(plan.order) < counts[1] and len(plan.order) % 8
+        assert plan.predicted_s < plain.predicted_s - 1e-9 and plan.lower_bound_s <= plain.lower_bound_s + 1e-12
+        assert sorted(i for mb in plan.micro_batches for i in mb) == sorted(meta.table.ids.tolist())
+        sim = simulate(plan.table(), plan.latencies(cost, meta))
         assert sim.makespan == pytest.approx(plan.predicted_s)
-        assert max(np.array(plan.peak_bytes) - model_state_bytes(cost) - sim.peak_bytes) < 1e-3 * max(plan.peak_bytes)
-    assert faster >= 1
+        assert max(sim.peak_bytes + model_state_bytes(cost)) <= config.memory_bytes * (1 - config.reserve)
