@@ -122,9 +122,9 @@ def static_planners(model: ModelConfig, cost: CostModel, *, max_seq_len: int, me
                     max_mbs: int = 64, jitter_draws: int = 0,
                     split_backward: SplitBackward = SplitBackward.OFF) -> dict[StaticKey, Planner]:
     """One planner per fixed configuration: packer (original or balanced) x every mbs pipetune may
-    use (the largest any family's memory estimate allows) x each whole/split backward ``split_backward`` allows, and on co-located layouts the balanced
-    packer at mbs 1 with each of the pipetune planner's ``finer_counts`` as its fewest
-    micro-batches; on interleaved layouts every size with each count ``Interleaved1F1B`` accepts up
+    use (up to the largest any family's memory estimate allows) x each whole/split backward
+    ``split_backward`` allows, and on co-located layouts the balanced packer at mbs 1 with each of
+    the pipetune planner's ``finer_counts`` as its fewest micro-batches; on interleaved layouts every size with each count ``Interleaved1F1B`` accepts up
     to ``STATIC_ROUNDS`` rounds as its fewest, on the separated layout with every count up to that
     (``jitter_draws``: predict expected times, as a jitter-aware planner they are compared with)."""
     splits = [SplitBackward.ON if split else SplitBackward.OFF for split in SplitBackward(split_backward).families]

@@ -37,9 +37,9 @@ class PlannerConfig:
     ``max_clusters`` bounds the clusters whose permutations are tried (the paper stays below six);
     ``top_sizes`` micro-batch sizes (best packing-order makespan first) get the order search, and
     their ``top_orders`` best orders get encoder placements (``precompute``: frozen encoders, one
-    chunk per rank; interleaved plans gain nothing from it, see the planner). ``jitter_draws`` (0 or >= 2): draws of
-    per-action noise that candidates are scored over (expected makespan), when the cost model's
-    table has a variability model; 0 scores the deterministic makespan. ``split_backward``: see
+    chunk per rank; interleaved plans gain nothing from it, see the planner). ``jitter_draws`` (0
+    or >= 2): draws of per-action noise that candidates are scored over (expected makespan), when
+    the cost model's table has a variability model; 0 scores the deterministic makespan. ``split_backward``: see
     ``SplitBackward`` (co-located 1F1B layouts only; the stage layout's ``chunks_per_rank`` sets
     virtual stages). ``min_micro_batches``: pack every batch into at least that many micro-batches
     (the balanced packer's ``PackingConfig.min_micro_batches``; a fixed choice for the fixed-size

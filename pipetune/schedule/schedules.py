@@ -24,7 +24,6 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from enum import StrEnum
-from functools import lru_cache
 
 import numpy as np
 

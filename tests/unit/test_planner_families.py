@@ -159,7 +159,6 @@ def test_interleaved_plans_also_pack_into_whole_rounds_of_the_ranks(monkeypatch)
         assert max(sim.peak_bytes + model_state_bytes(cost)) <= config.memory_bytes * (1 - config.reserve)
 
 
-
 def test_interleaved_plans_also_spread_size_2_over_the_counts_below_size_1s(monkeypatch):
     """DataMix3 at PP 8, V = 2: size 2 packs each batch into 12-13 micro-batches, size 1 into 24-25,
     whole rounds into 16; 20-21 micro-batches of size 2, screened on unit times, are faster than all
