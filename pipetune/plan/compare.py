@@ -132,15 +132,15 @@ def static_planners(model: ModelConfig, cost: CostModel, *, max_seq_len: int, me
                                    split_backward=split).build(model, cost) for split in splits}
     sizes = range(1, max(probe.max_mbs for probe in probes.values()) + 1)  # pipetune's: a family may fit more than its estimate
     keys = [StaticKey(packer, size, 1, split) for packer in (Mode.ORIGINAL, Mode.BALANCED) for split in splits for size in sizes]
-    for split, probe in probes.items():
-        P = probe.num_ranks
-        if cost.layout.is_separated:
-            counts = {(size, count) for size in sizes for count in range(2, STATIC_ROUNDS * P + 1)}
-        else:
-            counts = {(1, count) for count in probe.finer_counts}
-            if probe.chunks_per_rank > 1:  # the counts torch's Interleaved1F1B runs: a whole number of equal rounds
-                counts |= {(size, n) for size in sizes for n in range(P, STATIC_ROUNDS * P + 1) if n % (n // P) == 0}
-        keys += [StaticKey(Mode.BALANCED, size, count, split) for size, count in sorted(counts)]
+    probe = next(iter(probes.values()))  # ranks, chunks and finer counts are the layout's, the same for every split
+    P = probe.num_ranks
+    if cost.layout.is_separated:
+        counts = {(size, count) for size in sizes for count in range(2, STATIC_ROUNDS * P + 1)}
+    else:
+        counts = {(1, count) for count in probe.finer_counts}
+        if probe.chunks_per_rank > 1:  # the counts torch's Interleaved1F1B runs: a whole number of equal rounds
+            counts |= {(size, n) for size in sizes for n in range(P, STATIC_ROUNDS * P + 1) if n % (n // P) == 0}
+    keys += [StaticKey(Mode.BALANCED, size, count, split) for split in splits for size, count in sorted(counts)]
     planner_log = logging.getLogger(Planner.__module__)
     level = planner_log.level
     planner_log.setLevel(logging.ERROR)  # sizes over a family's full-row memory estimate are meant: each plan's memory is checked
