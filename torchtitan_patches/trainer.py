@@ -154,7 +154,7 @@ class PipeTuneTrainer(Trainer):
                     where=pt.latency_table)
         self.table = with_job_weights(self.table, master_weights_of(config), where=pt.latency_table)
         self.chunks_per_rank, self.split_backward = schedule_family(config)
-        self.layout = choose_layout(config, self.planning_model, self.table, lambda: self._sample(config), chunks_per_rank=self.chunks_per_rank)
+        self.layout = choose_layout(config, self.planning_model, self.table, lambda: self._sample(config))
         per = "chunk (chunk c on rank c mod P)" if self.chunks_per_rank > 1 else "stage"
         logger.info(f"pipetune layout ({pt.layout}): backbone layers per {per} {self.layout.layers_per_stage()}; "
                     f"split backward {self.split_backward.value}"

@@ -18,6 +18,7 @@ from dataclasses import replace
 
 from pipetune.config import load_hardware
 from pipetune.cost import CostModel, StageLayout
+from pipetune.plan.planner_config import SplitBackward
 
 
 def add_layout_args(p, *, default: str) -> None:
@@ -25,7 +26,10 @@ def add_layout_args(p, *, default: str) -> None:
                    "encoder in chunks of its own on every rank (DIP); auto: the faster of the searched split and separated")
     p.add_argument("--layout-sample", type=positive_int, default=8, help="sampled batches the layout search scores layouts on")
     p.add_argument("--chunks-per-rank", type=positive_int, default=1, help="virtual stages: backbone chunks per rank (interleaved "
-                   "1F1B; --layout then lists pp x chunks-per-rank chunks, or even)")
+                   "1F1B; --layout then lists pp x chunks-per-rank chunks, even, or auto)")
+    p.add_argument("--split-backward", default="off", choices=[x.value for x in SplitBackward],
+                   help="zero-bubble tables: split backwards into input and weight gradients never, always, or per iteration "
+                        "(auto); the best fixed configuration may then split too, and auto layouts are scored with it")
     p.add_argument("--recompute-encoder", action="store_true", help="recompute a trained ViT's activations in the backward")
     p.add_argument("--memory-gib", type=positive_float, help="GPU memory per rank (default: the --hardware preset's)")
 
@@ -37,24 +41,26 @@ def memory_from_args(args) -> float:
 def cost_and_layout_from_args(args, model, data):
     """The job's cost model on the layout ``--layout`` asks for (``plan`` handles ``separated``
     itself: it compares it with the co-located layouts), and the search result (``None`` unless
-    ``auto``, which picks the faster of the best co-located split and the separated layout)."""
+    ``auto``, which picks the faster of the best co-located split and the separated layout; with
+    virtual stages or split backward, which the separated layout does not run, the best split)."""
     from pipetune.plan.layout_search import LayoutSearch, sample_batches
 
     base = cost_model_from_args(args, model)
     cost = CostModel(base.table, base.layout, recompute_encoder=args.recompute_encoder)
     if args.layout == "separated":
         raise ValueError("--layout separated is for `pipetune plan`, which compares it with the co-located layouts")
-    V = getattr(args, "chunks_per_rank", 1)
+    V = args.chunks_per_rank
+    layout = StageLayout.parse("even" if args.layout == "auto" else args.layout, model.backbone.n_layers, args.pp * V)
+    cost = cost.with_layout(replace(layout, chunks_per_rank=V))
     if args.layout != "auto":
-        layout = StageLayout.parse(args.layout, model.backbone.n_layers, args.pp * V)
-        return cost.with_layout(replace(layout, chunks_per_rank=V)), None
-    if V > 1:
-        raise ValueError("--layout auto searches one chunk per rank; give --layout even or pp x chunks-per-rank layer counts")
+        return cost, None
     sample = sample_batches(
         data, model, gbs=args.gbs, max_seq_len=args.max_seq_len, count=args.layout_sample, seed=args.data_seed, overlong=args.overlong
     )
-    search = LayoutSearch(model, cost, sample, max_seq_len=args.max_seq_len, memory_bytes=memory_from_args(args), seed=args.data_seed)
-    result = search.search(separated=model.encoder is not None)
+    split = SplitBackward(args.split_backward)
+    search = LayoutSearch(model, cost, sample, max_seq_len=args.max_seq_len, memory_bytes=memory_from_args(args),
+                          split_backward=split, seed=args.data_seed)
+    result = search.search(separated=model.encoder is not None and V == 1 and split is SplitBackward.OFF)
     return cost.with_layout(result.best.layout), result
 
 

@@ -26,9 +26,6 @@ def register(sub) -> None:
     add_cost_args(p)
     p.add_argument("--mbs", type=positive_int, help="micro-batch size of the fixed-size modes (default: largest that fits memory)")
     add_layout_args(p, default="even")
-    p.add_argument("--split-backward", default="off", choices=[x.value for x in SplitBackward],
-                   help="zero-bubble tables: split backwards into input and weight gradients never, always, or per iteration "
-                        "(auto); the best fixed configuration may then split too")
     p.add_argument("--dp", type=positive_int, default=1, help="data-parallel replicas: also split each global batch over them (balanced vs round-robin)")
     p.set_defaults(run=run, iters=50)
 

@@ -11,6 +11,13 @@ stage 0 gates the pipeline. The search, before training, on a sample of the job'
    linear-attention one; ``StageLayout.balanced``), or from the even split if that scores better;
 3. moves one layer between neighbouring stages while the expected iteration time improves.
 
+With virtual stages (``chunks_per_rank`` V >= 2 in the cost model's layout) the same search runs
+over the ``V x P`` backbone chunks: the balanced start balances every chunk (so every rank, and
+the rate at which rank 0, beside the encoder, feeds the pipeline), and a move shifts one layer
+across one chunk boundary. With ``split_backward`` the scores are the planner's with that choice
+of zero-bubble tables, as the job will run. The separated layout has one chunk per rank and
+whole backwards, so ``search(separated=True)`` refuses either.
+
 A layout's score is the mean over sampled batches of the iteration time the per-iteration planner
 (``pipetune`` mode) predicts under that layout: every candidate it considers has its simulated peak
 memory, plus that layout's model states, checked against the budget on every stage, and a layout on
@@ -25,7 +32,7 @@ the figures differ only by layout (and by the schedules each layout's planner ca
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -41,8 +48,9 @@ from pipetune.packing.config import PackerKind, PackingConfig
 from pipetune.plan.compare import ModeSummary, compare_modes
 from pipetune.plan.mode import Mode
 from pipetune.plan.partitioner import Partition, partition
-from pipetune.plan.planner_config import PlannerConfig
+from pipetune.plan.planner_config import PlannerConfig, SplitBackward
 from pipetune.schedule.schedules import Schedule
+from pipetune.schedule.table import Placement
 
 
 @dataclass(frozen=True)
@@ -87,6 +95,7 @@ class LayoutSearch:
         memory_bytes: float,
         reserve: float = 0.1,
         schedule: Schedule = Schedule.ONE_F_ONE_B,
+        split_backward: SplitBackward = SplitBackward.OFF,
         max_mbs: int = 64,
         seed: int = 0,
     ):
@@ -96,16 +105,23 @@ class LayoutSearch:
         self.budget = memory_bytes * (1 - reserve)
         self.n_layers = model.backbone.n_layers
         self.num_stages = cost.num_stages
+        self.chunks_per_rank = cost.layout.chunks_per_rank
         self.sample = sample
         self.model = model
         self.planner_config = PlannerConfig(
-            mode=Mode.PIPETUNE, max_seq_len=max_seq_len, memory_bytes=memory_bytes, reserve=reserve, schedule=schedule, max_mbs=max_mbs, seed=seed
+            mode=Mode.PIPETUNE, max_seq_len=max_seq_len, memory_bytes=memory_bytes, reserve=reserve, schedule=schedule,
+            split_backward=split_backward, max_mbs=max_mbs, seed=seed
         )
-        even = cost.with_layout(StageLayout.even(self.n_layers, self.num_stages))
+        self.even = self.sized(StageLayout.even(self.n_layers, self.num_stages).layers_per_stage())
+        even = cost.with_layout(self.even)
         self.top_mbs = max(max_micro_batch_size(even, max_seq_len, memory_bytes, reserve=reserve, limit=max_mbs), 1)
         self._shapes: dict[tuple[int, int], MicroBatchShapes] = {}
         self._scores: dict[StageLayout, LayoutScore] = {}
         self._partition: Partition | None = None
+
+    def sized(self, sizes) -> StageLayout:
+        """The co-located layout with these layers per backbone chunk, at the search's chunks per rank."""
+        return replace(StageLayout.from_sizes(sizes), chunks_per_rank=self.chunks_per_rank)
 
     def shapes(self, b: int, mbs: int) -> MicroBatchShapes:
         """Sampled batch ``b`` balance-packed at ``mbs`` (as the planner packs it)."""
@@ -136,21 +152,24 @@ class LayoutSearch:
         return s
 
     def balanced_start(self) -> StageLayout:
-        """The split that balances each stage's expected work, its fixed work plus that of the
-        layers it holds, each priced by its kind (module doc, 2)."""
-        even = StageLayout.even(self.n_layers, self.num_stages)
+        """The split that balances each chunk's expected work, its fixed work plus that of the
+        layers it holds, each priced by its kind (module doc, 2); the encoder counts on chunk 0,
+        beside which it runs."""
+        even = self.even
         cost = self.cost.with_layout(even)
+        per_chunk = Placement.colocated(self.num_stages, encoder=self.model.encoder is not None,
+                                        encoder_trained=cost.encoder_trainable)  # one chunk per "rank": each chunk's own work
         work = np.zeros(self.num_stages)
         layer_s = np.zeros(self.n_layers)
         for b in range(len(self.sample)):
             shapes = self.shapes(b, self.top_mbs)
-            work += rank_work(cost.placement(), cost.stage_costs(shapes))
+            work += rank_work(per_chunk, cost.stage_costs(shapes))
             layer_s += cost.layer_seconds(shapes)
         fixed = work - np.array([layer_s[lo:hi].sum() for lo, hi in even.layer_ranges])
-        return StageLayout.balanced(fixed, layer_s)
+        return self.sized(StageLayout.balanced(fixed, layer_s).layers_per_stage())
 
     def neighbours(self, layout: StageLayout) -> list[StageLayout]:
-        """Every layout one layer away: one layer moved across one stage boundary."""
+        """Every layout one layer away: one layer moved across one chunk boundary."""
         sizes = np.array(layout.layers_per_stage())
         out = []
         for s in range(self.num_stages - 1):
@@ -159,14 +178,18 @@ class LayoutSearch:
                     n = sizes.copy()
                     n[src] -= 1
                     n[dst] += 1
-                    out.append(StageLayout.from_sizes(n))
+                    out.append(self.sized(n))
         return out
 
     def search(self, *, max_moves: int | None = None, separated: bool = False) -> LayoutSearchResult:
-        """The best co-located split (module doc); with ``separated`` (a model with an encoder), also
-        the partitioner's separated layout (``pipetune.plan.partitioner``), and the faster of the two."""
+        """The best co-located split (module doc); with ``separated`` (a model with an encoder, one
+        chunk per rank, whole backwards), also the partitioner's separated layout
+        (``pipetune.plan.partitioner``), and the faster of the two."""
+        if separated and (self.chunks_per_rank > 1 or self.planner_config.split_backward is not SplitBackward.OFF):
+            raise ValueError("the separated layout runs one chunk per rank with whole backwards: search it without virtual stages "
+                             "or split backward")
         t0 = time.perf_counter()
-        even = self.score(StageLayout.even(self.n_layers, self.num_stages))
+        even = self.score(self.even)
         split = min((self.score(self.balanced_start()), even), key=lambda s: s.iter_s)
         for _ in range(max_moves if max_moves is not None else self.n_layers):
             cand = min((self.score(n) for n in self.neighbours(split.layout)), key=lambda s: s.iter_s, default=split)

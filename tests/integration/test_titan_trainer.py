@@ -63,15 +63,16 @@ def _unsplit_gradients(weights: dict, batch, *, trained: bool = False) -> dict:
 
 
 @pytest.mark.parametrize("layout, schedule, trained", [("5,3", "1F1B", False), ("separated", "1F1B", True),
-                                                       ("1,3,2,2", "Interleaved1F1B", False), ("even", "InterleavedZeroBubble", True)])
+                                                       ("1,3,2,2", "Interleaved1F1B", False), ("auto", "InterleavedZeroBubble", True)])
 def test_step_one_gradients_equal_the_unsplit_model(job, tmp_path, monkeypatch, layout, schedule, trained):
     """``5,3``: an uneven co-located split with a frozen encoder (pre-computed when the planner
     finds it faster on this machine's table; pre-computation's gradients are proven for any placement
     in test_pipeline_runtime); ``separated``: DIP's layout with a trained encoder cut into chunks on both ranks
     and padded image sub-microbatches; TorchTitan's ``Interleaved1F1B``: four parts from its split,
-    two per rank (chunk c on rank c mod 2), of 1, 3, 2 and 2 layers; ``InterleavedZeroBubble``: the
-    same with every backbone backward split into input and weight gradients, a trained encoder
-    taking its features' gradients from chunk 0's input-gradient action. Every parameter's gradient
+    two per rank (chunk c on rank c mod 2), of 1, 3, 2 and 2 layers; ``InterleavedZeroBubble``: four
+    chunks in the layout the search chose for them (``auto``), every backbone backward split into
+    input and weight gradients, a trained encoder taking its features' gradients from chunk 0's
+    input-gradient action. Every parameter's gradient
     (none of them zero) equals the unsplit model's, and no rank's action loop synchronised host and
     device (counted as on a GPU: ``runtime.host_sync``)."""
     from torchtitan.distributed import utils as dist_utils
@@ -90,6 +91,7 @@ def test_step_one_gradients_equal_the_unsplit_model(job, tmp_path, monkeypatch, 
     assert record.host_syncs == [0, 0]
     plan = IterationPlan.from_json(record.plan)
     assert plan.placement.chunks_per_rank == (1 if schedule == "1F1B" else 2)
+    assert len(record.layout) == (2 if schedule == "1F1B" else 4) and sum(record.layout) == 8
     assert plan.table().split_backward == (schedule == "InterleavedZeroBubble")
     weights = {k: v for r in ranks for k, v in r["weights"].items()}
     reference = _unsplit_gradients(weights, batch, trained=trained)

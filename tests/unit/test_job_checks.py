@@ -87,17 +87,18 @@ def test_virtual_stages_and_split_backward_accepted_beside_data_or_tensor_parall
         refuse_unsupported(config)
 
 
-@pytest.mark.parametrize("layout", ["auto", "separated"])
-def test_virtual_stages_and_split_backward_need_an_even_or_explicit_layout(layout):
-    config = config_registry.muse_glimmer_mm()
-    config.pipetune.layout = layout
-    config.parallelism.pipeline_parallel_schedule = "InterleavedZeroBubble"
-    assert "2 chunks per rank and split backward" in _refused(config, f"pipetune.layout {layout}")
-    config.parallelism.pipeline_parallel_schedule = "1F1B"
-    config.pipetune.split_backward = "on"
-    _refused(config, f"pipetune.layout {layout}")
-    config.pipetune.split_backward = "off"
-    refuse_unsupported(config)
+def test_virtual_stages_and_split_backward_run_on_co_located_layouts_only():
+    """The separated layout runs one chunk per rank and whole backwards; ``auto`` then searches the
+    co-located split only (``model_parts.choose_layout``)."""
+    for schedule, split in (("InterleavedZeroBubble", "off"), ("1F1B", "on")):
+        config = config_registry.muse_glimmer_mm()
+        config.parallelism.pipeline_parallel_schedule, config.pipetune.split_backward = schedule, split
+        config.pipetune.layout = "separated"
+        what = "2 chunks per rank and split backward" if schedule != "1F1B" else "split backward"
+        assert f"{what} " in _refused(config, "pipetune.layout separated")
+        for layout in ("auto", "even", "1,3,2,2" if schedule != "1F1B" else "3,5"):
+            config.pipetune.layout = layout
+            refuse_unsupported(config)
 
 
 def test_split_backward_setting():
@@ -223,10 +224,13 @@ def test_data_and_tensor_parallel_jobs_pass_with_any_layout(monkeypatch, degree)
         refuse_unsupported(config)
 
 
-@pytest.mark.parametrize("shard, tp, jitter, separated", [(1, 1, 0, True), (2, 1, 0, True), (1, 2, 0, True), (2, 1, 4, False)])
-def test_auto_weighs_the_separated_layout_beside_data_and_tensor_parallelism(monkeypatch, shard, tp, jitter, separated):
+@pytest.mark.parametrize("shard, tp, jitter, schedule, separated", [(1, 1, 0, "1F1B", True), (2, 1, 0, "1F1B", True),
+                                                                    (1, 2, 0, "1F1B", True), (2, 1, 4, "1F1B", False),
+                                                                    (1, 1, 0, "Interleaved1F1B", False)])
+def test_auto_weighs_the_separated_layout_beside_data_and_tensor_parallelism(monkeypatch, shard, tp, jitter, schedule, separated):
     """``auto`` searches the separated layout too, whatever the DP and TP degrees; jitter-aware jobs
-    stay co-located (the separated planner scores deterministic times only)."""
+    stay co-located (the separated planner scores deterministic times only), and so do jobs with
+    virtual stages (it runs one chunk per rank)."""
     from types import SimpleNamespace
 
     from torchtitan_patches.titan import model_parts
@@ -235,6 +239,7 @@ def test_auto_weighs_the_separated_layout_beside_data_and_tensor_parallelism(mon
     config = config_registry.muse_glimmer_mm()
     config.parallelism.data_parallel_shard_degree, config.parallelism.tensor_parallel_degree = shard, tp
     config.pipetune.layout, config.pipetune.jitter_draws = "auto", jitter
+    config.parallelism.pipeline_parallel_schedule = schedule
     asked = []
     search = SimpleNamespace(search=lambda separated: asked.append(separated) or SimpleNamespace(best=SimpleNamespace(layout="chosen")))
     monkeypatch.setattr(model_parts, "layout_search", lambda *args: search)

@@ -152,9 +152,9 @@ def _schedule(par) -> None:
 
 
 def _families(config) -> None:
-    """Virtual stages (``V >= 2``) and split backward run on even or explicit co-located layouts
-    (neither the layout search nor the separated planner makes them), with or without data and
-    tensor parallelism."""
+    """Virtual stages (``V >= 2``) and split backward run on co-located layouts (even, explicit or
+    ``auto``, which then searches the co-located split only; the separated planner makes neither),
+    with or without data and tensor parallelism."""
     par, pt = config.parallelism, config.pipetune
     if par.pipeline_parallel_schedule.lower() == "interleavedzerobubble" and pt.split_backward == SplitBackward.AUTO:
         raise ValueError("pipetune.split_backward auto: InterleavedZeroBubble always splits backwards: use Interleaved1F1B to "
@@ -165,9 +165,9 @@ def _families(config) -> None:
     setting = (f"parallelism.pipeline_parallel_schedule {par.pipeline_parallel_schedule}" if chunks > 1
                else f"pipetune.split_backward {split.value}")
     what = " and ".join(([f"{chunks} chunks per rank"] if chunks > 1 else []) + (["split backward"] if split is not SplitBackward.OFF else []))
-    if pt.layout in ("auto", "separated"):
-        raise ValueError(f"pipetune.layout {pt.layout}: {what} ({setting}) run on even or explicit co-located layouts: use "
-                         "--pipetune.layout even or layer counts (one per chunk)")
+    if pt.layout == "separated":
+        raise ValueError(f"pipetune.layout separated: {what} ({setting}) run on co-located layouts: use --pipetune.layout auto "
+                         "(the searched co-located split), even or layer counts (one per chunk)")
 
 
 def _accumulation(config) -> None:

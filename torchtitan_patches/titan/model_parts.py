@@ -103,10 +103,12 @@ def sample_job_batches(config, model: ModelConfig) -> list[BatchMeta]:
 
 def layout_search(config, model: ModelConfig, table: LatencyTable, sample: list[BatchMeta]) -> LayoutSearch:
     """The layout search of a job (``auto``, and the partitioner for ``separated``): its latency
-    table, memory and micro-batch limits, on ``sample``."""
+    table, memory and micro-batch limits, chunks per rank and split backward, on ``sample``."""
     pt, pp = config.pipetune, config.parallelism.pipeline_parallel_degree
-    return LayoutSearch(model, CostModel(table, StageLayout.even(model.backbone.n_layers, pp)), sample, max_seq_len=config.training.seq_len,
-                        memory_bytes=pt.memory_gib * 2**30, max_mbs=pt.max_mbs, seed=config.dataloader.seed)
+    chunks, split = schedule_family(config)
+    even = dataclasses.replace(StageLayout.even(model.backbone.n_layers, pp * chunks), chunks_per_rank=chunks)
+    return LayoutSearch(model, CostModel(table, even), sample, max_seq_len=config.training.seq_len, memory_bytes=pt.memory_gib * 2**30,
+                        split_backward=split, max_mbs=pt.max_mbs, seed=config.dataloader.seed)
 
 
 def for_pipetune(parallelize_fn, encoder_chunks=()):
@@ -162,21 +164,24 @@ def encoder_as_stage_0(chunks, parallel_dims, *, ac_config, dump_folder, **_) ->
         ac_config.build(dump_folder=dump_folder).apply(chunks)
 
 
-def choose_layout(config, model: ModelConfig, table: LatencyTable, sample, *, chunks_per_rank: int = 1) -> StageLayout:
-    """``even`` or explicit counts (``chunks_per_rank x P`` of them with virtual stages);
+def choose_layout(config, model: ModelConfig, table: LatencyTable, sample) -> StageLayout:
+    """``even`` or explicit counts (``V x P`` of them with V chunks per rank, ``schedule_family``);
     ``separated``: the partitioner's layout; ``auto``: the faster of the best co-located split and
     the separated layout on the sampled batches (``sample()``, called only for those two; one
     replica's share each, ``sample_job_batches``). The separated planner
-    scores deterministic times only, so jitter-aware jobs stay co-located (``titan.job_checks``
-    also keeps virtual stages to even or explicit layouts)."""
+    scores deterministic times only, so jitter-aware jobs stay co-located; it runs one chunk per
+    rank and whole backwards, so with virtual stages or split backward ``auto`` is the best
+    co-located split of ``V x P`` chunks (``titan.job_checks`` refuses ``separated`` there)."""
     layout, pp = config.pipetune.layout, config.parallelism.pipeline_parallel_degree
+    chunks_per_rank, split = schedule_family(config)
     if layout not in ("auto", "separated"):
         parsed = StageLayout.parse(layout, model.backbone.n_layers, pp * chunks_per_rank)
         return dataclasses.replace(parsed, chunks_per_rank=chunks_per_rank)
     search = layout_search(config, model, table, sample())
     if layout == "separated":
         return search.partition().layout
-    return search.search(separated=model.encoder is not None and not config.pipetune.jitter_draws).best.layout
+    one_chunk_whole = chunks_per_rank == 1 and split is SplitBackward.OFF
+    return search.search(separated=model.encoder is not None and not config.pipetune.jitter_draws and one_chunk_whole).best.layout
 
 
 def _shard_degree(config) -> int:
