@@ -123,21 +123,27 @@ class CompiledSchedule:
     def waves(self) -> "Waves":
         """The nodes grouped by depth, for the simulator's vectorised pass (see ``Waves``)."""
         N, M = self.num_nodes, len(self.msg_kind)
-        D = 1 + max((sum(e >= 0 for _, e in deps) for deps in self.edges), default=0)
-        src = np.full((N, D), N, np.int64)  # per node: its rank's previous node, then producers on other ranks
-        cost = np.full((N, D), N + M, np.int64)
-        src[:, 0] = np.where(self.rank_prev >= 0, self.rank_prev, N)
-        depth = np.zeros(N + 1, np.int64)
-        depth[N] = -1
-        prev = src[:, 0].tolist()
-        for n, deps in enumerate(self.edges):
+        prev = np.where(self.rank_prev >= 0, self.rank_prev, N).tolist()
+        depth = [0] * N + [-1]
+        nodes, cols, into, msg = [], [], [], []  # every cross-rank input: its node, column, producer and message
+        for n, deps in enumerate(self.edges):  # plain lists: a walk over numpy scalars costs several times more
             deep, j = depth[prev[n]], 1
             for d, e in deps:
-                deep = max(deep, depth[d])
+                if depth[d] > deep:
+                    deep = depth[d]
                 if e >= 0:  # a producer on the same rank ends no later than the rank's previous node
-                    src[n, j], cost[n, j] = d, N + e
+                    nodes.append(n)
+                    cols.append(j)
+                    into.append(d)
+                    msg.append(N + e)
                     j += 1
             depth[n] = deep + 1
+        depth = np.array(depth, np.int64)
+        D = 1 + max(cols, default=0)
+        src = np.full((N, D), N, np.int64)  # per node: its rank's previous node, then producers on other ranks
+        cost = np.full((N, D), N + M, np.int64)
+        src[:, 0] = prev
+        src[nodes, cols], cost[nodes, cols] = into, msg
         order = np.argsort(depth[:N], kind="stable")
         pos = np.append(np.argsort(order), N)
         src, cost = pos[src[order]], cost[order]
@@ -145,9 +151,11 @@ class CompiledSchedule:
         bounds = np.concatenate([[0], np.flatnonzero(np.diff(depth[order])) + 1, [N]])
         used = np.maximum.reduceat((src < N) * np.arange(1, D + 1), bounds[:-1], axis=0).max(axis=1)
         rows = np.maximum(used, 1)  # a wave's inputs sit in its first rows[w] columns
-        return Waves(order, pos[:N], bounds, rows,
-                     np.concatenate([src[lo:hi, :k].T.ravel() for lo, hi, k in zip(bounds[:-1], bounds[1:], rows)]),
-                     np.concatenate([cost[lo:hi, :k].T.ravel() for lo, hi, k in zip(bounds[:-1], bounds[1:], rows)]))
+        wave = np.repeat(np.arange(len(rows)), np.diff(bounds))
+        at, col = np.nonzero(np.arange(D)[None, :] < rows[wave][:, None])
+        take = np.argsort((wave[at] * D + col) * N + at, kind="stable")  # per wave, column by column, as _run reads them
+        at, col = at[take], col[take]
+        return Waves(order, pos[:N], bounds, rows, src[at, col], cost[at, col])
 
     def rank_position(self) -> np.ndarray:
         """Position of each node within its rank's node list."""

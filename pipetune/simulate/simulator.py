@@ -9,8 +9,9 @@ schedule (activations until their backward, image features until backbone chunk 
 added at its allocating node, the peak taken, and freed buffers removed.
 
 Everything is vectorised over ``C`` candidates (the last axis of the internal arrays), so the
-planner times thousands of orders and pre-compute placements per call; ``simulate`` is the
-one-candidate case with per-action detail.
+planner times thousands of orders and pre-compute placements per call; one candidate (most of the
+planner's calls) takes a node-by-node pass over plain floats with the same arithmetic.
+``simulate`` is the one-candidate case with per-action detail.
 """
 
 from __future__ import annotations
@@ -169,6 +170,9 @@ def _run(dag: CompiledSchedule, g: _Gathered, slots: np.ndarray):
     w = dag.waves
     cost = np.vstack([pre[w.order], g.comm, np.zeros((1, C))])[w.cost]  # every input's cost, in wave order
     dur = g.dur[w.order]
+    if C == 1:
+        start, end = _run_one(w, cost[:, 0].tolist(), dur[:, 0].tolist())
+        return start[w.inverse, None], end[w.inverse, None], pre
     start = np.empty((N, C))
     end = np.zeros((N + 1, C))  # row N: "no node", ends at 0
     e = 0
@@ -179,6 +183,29 @@ def _run(dag: CompiledSchedule, g: _Gathered, slots: np.ndarray):
         end[lo:hi] = t + dur[lo:hi]
         e += n
     return start[w.inverse], end[w.inverse], pre
+
+
+def _run_one(w, cost: list[float], dur: list[float]) -> tuple[np.ndarray, np.ndarray]:
+    """``_run``'s pass for one candidate, node by node over plain floats (the same sums and maxima,
+    so the same times): with nothing to vectorise over, numpy's per-wave calls cost more than the
+    arithmetic. Start and end ``[N]`` in wave order."""
+    src = w.src.tolist()
+    N = len(dur)
+    start, end = [0.0] * N, [0.0] * (N + 1)  # end[N]: "no node", ends at 0
+    e = 0
+    for lo, hi, k in zip(w.bounds[:-1].tolist(), w.bounds[1:].tolist(), w.rows.tolist()):
+        size = hi - lo
+        for i in range(lo, hi):
+            t = end[src[e]] + cost[e]
+            for j in range(e + size, e + k * size, size):
+                x = end[src[j]] + cost[j]
+                if x > t:
+                    t = x
+            start[i] = t
+            end[i] = t + dur[i]
+            e += 1
+        e += (k - 1) * size
+    return np.array(start), np.array(end[:N])
 
 
 def _busy(dag: CompiledSchedule, start: np.ndarray, end: np.ndarray, pre: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -48,6 +48,7 @@ def random_latencies(rng, table):
 
 @pytest.mark.parametrize("kind", ["backbone", "co-located encoder", "separated"])
 def test_waves_time_every_node_exactly_as_node_by_node(kind):
+    """Many candidates (one vectorised pass per wave) and one (plain floats), on random tables."""
     rng = np.random.default_rng(11)
     for _ in range(60):
         table = random_table(rng, kind)
@@ -66,6 +67,9 @@ def test_waves_time_every_node_exactly_as_node_by_node(kind):
                     slots[c, f] = rank[int(rng.integers(0, pos[first] + 1))]
         g = _gather(dag, lat, orders)
         for ours, ref in zip(_run(dag, g, slots), node_by_node(dag, g, slots)):
+            assert np.array_equal(ours, ref)
+        one = _gather(dag, lat, orders[:1])  # one candidate: _run's node-by-node pass over plain floats
+        for ours, ref in zip(_run(dag, one, slots[:1]), node_by_node(dag, one, slots[:1])):
             assert np.array_equal(ours, ref)
 
 
