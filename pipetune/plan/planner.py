@@ -184,8 +184,9 @@ class Planner:
     def _candidate(self, meta: BatchMeta, mbs: int, packer: PackerKind, min_micro_batches: int | None = None, *,
                    families: tuple[bool, ...] | None = None, bound_above: float = np.inf) -> Candidate:
         """One packing timed in its packing order on each of ``families`` (default: the planner's).
-        Its lower bound is exact unless the co-located bound, never above it, already reaches
-        ``bound_above`` (then that one: the packing cannot lower a plan's bound of ``bound_above``)."""
+        Its lower bound is exact unless a cheaper one (the co-located bound, else the first terms of
+        the exact one) already reaches ``bound_above``: then that one, since the packing cannot lower
+        a plan's bound of ``bound_above``."""
         lengths = meta.table.lengths
         packing = PackingConfig(packer=packer, mbs=mbs, max_seq_len=self.config.max_seq_len, seed=self.config.seed,
                                 min_micro_batches=min_micro_batches or self.config.min_micro_batches).build(self.model)(lengths, meta.step)
@@ -200,7 +201,8 @@ class Planner:
             timed.append((not fits[0], float(span[0]), dag))
         unfit, span, dag = min(timed, key=lambda t: t[:2])
         cheap = makespan_lower_bound(lat, self.cost.placement(), split_backward=True in self.families) if bound_above < np.inf else -np.inf
-        c = Candidate(mbs, packing, lat, dag, span, cheap if cheap >= bound_above else self._lower_bound(lat), not unfit, noisy)
+        bound = cheap if cheap >= bound_above else self._lower_bound(lat, enough=bound_above)
+        c = Candidate(mbs, packing, lat, dag, span, bound, not unfit, noisy)
         c.best_s, c.order, c.slots = (c.base_s if c.fits else np.inf), identity, dag.float_slot.copy()
         return c
 
@@ -232,10 +234,10 @@ class Planner:
         cands += screened
         return min(screened, key=self._score, default=None)
 
-    def _lower_bound(self, lat: Latencies) -> float:
+    def _lower_bound(self, lat: Latencies, *, enough: float = np.inf) -> float:
         """A bound on every table the planner may choose for these latencies (a split table's bound
-        holds for whole backwards too)."""
-        return placement_lower_bound(self._dag(lat.fwd.shape[0], True in self.families).table, lat)
+        holds for whole backwards too); with ``enough``, any bound that reaches it."""
+        return placement_lower_bound(self._dag(lat.fwd.shape[0], True in self.families).table, lat, enough=enough)
 
     def _fits(self, peaks: np.ndarray) -> np.ndarray:
         return ((peaks + self.states[None, :]) <= self.budget).all(axis=1)

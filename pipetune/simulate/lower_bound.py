@@ -66,6 +66,24 @@ may stand in for it), and the largest over all pairs ``(u, v)``. On DIP's 5B + 8
 raises the bound by up to 6 % (rank 3's encoder backwards after its last backbone backward are
 still to run on rank 0, after the backbone's own backward chain has reached it).
 
+The flow out of chunk 0's rank (``flow_bound``; co-located layouts: every encoder chunk on that
+rank). Nothing of micro-batch ``j`` runs on another rank before ``F(0, j)`` ends, and that rank
+runs ``lead_j`` (``F(0, j)`` and ``j``'s encoder forwards) before it, one micro-batch after another;
+so the ``k``-th micro-batch to leave chunk 0 leaves no earlier than ``left_k``, the sum of the
+``k`` smallest ``lead``. On another rank ``r``, every action of the micro-batches that leave
+``k``-th or later starts at or after ``h_k = left_k + (the shortest chain from F(0, .)'s end to
+any action on r)``, and so does an action ``a`` of the ``i``-th (``i < k``) whenever
+``left_i + (the shortest chain to a) >= h_k``. Rank ``r`` runs them all after ``h_k``, one at a
+time, so
+
+    makespan >= h_k + (the least work on r of m - k + 1 micro-batches)
+                    + sum over i < k and such actions a of a's least work + (the least tail on r),
+
+the largest over ``k`` and ``r``. With ``k = 1`` it is the rank's fill plus its work; for larger
+``k`` it sees what the per-rank bound cannot: when chunk 0's rank (with the encoder beside it)
+hands micro-batches on more slowly than a later rank consumes them in the first round, that rank
+waits between arrivals (on 13B + SigLIP at PP 8, interleaved, it raises the bound by about 1 %).
+
 With a per-rank memory limit (``placement_lower_bound(..., memory_limit)``), also a bound from
 memory: the simulator counts a rank's memory along its own action order, so at any moment the
 buffers whose allocating action has started and whose freeing action has not yet started fit
@@ -299,6 +317,40 @@ def _after(x, rho, reach, eb_delay, eb_tail, b_work, b_delay, b_tail) -> float:
     return float(value.min()) if len(value) else np.inf
 
 
+def flow_bound(placement: Placement, sub_mb_parent, lat: Latencies, parts) -> float:
+    """The bound from the flow out of chunk 0's rank (module doc, "Flow"), for every other rank at
+    once: 0 unless every encoder chunk sits on that rank (co-located layouts) and there are two
+    micro-batches or more."""
+    bb, er = np.array(placement.backbone), np.array(placement.encoder, np.int64)
+    source, R = bb[0], placement.num_ranks
+    hF, fwd, _ = parts["F"]
+    m = fwd.shape[0]
+    if m < 2 or (er != source).any():
+        return 0.0
+    lead = fwd[:, 0].copy()  # the source rank's work that ends with F(0, j): its forward and its images' encoder forwards
+    if len(er):
+        np.add.at(lead, np.asarray(sub_mb_parent, np.int64), lat.encoder[:len(sub_mb_parent)].sum(axis=1))
+    left = np.cumsum(np.sort(lead))  # left[k]: the earliest the (k + 1)-th micro-batch can leave chunk 0
+    kinds = [parts[kind] for kind in ("F", "B", "W") if kind in parts]  # the backbone's actions, [kinds, m, S] below
+    H, D, T = (np.stack([x[i] for x in kinds]) for i in range(3))
+    delay = (H - (hF[:, 0] + fwd[:, 0])[None, :, None]).min(axis=1)  # [kinds, S]: least chain after F(0, j) ends
+    first = np.full(R, np.inf)
+    np.minimum.at(first, bb, delay.min(axis=0))
+    tail = np.full(R, np.inf)
+    np.minimum.at(tail, bb, T.min(axis=(0, 1)))
+    work = np.zeros((R, m))
+    np.add.at(work, bb, D.sum(axis=0).T)
+    first = left[None, :] + first[:, None]  # [R, k]: no action of the micro-batches leaving (k + 1)-th or later starts before
+    after = np.cumsum(np.sort(work, axis=1), axis=1)[:, ::-1]  # [R, k]: the least work of m - k micro-batches
+    k = np.arange(m)
+    start = np.searchsorted(left, first[bb][None] - delay[:, :, None])  # [kinds, S, k]: earlier positions from here on start after it too
+    early = np.zeros((R, m))
+    np.add.at(early, bb, (np.maximum(k - start, 0) * D.min(axis=1)[:, :, None]).sum(axis=0))
+    value = first + after + early + tail[:, None]
+    value[source] = 0.0  # its own flow is the co-located bound's
+    return float(value[np.isfinite(value)].max(initial=0.0))
+
+
 def one_machine_bound(head: np.ndarray, dur: np.ndarray, tail: np.ndarray, *, max_levels: int = 128) -> float:
     """``max over h, q of h + q + sum(dur[head >= h and tail >= q])`` over non-empty sets: the
     preemptive one-machine bound of one rank's actions (module doc). Of the tails, ``max_levels``
@@ -391,21 +443,25 @@ def window_bound(placement: Placement, sub_mb_parent, lat: Latencies, memory_lim
     return out
 
 
-def placement_lower_bound(table: ScheduleTable, lat: Latencies, memory_limit=None) -> float:
+def placement_lower_bound(table: ScheduleTable, lat: Latencies, memory_limit=None, *, enough: float = np.inf) -> float:
     """The bound for any placement (see the module doc); ``table`` gives the placement, the
     sub-microbatches and whether backwards are split (a split table's bound holds for whole
     backwards too); its rank lists are not read. With ``memory_limit`` (bytes per rank, or one
     for all), a bound on the tables that fit it (whole backwards only: the memory terms are left
-    out for split tables)."""
+    out for split tables). With ``enough``, the first term that reaches it is returned (still a
+    bound, the cheapest terms first): for callers that only need to know it is that high."""
     p = table.placement
     parts = heads_and_tails(p, table.sub_mb_parent, lat, split_backward=table.split_backward)
+    bound = max(flow_bound(p, table.sub_mb_parent, lat, parts), coupled_bound(p, table.sub_mb_parent, lat, parts))
     rank_of = {"F": p.backbone, "B": p.backbone, "W": p.backbone, "EF": p.encoder, "EB": p.encoder}
     per_rank: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = [[] for _ in range(p.num_ranks)]
     for kind, (h, d, t) in parts.items():
         for c, r in enumerate(rank_of[kind]):
             per_rank[r].append((h[:, c], d[:, c], t[:, c]))
-    bound = max(one_machine_bound(*(np.concatenate(x) for x in zip(*cols))) for cols in per_rank)
-    bound = max(bound, coupled_bound(p, table.sub_mb_parent, lat, parts))
-    if memory_limit is None or table.split_backward:
+    for cols in reversed(per_rank):  # the last ranks wait longest for the pipeline to fill: often the largest
+        if bound >= enough:
+            return bound
+        bound = max(bound, one_machine_bound(*(np.concatenate(x) for x in zip(*cols))))
+    if memory_limit is None or table.split_backward or bound >= enough:
         return bound
     return max(bound, memory_bound(p, table.sub_mb_parent, lat, memory_limit), window_bound(p, table.sub_mb_parent, lat, memory_limit, parts))

@@ -270,6 +270,21 @@ def test_the_lower_bounds_hold_for_every_family_and_the_placement_bound_is_the_t
     assert makespan_lower_bound(lat) == makespan_lower_bound(lat, Placement.colocated(3))
 
 
+def test_a_bound_asked_only_to_reach_a_level_is_still_a_bound_and_reaches_it_when_the_exact_one_does():
+    from pipetune.simulate.lower_bound import placement_lower_bound
+
+    rng = np.random.default_rng(4)
+    for P, V, m, split in CASES[::7]:
+        S = P * V
+        fwd = rng.uniform(0.2, 2.0, (m, S)) / V
+        lat = Latencies(fwd, 2 * fwd, rng.uniform(0, 1, m), rng.uniform(0, 0.05, m))
+        table = list_scheduled(P, V, range(m), split_backward=split, encoder=True)
+        exact = placement_lower_bound(table, lat)
+        for level in (0.5 * exact, 0.99 * exact, exact, 1.01 * exact):
+            quick = placement_lower_bound(table, lat, enough=level)
+            assert min(level, exact) <= quick <= exact
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_onto_ranks_moves_any_table_and_keeps_each_ranks_order(seed):
     """``onto_ranks`` moves interleaved, zero-bubble and separated tables (GPU check: a whole plan
