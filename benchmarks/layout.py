@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import replace
 
 from pipetune.config import load_hardware, load_model_config
 from pipetune.cost import CostModel, StageLayout, analytical_table
@@ -29,7 +28,7 @@ def run_one(name: str, mix: str, args) -> dict:
     hw = load_hardware(args.hardware)
     memory = hw.memory_bytes
     V, split = args.chunks_per_rank, SplitBackward(args.split_backward)
-    even = replace(StageLayout.even(model.backbone.n_layers, args.pp * V), chunks_per_rank=V)
+    even = StageLayout.even(model.backbone.n_layers, args.pp * V, chunks_per_rank=V)
     cost = CostModel(analytical_table(model, hw, tp=args.tp), even, recompute_encoder=True)
     data = make_mix(mix, args.samples, 0)
     sample = sample_batches(data, model, gbs=args.gbs, max_seq_len=args.max_seq_len, count=args.sample, seed=0)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-from dataclasses import replace
 
 import numpy as np
 
@@ -62,7 +61,7 @@ def main() -> None:
             runs = {}
             for name, V, split in SPACES:
                 gc.collect()  # what the job's periodic collection does between steps, outside the timed search
-                cost = CostModel(table, replace(StageLayout.even(model.backbone.n_layers, pp * V), chunks_per_rank=V))
+                cost = CostModel(table, StageLayout.even(model.backbone.n_layers, pp * V, chunks_per_rank=V))
                 runs[name] = compare_modes(model, cost, data, gbs=args.gbs, max_seq_len=8192, memory_bytes=hw.memory_bytes, iters=args.iters,
                                            modes=(Mode.PIPETUNE,), split_backward=split)
             best_name = min(runs, key=lambda n: runs[n]["best-static"].iter_s.mean())

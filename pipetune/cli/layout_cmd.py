@@ -14,7 +14,6 @@ from pipetune.cli.common import (
     positive_int,
     table_from_args,
 )
-from dataclasses import replace
 
 from pipetune.config import load_hardware
 from pipetune.cost import CostModel, StageLayout
@@ -50,8 +49,8 @@ def cost_and_layout_from_args(args, model, data):
     if args.layout == "separated":
         raise ValueError("--layout separated is for `pipetune plan`, which compares it with the co-located layouts")
     V = args.chunks_per_rank
-    layout = StageLayout.parse("even" if args.layout == "auto" else args.layout, model.backbone.n_layers, args.pp * V)
-    cost = cost.with_layout(replace(layout, chunks_per_rank=V))
+    cost = cost.with_layout(StageLayout.parse("even" if args.layout == "auto" else args.layout, model.backbone.n_layers, args.pp * V,
+                                              chunks_per_rank=V))
     if args.layout != "auto":
         return cost, None
     sample = sample_batches(

@@ -48,28 +48,29 @@ class StageLayout:
                              "are a multiple of it")
 
     @classmethod
-    def even(cls, n_layers: int, num_stages: int) -> "StageLayout":
+    def even(cls, n_layers: int, num_stages: int, *, chunks_per_rank: int = 1) -> "StageLayout":
         """Equal split; when it does not divide, the middle stages take the extra layers, since the
-        first stage carries the embeddings and encoder and the last the output head."""
+        first stage carries the embeddings and encoder and the last the output head. With
+        ``chunks_per_rank``, ``num_stages`` counts the backbone chunks (as in ``from_sizes`` and ``parse``)."""
         if not 1 <= num_stages <= n_layers:
             raise ValueError(f"cannot split {n_layers} layers into {num_stages} pipeline stages")
         base, extra = divmod(n_layers, num_stages)
         order = sorted(range(num_stages), key=lambda s: (s in (0, num_stages - 1), s))
-        return cls.from_sizes([base + (1 if s in order[:extra] else 0) for s in range(num_stages)])
+        return cls.from_sizes([base + (1 if s in order[:extra] else 0) for s in range(num_stages)], chunks_per_rank=chunks_per_rank)
 
     @classmethod
-    def from_sizes(cls, sizes) -> "StageLayout":
-        """Layers per stage, in stage order (``[7, 9, 8, 8]``)."""
+    def from_sizes(cls, sizes, *, chunks_per_rank: int = 1) -> "StageLayout":
+        """Layers per stage (per backbone chunk with ``chunks_per_rank`` >= 2), in order (``[7, 9, 8, 8]``)."""
         sizes = [int(n) for n in sizes]
         if any(n < 1 for n in sizes):
             raise ValueError(f"every pipeline stage needs at least one layer, got layers per stage {sizes}")
-        return cls(_ranges(sizes))
+        return cls(_ranges(sizes), chunks_per_rank=chunks_per_rank)
 
     @classmethod
-    def parse(cls, spec: str, n_layers: int, num_stages: int) -> "StageLayout":
+    def parse(cls, spec: str, n_layers: int, num_stages: int, *, chunks_per_rank: int = 1) -> "StageLayout":
         """``even`` or comma-separated layers per stage (``7,9,8,8``), checked against the model."""
         if spec == "even":
-            return cls.even(n_layers, num_stages)
+            return cls.even(n_layers, num_stages, chunks_per_rank=chunks_per_rank)
         if spec == "separated":
             raise ValueError("the separated layout's chunks and sub-microbatch size come from the partitioner "
                              "(pipetune.plan.layout_search.LayoutSearch.partition), not from a layer list")
@@ -82,7 +83,7 @@ class StageLayout:
                 f"--layout {spec!r}: needs {num_stages} stages summing to the model's {n_layers} layers, "
                 f"got {len(sizes)} stages summing to {sum(sizes)}"
             )
-        return cls.from_sizes(sizes)
+        return cls.from_sizes(sizes, chunks_per_rank=chunks_per_rank)
 
     @classmethod
     def balanced(cls, fixed, layer_seconds) -> "StageLayout":

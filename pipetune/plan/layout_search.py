@@ -32,7 +32,7 @@ the figures differ only by layout (and by the schedules each layout's planner ca
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -121,7 +121,7 @@ class LayoutSearch:
 
     def sized(self, sizes) -> StageLayout:
         """The co-located layout with these layers per backbone chunk, at the search's chunks per rank."""
-        return replace(StageLayout.from_sizes(sizes), chunks_per_rank=self.chunks_per_rank)
+        return StageLayout.from_sizes(sizes, chunks_per_rank=self.chunks_per_rank)
 
     def shapes(self, b: int, mbs: int) -> MicroBatchShapes:
         """Sampled batch ``b`` balance-packed at ``mbs`` (as the planner packs it)."""

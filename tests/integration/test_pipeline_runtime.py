@@ -377,7 +377,7 @@ def _activation_peaks(plan, ranks: list[dict]) -> tuple[np.ndarray, np.ndarray]:
         model = replace(model, backbone=replace(model.backbone, n_layers=max(model.backbone.n_layers, S)),
                         encoder=replace(model.encoder, frozen=not plan.placement.encoder_trained))
         cost = CostModel(analytical_table(model, load_hardware("a100"), tp=1),
-                         replace(StageLayout.even(model.backbone.n_layers, S), chunks_per_rank=S // len(table.ranks)))
+                         StageLayout.even(model.backbone.n_layers, S, chunks_per_rank=S // len(table.ranks)))
         j = max(range(m), key=lambda k: (images[k] > 0, tokens[k]))  # the micro-batch the worker measured on
         one = MicroBatchShapes(tokens[[j]], np.array([0]), tokens[[j]].astype(np.int64), images[[j]].astype(np.int64))
         counted = cost.stage_costs(one).weight_grad_bytes[0] / tokens[j] * 4 / cost.dtype_bytes  # the worker runs fp32

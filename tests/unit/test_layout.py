@@ -1,8 +1,6 @@
 """Stage layout: parsing, and the layout search (never worse than even, memory respected, equal to
 exhaustive search where that is affordable)."""
 
-from dataclasses import replace
-
 import numpy as np
 import pytest
 
@@ -27,7 +25,7 @@ def test_parse_and_from_sizes():
 def _search(name, pp, tp, mix, memory_gib, recompute=False, count=3, gbs=64, max_seq_len=4096, chunks_per_rank=1,
             split_backward=SplitBackward.OFF):
     model = load_model_config(name)
-    even = replace(StageLayout.even(model.backbone.n_layers, pp * chunks_per_rank), chunks_per_rank=chunks_per_rank)
+    even = StageLayout.even(model.backbone.n_layers, pp * chunks_per_rank, chunks_per_rank=chunks_per_rank)
     cost = CostModel(analytical_table(model, load_hardware("h100"), tp=tp), even, recompute_encoder=recompute)
     sample = sample_batches(make_mix(mix, 3000, 0), model, gbs=gbs, max_seq_len=max_seq_len, count=count, seed=0)
     return LayoutSearch(model, cost, sample, max_seq_len=max_seq_len, memory_bytes=memory_gib * 2**30, split_backward=split_backward)

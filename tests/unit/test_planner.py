@@ -379,7 +379,7 @@ def test_the_best_static_configuration_may_fix_a_micro_batch_count(setup13b):
     counts = {k.min_micro_batches for k in fixed if k.packer is Mode.BALANCED and k.mbs == 2}
     assert counts == set(range(1, 17))
     assert fixed[StaticKey(Mode.BALANCED, 2, 16, SplitBackward.OFF)].plan(meta).num_micro_batches >= 16
-    interleaved = CostModel(cost.table, replace(StageLayout.even(40, 8), chunks_per_rank=2))
+    interleaved = CostModel(cost.table, StageLayout.even(40, 8, chunks_per_rank=2))
     fixed = static_planners(model, interleaved, max_seq_len=8192, memory_bytes=A100.memory_bytes)
     counts = {k.min_micro_batches for k in fixed if k.packer is Mode.BALANCED and k.mbs == 2}
     assert counts == {1, 4, 5, 6, 7, 8, 10, 12, 15, 16}  # torch's Interleaved1F1B at 4 ranks: n a multiple of its n // 4 rounds

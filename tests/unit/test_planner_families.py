@@ -1,7 +1,5 @@
 """The planner over schedule families: zero-bubble twins of 1F1B tables and virtual stages."""
 
-from dataclasses import replace
-
 import numpy as np
 import pytest
 
@@ -21,7 +19,7 @@ A100 = load_hardware("a100")
 
 def costs(V: int = 1, pp: int = 4):
     model = load_model_config("13b")
-    layout = replace(StageLayout.even(40, pp * V), chunks_per_rank=V)
+    layout = StageLayout.even(40, pp * V, chunks_per_rank=V)
     return model, CostModel(analytical_table(model, A100, tp=4), layout)
 
 

@@ -106,7 +106,7 @@ def layout_search(config, model: ModelConfig, table: LatencyTable, sample: list[
     table, memory and micro-batch limits, chunks per rank and split backward, on ``sample``."""
     pt, pp = config.pipetune, config.parallelism.pipeline_parallel_degree
     chunks, split = schedule_family(config)
-    even = dataclasses.replace(StageLayout.even(model.backbone.n_layers, pp * chunks), chunks_per_rank=chunks)
+    even = StageLayout.even(model.backbone.n_layers, pp * chunks, chunks_per_rank=chunks)
     return LayoutSearch(model, CostModel(table, even), sample, max_seq_len=config.training.seq_len, memory_bytes=pt.memory_gib * 2**30,
                         split_backward=split, max_mbs=pt.max_mbs, seed=config.dataloader.seed)
 
@@ -175,8 +175,7 @@ def choose_layout(config, model: ModelConfig, table: LatencyTable, sample) -> St
     layout, pp = config.pipetune.layout, config.parallelism.pipeline_parallel_degree
     chunks_per_rank, split = schedule_family(config)
     if layout not in ("auto", "separated"):
-        parsed = StageLayout.parse(layout, model.backbone.n_layers, pp * chunks_per_rank)
-        return dataclasses.replace(parsed, chunks_per_rank=chunks_per_rank)
+        return StageLayout.parse(layout, model.backbone.n_layers, pp * chunks_per_rank, chunks_per_rank=chunks_per_rank)
     search = layout_search(config, model, table, sample())
     if layout == "separated":
         return search.partition().layout
