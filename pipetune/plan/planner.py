@@ -86,11 +86,10 @@ from pipetune.plan.ordering import candidate_orders
 from pipetune.plan.plan import IterationPlan, plan_from_table
 from pipetune.plan.precompute import move_encoders_into_gaps
 from pipetune.schedule.schedules import in_order, list_scheduled, place_encoders
-from pipetune.schedule.table import Module, Op
 from pipetune.simulate.dag import CompiledSchedule, compile_schedule
 from pipetune.simulate.jitter import JitteredLatencies, expected_makespan, jitter
 from pipetune.simulate.lower_bound import makespan_lower_bound, placement_lower_bound
-from pipetune.simulate.simulator import Latencies, durations, evaluate
+from pipetune.simulate.simulator import Latencies, evaluate, split_times
 
 if TYPE_CHECKING:
     from pipetune.plan.planner_config import PlannerConfig
@@ -276,23 +275,24 @@ class Planner:
             if spans[k] < c.best_s:
                 c.best_s, c.order, c.slots, c.dag = float(spans[k]), cands[k], slots[k], dag
 
-    def _time_weights(self, c: Candidate, order: np.ndarray) -> None:
+    def _time_weights(self, c: Candidate, order: np.ndarray, *, within: float = np.inf) -> None:
         """Try ``order``'s zero-bubble table with its ``W`` placed by this batch's latencies
         (``list_scheduled``'s ``times``; the cached tables place them by unit times, which
         misses the bubbles of uneven micro-batches), with and without encoder pre-computation.
         Done for the ``TIME_WEIGHTED`` best packings only: each compiles a table of its own. With
         no more micro-batches than ranks, also with the ``W`` of the last ranks left to their end
-        (``list_scheduled``'s ``lazy_weights_from``, from each of ``LAZY_WEIGHTS_FROM`` x ranks)."""
+        (``list_scheduled``'s ``lazy_weights_from``, from each of ``LAZY_WEIGHTS_FROM`` x ranks).
+        ``within``: the candidate only matters if it gets faster than this (the plan so far); without
+        pre-computation, a table whose own run reaches it is not built (``list_scheduled``'s ``within``)."""
         lat, m, V, P = c.lat, len(order), self.chunks_per_rank, self.num_ranks
-        times = {op: durations(lat, Module.BACKBONE, op)[order] for op in (Op.FORWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)}
-        if self.encoder:  # the co-located encoder's actions count in their chunk-0 forward and input gradient
-            times[Op.FORWARD][:, 0] += durations(lat, Module.ENCODER, Op.FORWARD).sum(axis=1)[order]
-            if self.cost.encoder_trainable:
-                times[Op.BACKWARD_INPUT][:, 0] += durations(lat, Module.ENCODER, Op.BACKWARD).sum(axis=1)[order]
+        times = split_times(lat, order, encoder=self.encoder, encoder_trained=self.cost.encoder_trainable)
         lazy = sorted({int(f * P) for f in LAZY_WEIGHTS_FROM} - {0, P}) if m <= P else []
         for lazy_from in (None, *lazy):
             table = list_scheduled(P, V, range(m), split_backward=True, encoder=self.encoder, encoder_trained=self.cost.encoder_trainable,
-                                   times=times, p2p=lat.p2p[order], lazy_weights_from=lazy_from)
+                                   times=times, p2p=lat.p2p[order], lazy_weights_from=lazy_from,
+                                   within=np.inf if self.precompute else min(within, c.best_s))
+            if table is None:
+                continue
             dag = compile_schedule(table, validate=False)
             slots = dag.float_slot[None]
             if self.precompute:
@@ -346,14 +346,14 @@ class Planner:
                         if c is None:
                             continue
                         if True in self.families and self._may_beat(c, best):
-                            self._time_weights(c, c.order)
+                            self._time_weights(c, c.order, within=self._score(best) / self._factor(c.mbs))
                         if self._score(c) < self._score(best):
                             best = c
                 if True in self.families:
                     for c in sorted(searched.values(), key=self._score)[:TIME_WEIGHTED]:
                         if past(deadline) or (c is not best and not self._may_beat(c, best)):
                             continue
-                        self._time_weights(c, c.order)
+                        self._time_weights(c, c.order, within=self._score(best) / self._factor(c.mbs))
                         if self._score(c) < self._score(best):
                             best = c
             if mode is Mode.PIPETUNE and not np.isfinite(best.best_s):

@@ -120,7 +120,7 @@ def activation_caps(num_ranks: int, chunks_per_rank: int) -> tuple[int, ...]:
 def list_scheduled(num_ranks: int, chunks_per_rank: int, order: Sequence[int], *, split_backward: bool = False,
                    encoder: bool = False, encoder_trained: bool = False, caps: Sequence[int] | None = None,
                    times: Mapping[Op, np.ndarray] | None = None, p2p: np.ndarray | None = None,
-                   lazy_weights_from: int | None = None) -> ScheduleTable:
+                   lazy_weights_from: int | None = None, within: float = math.inf) -> ScheduleTable | None:
     """Interleaved 1F1B (``chunks_per_rank >= 2``) and zero-bubble (``split_backward``) tables.
 
     Backbone chunk ``c`` sits on rank ``c mod P``. Each rank's forwards and backwards follow
@@ -146,6 +146,11 @@ def list_scheduled(num_ranks: int, chunks_per_rank: int, order: Sequence[int], *
     the ranks late in the pipeline finish their input gradients early, and a ``W`` filling one of
     their bubbles delays the next input gradient, which every earlier rank is waiting for (an
     exact solver's tables for such batches do this).
+    ``within``: None as soon as an action of the run ends at or after it. With ``times`` and
+    ``p2p`` the run is the table's own timing (each action starts when its rank is free and its
+    inputs are there), so a caller keeping the table only if it beats a plan of ``within`` seconds
+    is spared building and timing a table that cannot (the simulator's contention and jitter only
+    add time).
     ``ScheduleError`` when the sequence cannot run (no rank able to proceed).
     """
     order = _check_order(order)
@@ -207,6 +212,8 @@ def list_scheduled(num_ranks: int, chunks_per_rank: int, order: Sequence[int], *
         op, c, k = a
         lists[r].append(a)
         free_at[r] = end = t + took[op][k]
+        if end >= within:
+            return None
         heapq.heappush(wake, (end, r))
         if op == FWD:
             ends[FWD][k] = end

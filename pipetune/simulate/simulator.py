@@ -119,6 +119,19 @@ def durations(lat: Latencies, module: Module, op: Op) -> np.ndarray:
     return {Op.FORWARD: lat.fwd, Op.BACKWARD: lat.bwd, Op.BACKWARD_INPUT: lat.bwd_input, Op.BACKWARD_WEIGHT: lat.bwd - lat.bwd_input}[op]
 
 
+def split_times(lat: Latencies, order: np.ndarray, *, encoder: bool, encoder_trained: bool) -> dict[Op, np.ndarray]:
+    """Seconds of a co-located split table's backbone ``F``, ``I`` and ``W`` actions, ``[units,
+    chunks]`` with unit ``k`` micro-batch ``order[k]``; the encoder's actions, which run right
+    beside chunk 0's, count in its ``F`` and (trained) its ``I``: what ``list_scheduled`` takes as
+    ``times`` to time a batch's table as the simulator does."""
+    times = {op: durations(lat, Module.BACKBONE, op)[order] for op in (Op.FORWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)}
+    if encoder:
+        times[Op.FORWARD][:, 0] += durations(lat, Module.ENCODER, Op.FORWARD).sum(axis=1)[order]
+        if encoder_trained:
+            times[Op.BACKWARD_INPUT][:, 0] += durations(lat, Module.ENCODER, Op.BACKWARD).sum(axis=1)[order]
+    return times
+
+
 def message_costs(lat: Latencies, kind: MessageKind) -> np.ndarray:
     """Seconds of one message of ``kind`` per unit (see ``Message.unit``)."""
     return {MessageKind.ACTIVATION: lat.p2p, MessageKind.ENCODER_ACTIVATION: lat.encoder_p2p, MessageKind.FEATURES: lat.feature_p2p}[kind]

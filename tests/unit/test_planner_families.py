@@ -179,3 +179,30 @@ def test_interleaved_plans_also_spread_size_2_over_the_counts_below_size_1s(monk
         sim = simulate(plan.table(), plan.latencies(cost, meta))
         assert sim.makespan == pytest.approx(plan.predicted_s)
         assert max(sim.peak_bytes + model_state_bytes(cost)) <= config.memory_bytes * (1 - config.reserve)
+
+
+def test_skipping_time_weighted_tables_that_cannot_beat_the_plan_so_far_changes_no_plan(monkeypatch):
+    """The planner passes ``within`` (its best plan so far) to ``list_scheduled``: on DataMix1 at
+    PP 8, V = 2 it skips some time-weighted tables, and the plans are the same as when every table
+    is built and simulated."""
+    from pipetune.plan import planner as planner_module
+    from pipetune.schedule.schedules import list_scheduled
+
+    model, cost = costs(V=2, pp=8)
+    config = PlannerConfig(max_seq_len=8192, memory_bytes=A100.memory_bytes, split_backward="auto")
+    batches = metas(4, mix="datamix1")
+    skipped = []
+
+    def counting(*args, **kwargs):
+        table = list_scheduled(*args, **kwargs)
+        skipped.append(table is None)
+        return table
+
+    monkeypatch.setattr(planner_module, "list_scheduled", counting)
+    plans = [config.build(model, cost).plan(meta) for meta in batches]
+    monkeypatch.setattr(planner_module, "list_scheduled", lambda *args, within=None, **kwargs: list_scheduled(*args, **kwargs))
+    every = [config.build(model, cost).plan(meta) for meta in batches]
+    assert any(skipped)
+    for plan, full in zip(plans, every):
+        assert (plan.mbs, plan.order, plan.predicted_s, plan.lower_bound_s) == (full.mbs, full.order, full.predicted_s, full.lower_bound_s)
+        assert plan.table() == full.table()

@@ -18,7 +18,8 @@ import pytest
 
 from pipetune.schedule.schedules import Schedule, UNIT_TIME, activation_caps, in_order, list_scheduled, one_f_one_b, onto_ranks
 from pipetune.schedule.table import Action, Buffer, Module, Op, Placement, ScheduleError, ScheduleTable
-from pipetune.simulate.simulator import Latencies, simulate
+from pipetune.simulate.dag import compile_schedule
+from pipetune.simulate.simulator import Latencies, evaluate, simulate, split_times
 from test_lowering_fifo import check as assert_runs_in_order
 
 
@@ -314,3 +315,26 @@ def test_onto_ranks_moves_any_table_and_keeps_each_ranks_order(seed):
 def test_onto_ranks_refuses_a_map_of_the_wrong_length():
     with pytest.raises(ScheduleError, match="2 new ranks given for a table of 3 ranks"):
         onto_ranks(one_f_one_b(3, range(4)), (0, 0))
+
+
+def test_a_run_that_reaches_within_is_a_table_the_simulator_times_at_within_or_more():
+    """``within``: ``list_scheduled`` gives up once its run reaches it. With a batch's times its run
+    is the table's own timing, co-located encoder (frozen or trained) included: the table comes back
+    for ``within`` just above the simulated makespan and not for ``within`` just below it, on random
+    latencies, orders and layouts (fails if the run and the simulator time the table differently)."""
+    rng = np.random.default_rng(5)
+    for P, V, m in [(2, 2, 3), (4, 1, 6), (4, 2, 9), (8, 2, 8), (3, 3, 7)]:
+        for trained in (False, True):
+            S = P * V
+            fwd = rng.uniform(0.2, 2.0, (m, S))
+            bwd = fwd * rng.uniform(1.0, 3.0, (m, S))
+            lat = Latencies(fwd, bwd, encoder=rng.uniform(0.0, 1.5, m), p2p=rng.uniform(0, 0.3, m), bwd_input=bwd * rng.uniform(0.3, 0.7, (m, S)),
+                            encoder_bwd=rng.uniform(0.5, 2.0, m) if trained else None)
+            order = rng.permutation(m)
+            build = lambda within: list_scheduled(P, V, range(m), split_backward=True, encoder=True, encoder_trained=trained,  # noqa: E731
+                                                  times=split_times(lat, order, encoder=True, encoder_trained=trained), p2p=lat.p2p[order],
+                                                  within=within)
+            table = build(np.inf)
+            span = float(evaluate(compile_schedule(table), lat, order[None]).makespan[0])
+            assert build(span * (1 + 1e-9)) == table
+            assert build(span * (1 - 1e-9)) is None
