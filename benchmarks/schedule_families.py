@@ -7,9 +7,10 @@ backward split, chosen once for the run over the same iterations; ``pipetune.pla
 
 * ``1F1B``: one chunk per rank, whole backwards (the space before #39);
 * ``+ZB``: the planner chooses per iteration between 1F1B and its zero-bubble twin (ZB-H1);
-* ``V=2 +ZB``: the same over an interleaved layout with two chunks per rank.
+* ``V=2 +ZB``: the same over an interleaved layout with two chunks per rank (``--chunks-per-rank``:
+  one such space per count given, e.g. ``2 3 4``).
 
-The "best static" column is the best over all three spaces (it may itself interleave or split).
+The "best static" column is the best over all the spaces (it may itself interleave or split).
 Printed per row: mean iteration time (s) of pipetune in each space and of that best static
 configuration; pipetune's cut against it; pipetune's mean gap to its lower bound; the ceiling
 ``best static / pipetune's bound - 1``: no plan the planner could find for those packings beats
@@ -35,7 +36,6 @@ from pipetune.data import make_mix
 from pipetune.plan.compare import compare_modes
 from pipetune.plan.mode import Mode
 
-SPACES = (("1F1B", 1, "off"), ("+ZB", 1, "auto"), ("V=2 +ZB", 2, "auto"))
 
 
 def main() -> None:
@@ -45,21 +45,23 @@ def main() -> None:
     ap.add_argument("--pp", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--mixes", nargs="+", default=["datamix1", "datamix2", "datamix3"])
     ap.add_argument("--gbs", type=int, default=128)
+    ap.add_argument("--chunks-per-rank", type=int, nargs="+", default=[2], help="interleaved spaces (with split backward): chunks per rank of each")
     ap.add_argument("--python-gc", action="store_true", help="time the search with Python's automatic GC on (a TorchTitan job turns it off)")
     args = ap.parse_args()
+    spaces = [("1F1B", 1, "off"), ("+ZB", 1, "auto")] + [(f"V={v} +ZB", v, "auto") for v in args.chunks_per_rank]
     if not args.python_gc:
         gc.disable()  # as in a TorchTitan job: its trainer collects every training.gc_freq steps, outside the step
     model = load_model_config("13b")
     hw = load_hardware("a100")
     table = analytical_table(model, hw, tp=4)
     print(f"13b + SigLIP, A100 estimate, TP 4, GBS {args.gbs}, max_seq_len 8192, {args.iters} iterations; times in s")
-    print(f"{'PP':>2} {'mix':9} " + " ".join(f"{name:>8}" for name, _, _ in SPACES)
+    print(f"{'PP':>2} {'mix':9} " + " ".join(f"{name:>8}" for name, _, _ in spaces)
           + f" {'best static':>12} {'(its space)':40} {'cut':>6} {'gap LB':>7} {'ceiling':>8} {'search p50/max':>15}")
     for pp in args.pp:
         for mix in args.mixes:
             data = make_mix(mix, args.samples, seed=0)
             runs = {}
-            for name, V, split in SPACES:
+            for name, V, split in spaces:
                 gc.collect()  # what the job's periodic collection does between steps, outside the timed search
                 cost = CostModel(table, StageLayout.even(model.backbone.n_layers, pp * V, chunks_per_rank=V))
                 runs[name] = compare_modes(model, cost, data, gbs=args.gbs, max_seq_len=8192, memory_bytes=hw.memory_bytes, iters=args.iters,
