@@ -37,7 +37,6 @@ from pipetune.plan.compare import compare_modes
 from pipetune.plan.mode import Mode
 
 
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--iters", type=int, default=20)
