@@ -112,7 +112,7 @@ class LayoutSearch:
             mode=Mode.PIPETUNE, max_seq_len=max_seq_len, memory_bytes=memory_bytes, reserve=reserve, schedule=schedule,
             split_backward=split_backward, max_mbs=max_mbs, seed=seed
         )
-        self.even = self.sized(StageLayout.even(self.n_layers, self.num_stages).layers_per_stage())
+        self.even = StageLayout.even(self.n_layers, self.num_stages, chunks_per_rank=self.chunks_per_rank)
         even = cost.with_layout(self.even)
         self.top_mbs = max(max_micro_batch_size(even, max_seq_len, memory_bytes, reserve=reserve, limit=max_mbs), 1)
         self._shapes: dict[tuple[int, int], MicroBatchShapes] = {}

@@ -275,15 +275,16 @@ class Planner:
             if spans[k] < c.best_s:
                 c.best_s, c.order, c.slots, c.dag = float(spans[k]), cands[k], slots[k], dag
 
-    def _time_weights(self, c: Candidate, order: np.ndarray, *, within: float = np.inf) -> None:
-        """Try ``order``'s zero-bubble table with its ``W`` placed by this batch's latencies
+    def _time_weights(self, c: Candidate, best: Candidate) -> None:
+        """Try the zero-bubble table of ``c``'s order with its ``W`` placed by this batch's latencies
         (``list_scheduled``'s ``times``; the cached tables place them by unit times, which
         misses the bubbles of uneven micro-batches), with and without encoder pre-computation.
         Done for the ``TIME_WEIGHTED`` best packings only: each compiles a table of its own. With
         no more micro-batches than ranks, also with the ``W`` of the last ranks left to their end
         (``list_scheduled``'s ``lazy_weights_from``, from each of ``LAZY_WEIGHTS_FROM`` x ranks).
-        ``within``: the candidate only matters if it gets faster than this (the plan so far); without
-        pre-computation, a table whose own run reaches it is not built (``list_scheduled``'s ``within``)."""
+        ``c`` only matters if it beats ``best`` (the plan so far, possibly ``c``): without
+        pre-computation, a table whose own run cannot is not built (``list_scheduled``'s ``within``)."""
+        order, within = c.order, self._score(best) / self._factor(c.mbs)
         lat, m, V, P = c.lat, len(order), self.chunks_per_rank, self.num_ranks
         times = split_times(lat, order, encoder=self.encoder, encoder_trained=self.cost.encoder_trainable)
         lazy = sorted({int(f * P) for f in LAZY_WEIGHTS_FROM} - {0, P}) if m <= P else []
@@ -346,14 +347,14 @@ class Planner:
                         if c is None:
                             continue
                         if True in self.families and self._may_beat(c, best):
-                            self._time_weights(c, c.order, within=self._score(best) / self._factor(c.mbs))
+                            self._time_weights(c, best)
                         if self._score(c) < self._score(best):
                             best = c
                 if True in self.families:
                     for c in sorted(searched.values(), key=self._score)[:TIME_WEIGHTED]:
                         if past(deadline) or (c is not best and not self._may_beat(c, best)):
                             continue
-                        self._time_weights(c, c.order, within=self._score(best) / self._factor(c.mbs))
+                        self._time_weights(c, best)
                         if self._score(c) < self._score(best):
                             best = c
             if mode is Mode.PIPETUNE and not np.isfinite(best.best_s):
