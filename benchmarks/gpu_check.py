@@ -46,6 +46,7 @@ import sys
 import traceback
 from dataclasses import dataclass, replace
 from datetime import timedelta
+from itertools import islice
 from pathlib import Path
 
 import torch
@@ -69,6 +70,7 @@ from torchtitan_patches.runtime.timing import QUEUE_AHEAD_CYCLES, ActionTimeline
 
 MAX_SEQ_LEN = 512
 GBS = 16
+MIN_MICRO_BATCHES = 3
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -152,7 +154,8 @@ def executor_check(family: Family, device: torch.device, compute_dtype: torch.dt
 
     loader = DataLoaderConfig(data=work / "datamix2", gbs=GBS, max_seq_len=MAX_SEQ_LEN,
                               packing=PackingConfig(max_seq_len=MAX_SEQ_LEN)).build(model, packing_source=packing)
-    batches = iter(loader)
+    # the first batch the planner packs into several micro-batches: a pipeline of one checks little
+    batches = (b for b in islice(loader, 50) if plans[b.step].num_micro_batches >= MIN_MICRO_BATCHES)
     batch = next(batches)
     plan = on_one_rank(plans[batch.step])
 

@@ -42,9 +42,27 @@ def prepare(out: Path, config: str = "muse_glimmer_mm", *extra: str) -> None:
 
 
 def corpus(out: Path, *, generated: bool = False) -> dict[str, object]:
-    """The data options of a job prepared in ``out``: the corpus of real files (``prepare``), or
-    the generated mix (``--mix``), read through the corpus's tokenizer."""
-    return {"dataloader.dataset_path": out / ("data" if generated else "fixture/data"), "hf_assets_path": out / "fixture" / "tokenizer"}
+    """The data options of a job prepared in ``out``: the corpus of real files (``prepare``) read
+    through its metadata index, or the generated mix (``--mix``), with the corpus's tokenizer."""
+    return {"dataloader.dataset_path": out / "data" if generated else corpus_index(out), "hf_assets_path": out / "fixture" / "tokenizer"}
+
+
+def corpus_index(out: Path) -> Path:
+    """The corpus's index, built once as a user builds one (``pipetune data index`` with the job's
+    tokenizer): the jobs then open the corpus without tokenizing it or reading an image header."""
+    import shutil
+
+    from pipetune.data.index.manifest import StaleIndex, check_fresh, read_manifest
+
+    index = out / "fixture" / "index"
+    try:
+        check_fresh(read_manifest(index), index)
+        return index
+    except (OSError, StaleIndex):
+        shutil.rmtree(index, ignore_errors=True)
+    subprocess.run([sys.executable, "-m", "pipetune", "data", "index", str(out / "fixture" / "data"), "--out", str(index),
+                    "--tokenizer", str(out / "fixture" / "tokenizer")], check=True, cwd=ROOT)
+    return index
 
 
 def corpus_tokenizer(out: Path):

@@ -193,8 +193,8 @@ class PipeTuneTrainer(Trainer):
                                       pixels=bool(self.executor.encoder), square_images=self.layout.is_separated)
         if self.rank == 0 and loader.store.skipped:
             row, why = loader.store.skipped[0]
-            logger.warning(f"pipetune: left out {len(loader.store.skipped)} samples with unreadable images "
-                           f"(dataloader.bad_images=skip), e.g. row {row}: {why}")
+            logger.warning(f"pipetune: left out {len(loader.store.skipped)} samples without text or (dataloader.bad_images=skip) "
+                           f"with unreadable images, e.g. row {row}: {why}")
         self.source = self.learner = None
         error = [None]
         if self.rank == 0:  # only rank 0 plans; a planner it cannot build stops every rank, not just rank 0

@@ -8,6 +8,9 @@ import sys
 
 from pipetune.config import ModelConfig, load_model_config
 from pipetune.data import Overlong, SampleTable, make_mix, open_dataset
+from pipetune.data.image_files import BadImages
+from pipetune.data.text import BYTE_TOKENIZER, TextTokenizer
+from pipetune.data.tokenizer_files import load_tokenizer
 
 
 def _number(convert, kind: str, bound: str, ok):
@@ -42,15 +45,35 @@ def model_from_args(args) -> ModelConfig:
 
 def add_data_args(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--data", help="data set: a `pipetune data make` directory, .jsonl/.parquet file(s)")
+    g.add_argument("--data", help="data set: a `pipetune data make` directory, .jsonl/.parquet file(s), webdataset .tar "
+                                  "shards, a save_to_disk directory, a directory of such data sets, or an index of one "
+                                  "(`pipetune data index`)")
     g.add_argument("--mix", help="generate a mix in memory instead: datamix1|datamix2|datamix3 or weights mmc4:coyo:flan")
     p.add_argument("--samples", type=positive_int, default=100_000, help="samples to generate with --mix")
     p.add_argument("--data-seed", type=non_negative_int, default=0, help="seed of the generated mix and of the batch order")
+    p.add_argument("--tokenizer", metavar="PATH",
+                   help="tokenizer that counts raw text in --data: the job's HuggingFace tokenizer folder or its tokenizer.json "
+                        "(default: pipetune's byte tokenizer, one token per UTF-8 byte)")
+    p.add_argument("--bad-images", default="error", choices=[b.value for b in BadImages],
+                   help="a row with an unreadable image in --data: stop naming it, or leave the row out (default: error)")
+
+
+def tokenizer_from_args(args) -> TextTokenizer:
+    """What raw text is counted with: ``--tokenizer`` (refused in one line if unreadable), else pipetune's byte tokenizer."""
+    return load_tokenizer(args.tokenizer) if args.tokenizer else BYTE_TOKENIZER
 
 
 def table_from_args(args) -> SampleTable:
     if args.data:
-        return open_dataset(args.data).table
+        store = open_dataset(args.data, tokenizer=tokenizer_from_args(args), bad_images=args.bad_images)
+        if store.tokenizer is BYTE_TOKENIZER and store.raw_text:  # the counts would silently be ~4x the job's
+            print("note: raw text counted in UTF-8 bytes with pipetune's byte tokenizer (about 4x a BPE tokenizer's "
+                  "count); pass --tokenizer PATH for the job's tokenizer", file=sys.stderr)
+        if store.skipped:
+            where, why = store.skipped[0]
+            print(f"note: {len(store.skipped)} rows left out (no text, or an unreadable image under --bad-images skip), "
+                  f"e.g. row {where}: {why}", file=sys.stderr)
+        return store.table
     return make_mix(args.mix or "datamix2", args.samples, args.data_seed)
 
 

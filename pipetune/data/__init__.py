@@ -1,4 +1,4 @@
-"""Sample metadata, generated data mixes, storage on disk and the deterministic batch stream."""
+"""Sample metadata, generated data mixes, storage on disk, metadata indexes and the deterministic batch stream."""
 
 from pipetune.data.batch import BatchMeta, batch_meta
 from pipetune.data.images import ImageSizing

@@ -25,10 +25,18 @@ Raw ``text`` is tokenized with the job's tokenizer (default pipetune's byte toke
 BOS/EOS, and its images bracketed by its vision start/end tokens (``pipetune.data.text``).
 Loading never drops a row silently: a bad row (a missing or null value, a non-integral number
 where an integer belongs, a value beyond int64) is an error that names the file, the row (counted
-from 0 over the data set's rows) and the column; an unreadable file is an error naming the file.
-Image sizes are read from their headers when the data set is opened; a row with an unreadable
-image is an error or, under ``BadImages.SKIP``, left out and listed in ``SampleStore.skipped``
-(``pipetune.data.image_files``).
+from 0 over the data set's rows) and the column; an unreadable file (a parquet file or JSON-lines
+file without rows, files of one data set with different columns, a webdataset shard without tar's
+end-of-archive blocks, i.e. cut short) is an error naming the file. Blank lines of JSON lines are
+not rows. Image sizes are read from their headers when the data set is opened; a row with an
+unreadable image (a remote URL included) is an error or, under ``BadImages.SKIP``, left out and
+listed in ``SampleStore.skipped`` (``pipetune.data.image_files``). A row without a text token (a
+document of images only) has nothing to train on: it is always left out and listed there; a data
+set left without rows is an error (``pipetune.data.metadata`` derives and checks the rows).
+
+Opening a data set derives every row's metadata: seconds per 100k rows, on every rank at every
+start. ``open_dataset`` also opens a metadata index (``pipetune data index``,
+``pipetune.data.index``), which serves the same samples in O(1) per open and O(batch) per step.
 """
 
 from __future__ import annotations
@@ -36,18 +44,21 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from pipetune.data.formats import FormatError, RowFormat, image_ref, pair_image_column, raw_images, texts_and_images
-from pipetune.data.image_files import BadImages, image_sizes
+from pipetune.data.formats import RowFormat, raw_images, texts_and_images
+from pipetune.data.image_files import BadImages
+from pipetune.data.inputs import INFO_FILE, REMAKE, data_files, data_set_dirs, first_line, read_info
+from pipetune.data.metadata import row_metadata
 from pipetune.data.samples import SampleTable
-from pipetune.data.text import BYTE_TOKENIZER, IMAGE_PLACEHOLDER, TextTokenizer
+from pipetune.data.text import BYTE_TOKENIZER, TextTokenizer
 
-INFO_FILE = "pipetune.json"
-TEXT_COLUMNS = ("input_ids", "text", "text_tokens")
+INDEX_HINT_ROWS = 1_000_000
+"""Above this many rows, opening a data set without an index prints how to index it."""
 
 
 @dataclass(frozen=True)
@@ -58,8 +69,8 @@ class SampleStore:
     model's). ``content_seed`` seeds the synthesized token ids and pixels of rows without content.
     ``origin`` is the path it was opened from; ``digest`` fingerprints its metadata and content
     seed (``SampleTable.digest``), so a checkpoint can tell whether it was made on these rows.
-    ``skipped`` lists the rows left out for an unreadable image (row of the data set as stored,
-    reason); ``dataset`` holds the others, in order.
+    ``skipped`` lists the rows left out, for an unreadable image or no text token (row of the data
+    set as stored, reason); ``dataset`` holds the others, in order.
     """
 
     table: SampleTable
@@ -80,6 +91,16 @@ class SampleStore:
     def digest(self) -> str:
         return f"{self.table.digest()}:{self.content_seed}"
 
+    @property
+    def has_images(self) -> bool:
+        return bool(self.table.num_images.any())
+
+    @property
+    def raw_text(self) -> bool:
+        """Whether text was tokenized by ``tokenizer`` (not stored as token ids)."""
+        cols = set(self.dataset.column_names)
+        return "input_ids" not in cols and (self.format is not RowFormat.PIPETUNE or "text" in cols)
+
     def check_token_ids(self, vocab_size: int) -> None:
         """Every stored token id is in ``[0, vocab_size)``: checked once, before any worker reads a row."""
         import pyarrow.compute as pc
@@ -92,8 +113,9 @@ class SampleStore:
             if bad.any():
                 k = int(np.argmax(bad))
                 row = int(np.searchsorted(np.cumsum(lengths), k, side="right"))
+                stored = np.delete(np.arange(len(lengths) + len(self.skipped)), [r for r, _ in self.skipped])[row]  # as messages count
                 raise ValueError(
-                    f"{self.origin}: row {row} (counted from 0), column 'input_ids': sample id={self.table.ids[row]} has "
+                    f"{self.origin}: row {stored} (counted from 0), column 'input_ids': sample id={self.table.ids[row]} has "
                     f"token id {int(flat[k])} outside the vocabulary of {vocab_size}; tokenize with the model's tokenizer"
                 )
         elif "text" in self.dataset.column_names and self.tokenizer.vocab_size > vocab_size:
@@ -156,6 +178,10 @@ class MixedStore(SampleStore):
     @property
     def digest(self) -> str:
         return ":".join([self.table.digest()] + [p.digest for p in self.parts])
+
+    @property
+    def raw_text(self) -> bool:
+        return any(p.raw_text for p in self.parts)
 
     def check_token_ids(self, vocab_size: int) -> None:
         for part in self.parts:
@@ -235,15 +261,22 @@ def open_dataset(path: str | Path, *, tokenizer: TextTokenizer = BYTE_TOKENIZER,
     tokenized with ``tokenizer``; rows with an unreadable image are handled by ``bad_images``."""
     import pyarrow as pa
 
+    from pipetune.data.index.store import is_index, open_index
+
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"data set {path} does not exist (make one with `pipetune data make`)")
-    if sources := _sources(path):
+    if is_index(path):
+        return open_index(path, tokenizer=tokenizer, bad_images=bad_images)
+    if sources := data_set_dirs(path):
         return MixedStore.of(path, [open_dataset(p, tokenizer=tokenizer, bad_images=bad_images) for p in sources])
-    info = _read_info(path)
+    info = read_info(path)
     ds, files = _load(path)
     if len(ds) == 0:
         raise ValueError(f"{path}: the data set has no rows")
+    if len(ds) > INDEX_HINT_ROWS:
+        print(f"note: {path} has {len(ds):,} rows, derived again at every start on every rank; index it once with "
+              f"`pipetune data index {path} --out INDEX` and give INDEX as the data set", file=sys.stderr)
     ds = raw_images(ds)
     fmt = RowFormat.of(ds.column_names)
     base = path if path.is_dir() else path.parent
@@ -252,11 +285,15 @@ def open_dataset(path: str | Path, *, tokenizer: TextTokenizer = BYTE_TOKENIZER,
         table, skipped = cached
     else:
         try:
-            table, skipped = _metadata(ds, path, base, tokenizer, fmt, BadImages(bad_images))
+            table, skipped = row_metadata(ds, path, base, tokenizer, fmt, BadImages(bad_images), progress=True)
         except (pa.ArrowException, OSError) as e:  # a damaged file found while reading its columns
-            raise ValueError(f"{path}: cannot read the data set's rows ({_first_line(e)}); {_REMAKE}") from None
+            raise ValueError(f"{path}: cannot read the data set's rows ({first_line(e)}); {REMAKE}") from None
         if cache is not None:
             cache.save(table, skipped)
+    if not len(table):
+        row, why = skipped[0]
+        raise ValueError(f"{path}: no row is left: all {len(skipped)} are left out (row {row}: {why}); give rows with text "
+                         "and readable images")
     if skipped:
         ds = ds.select(np.setdiff1d(np.arange(len(ds)), [r for r, _ in skipped]))
     return SampleStore(
@@ -294,7 +331,7 @@ class _MetadataCache:
 
     file: Path
 
-    VERSION = 1
+    VERSION = 2  # 2: rows without a text token are left out
 
     @classmethod
     def of(cls, ds, tokenizer: TextTokenizer, fmt: RowFormat, bad_images: BadImages) -> "_MetadataCache":
@@ -330,40 +367,6 @@ class _MetadataCache:
             pass
 
 
-_REMAKE = "the file may be truncated or corrupt: make the data set again (`pipetune data make`) or repair the file"
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
-
-
-def _read_info(path: Path) -> dict:
-    f = path / INFO_FILE
-    if not f.is_file():
-        return {}
-    try:
-        info = json.loads(f.read_text())
-    except ValueError as e:
-        raise ValueError(f"{f}: not valid JSON ({e}); {_REMAKE}") from None
-    if not isinstance(info, dict):
-        raise ValueError(f"{f}: expected a JSON object; {_REMAKE}")
-    return info
-
-
-_READERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".tar": "webdataset"}
-
-
-def _sources(path: Path) -> list[Path]:
-    """The data sets of a directory of data sets (its subdirectories), or none when ``path`` is a
-    data set itself."""
-    if not path.is_dir() or (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
-        return []
-    if any(p.is_file() and p.suffix in _READERS and p.name != INFO_FILE for p in path.iterdir()):
-        return []
-    return sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
-
-
 def _load(path: Path):
     """Open the data set with HF ``datasets``; any failure becomes a message naming the file."""
     import datasets
@@ -372,241 +375,112 @@ def _load(path: Path):
         try:
             ds = datasets.load_from_disk(str(path))
         except Exception as e:  # datasets/pyarrow raise many types on a damaged directory
-            raise ValueError(f"{path}: cannot open the data set ({_first_line(e)}); {_REMAKE}") from None
+            raise ValueError(f"{path}: cannot open the data set ({first_line(e)}); {REMAKE}") from None
         if isinstance(ds, datasets.DatasetDict):
             ds = ds["train"] if "train" in ds else next(iter(ds.values()))
         return ds, [path]
-    files = [path] if path.is_file() else sorted(
-        p for p in path.iterdir() if p.suffix in _READERS and p.name != INFO_FILE
-    )
-    if not files:
-        raise ValueError(f"{path}: no HF data set, .jsonl, .json, .parquet or webdataset .tar files found")
-    kinds = {_READERS.get(f.suffix) for f in files}
-    if None in kinds:
-        raise ValueError(f"{path}: {files[0].name} is none of the accepted inputs (a save_to_disk directory, .jsonl, .json, "
-                         ".parquet, or webdataset .tar shards)")
-    if len(kinds) > 1:
-        raise ValueError(f"{path}: mixes {' and '.join(sorted(kinds))} files; keep one format per directory")
-    kind = kinds.pop()
-    for f in files:
-        if f.stat().st_size == 0:
-            raise ValueError(f"{f}: the file is empty; a data set needs at least one row")
+    files, kind = data_files(path)
+    _CHECKS[kind](files)
+    from datasets.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity(hf_logging.CRITICAL)  # its failure lines name no row; ours below do
     try:
-        return datasets.load_dataset(kind, data_files=[str(f) for f in files], split="train"), files
+        return datasets.load_dataset(kind, data_files=[str(f) for f in files], split="train", **_LOAD_OPTIONS.get(kind, {})), files
     except Exception as e:  # the JSON/parquet readers raise many types; find the line ourselves
-        if kind == "json":
-            for f in files:
-                _diagnose_json_lines(f)
-        raise ValueError(f"cannot read {', '.join(map(str, files))} ({_first_line(e)}); {_REMAKE}") from None
+        if kind in _DIAGNOSES:
+            _DIAGNOSES[kind](files)
+        raise ValueError(f"cannot read {', '.join(map(str, files))} ({first_line(e)}); {REMAKE}") from None
+    finally:
+        hf_logging.set_verbosity(level)
 
 
-def _diagnose_json_lines(f: Path) -> None:
-    """Name the first line of a JSON-lines file that the reader choked on (called on failure only)."""
-    first_keys = None
-    with f.open(encoding="utf-8", errors="replace") as fh:
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError as e:
-                if n == 1 and line.lstrip().startswith("["):
-                    return  # a JSON array file, not JSON lines
-                raise ValueError(f"{f}, line {n}: not valid JSON ({e}); write one JSON object per line") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{f}, line {n}: expected a JSON object with the row's columns, got {type(row).__name__}")
-            for k, v in row.items():
-                for x in v if isinstance(v, list) else [v]:
-                    if isinstance(x, int) and not isinstance(x, bool) and not -(2**63) <= x < 2**63:
-                        raise ValueError(f"{f}, line {n}, column {k!r}: {x} does not fit in int64")
-            keys = set(row)
-            if first_keys is None:
-                first_keys, first_n = keys, n
-            elif keys != first_keys:
-                missing, extra = sorted(first_keys - keys), sorted(keys - first_keys)
-                what = f"lacks column(s) {missing} that line {first_n} has" if missing else f"has column(s) {extra} that line {first_n} lacks"
-                raise ValueError(f"{f}, line {n}: {what}; every row needs the same columns")
-    if first_keys is None:
-        raise ValueError(f"{f}: the file has no rows")
+_LOAD_OPTIONS = {"json": {"on_mixed_types": None}}
+"""HF's default for JSON lines (``use_json``) parses the first 10 MB line by line itself, failing on
+blank lines, and reads a column whose rows mix types as JSON text, which an error then names at
+the wrong row; plain pyarrow skips blank lines (they are not rows) and fails on a mixed column,
+whose line ``_diagnose_json_lines`` names, as the index's reader does."""
 
 
-def _where(path: Path, row: int, column: str) -> str:
-    return f"{path}: row {row} (counted from 0), column {column!r}"
+def _check_parquet(files: list[Path]) -> None:
+    """Every parquet file holds rows and the first file's columns, read from the footers before HF
+    ``datasets`` reads them (it fails on either naming neither the file nor the cause)."""
+    from pipetune.data.index.readers import no_rows, parquet_file, same_columns
+
+    first = None
+    for f in files:
+        pf = parquet_file(f)
+        if pf.metadata.num_rows == 0:
+            raise no_rows(f)
+        first = first or (f, pf.schema_arrow.names)
+        same_columns(f, pf.schema_arrow.names, *first)
 
 
-def _null_check(col, path: Path, column: str) -> None:
-    if col.null_count:
-        col = col.combine_chunks() if hasattr(col, "combine_chunks") else col
-        row = int(np.flatnonzero(np.asarray(col.is_null()))[0])
-        raise ValueError(f"{_where(path, row, column)}: missing or null; every row needs a value (or drop the column)")
+def _check_json_lines(files: list[Path]) -> None:
+    """Every JSON-lines file holds a row, with the first file's columns (its first row's keys),
+    before HF ``datasets`` reads them: it reads a file without rows as none and fills the columns
+    one file lacks with nulls. A first line that does not parse is left to the reader."""
+    from pipetune.data.index.readers import no_rows, same_columns
+
+    first = None
+    for f in files:
+        with f.open("rb") as fh:
+            line = next((x for x in fh if x.strip()), None)
+        if line is None:
+            raise no_rows(f)
+        if line.lstrip()[:1] == b"[":
+            continue  # a JSON array file, not JSON lines
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            first = first or (f, list(row))
+            same_columns(f, list(row), *first)
 
 
-def _ints(values, path: Path, column: str, owner: np.ndarray | None = None) -> np.ndarray:
-    """An arrow array of numbers as int64: integral floats pass, anything else names its row."""
+def _check_shards(files: list[Path]) -> None:
+    """Every shard ends in tar's end-of-archive blocks (HF ``datasets`` reads a cut one as shorter)."""
+    from pipetune.data.index.readers import check_shard
+
+    for f in files:
+        check_shard(f)
+
+
+def _diagnose_parquet_types(files: list[Path]) -> None:
+    """Name a column whose type differs between parquet files (called on failure only)."""
+    from pipetune.data.index.readers import parquet_file
+
+    first = parquet_file(files[0]).schema_arrow
+    for f in files[1:]:
+        for field in parquet_file(f).schema_arrow:
+            if field.type != first.field(field.name).type:
+                raise ValueError(f"{f}: column {field.name!r} holds {field.type} values, {files[0]} holds "
+                                 f"{first.field(field.name).type}; every file of a data set needs the same column types")
+
+
+def _diagnose_json_lines(files: list[Path]) -> None:
+    """Name the first line of JSON-lines files that the reader choked on, with the index's reader's
+    checks and messages (called on failure only: it parses every line in Python)."""
     import pyarrow as pa
 
-    def fail(k: int, what: str):
-        row = int(owner[k]) if owner is not None else k
-        raise ValueError(f"{_where(path, row, column)}: {what}; it needs whole numbers (integers)")
+    from pipetune.data.index.readers import Kind, chunks
 
-    if values.null_count:
-        fail(int(np.flatnonzero(np.asarray(values.is_null()))[0]), "holds a null")
-    if len(values) == 0:
-        return np.zeros(0, np.int64)
-    t = values.type
-    if pa.types.is_integer(t):
-        arr = values.to_numpy(zero_copy_only=False)
-        if pa.types.is_unsigned_integer(t) and len(arr) and arr.max() >= 2**63:
-            fail(int(np.argmax(arr >= 2**63)), f"{int(arr.max())} does not fit in int64")
-        return arr.astype(np.int64)
-    if pa.types.is_floating(t):
-        arr = values.to_numpy(zero_copy_only=False).astype(np.float64)
-        bad = ~np.isfinite(arr) | (arr != np.round(arr)) | (np.abs(arr) >= 2.0**63)
-        if bad.any():
-            k = int(np.argmax(bad))
-            fail(k, f"{float(arr[k])!r} is not an integer")
-        return arr.astype(np.int64)
-    fail(0, f"holds {t} values")
+    for f in files:
+        with f.open("rb") as fh:
+            if fh.read(4096).lstrip()[:1] == b"[":
+                continue  # a JSON array file, not JSON lines
+        try:
+            for _ in chunks(Kind.JSONL, f):
+                pass
+        except (pa.ArrowException, TypeError, OverflowError):
+            return  # rows pyarrow cannot hold but no line to blame: the caller names the files
 
 
-def _int_column(ds, path: Path, column: str) -> np.ndarray:
-    col = ds.data.column(column).combine_chunks()
-    _null_check(col, path, column)
-    return _ints(col, path, column)
+_CHECKS = {"json": _check_json_lines, "parquet": _check_parquet, "webdataset": _check_shards}
+"""What each reader's files are checked for before HF ``datasets`` reads them (cheap: first lines,
+footers, tar headers)."""
+_DIAGNOSES = {"json": _diagnose_json_lines, "parquet": _diagnose_parquet_types}
+"""What names the cause when HF ``datasets`` fails on a reader's files (costly: called on failure only)."""
 
 
-def _list_column(ds, path: Path, column: str, *, nullable: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """(per-row lengths, flat int64 values) of a list-of-integers column; null rows are empty if ``nullable``."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    col = ds.data.column(column).combine_chunks()
-    if not nullable:
-        _null_check(col, path, column)
-    if not (pa.types.is_list(col.type) or pa.types.is_large_list(col.type)):
-        raise ValueError(f"{_where(path, 0, column)}: holds {col.type} values; it needs a list of integers")
-    lengths = pc.fill_null(pc.list_value_length(col), 0).to_numpy(zero_copy_only=False).astype(np.int64)
-    flat = pc.list_flatten(col)
-    return lengths, _ints(flat, path, column, owner=np.repeat(np.arange(len(lengths)), lengths))
-
-
-def _image_refs(ds, path: Path, fmt: RowFormat) -> tuple[list[str] | None, list[list]]:
-    """Raw text with placeholders (None: pipetune's columns without ``text`` or not in this
-    format's view) and every row's image references."""
-    import pyarrow as pa
-
-    n = len(ds)
-    if fmt is not RowFormat.PIPETUNE:
-        texts, refs = [], []
-        cols = [c for c in ds.column_names if c in ("texts", "images", "txt") or c == pair_image_column(ds.column_names)]
-        for start in range(0, n, 4096):
-            try:
-                t, r = texts_and_images(fmt, ds.select_columns(cols)[start:start + 4096], start)
-            except FormatError as e:
-                raise ValueError(f"{_where(path, e.row, e.column)}: {e}") from None
-            texts += t
-            refs += r
-        return texts, refs
-    if "images" not in ds.column_names:
-        return None, [[] for _ in range(n)]
-    image_type = ds.data.column("images").type
-    if not (pa.types.is_list(image_type) or pa.types.is_large_list(image_type) or pa.types.is_null(image_type)):
-        raise ValueError(f"{_where(path, 0, 'images')}: holds {image_type} values; it needs a list of image file names")
-    return None, [[image_ref(v) for v in (x or [])] for x in ds["images"]]
-
-
-def _metadata(ds, path: Path, base: Path, tokenizer: TextTokenizer, fmt: RowFormat,
-              bad_images: BadImages) -> tuple[SampleTable, list[tuple[int, str]]]:
-    import pyarrow as pa
-
-    cols = set(ds.column_names)
-    n = len(ds)
-    if fmt is RowFormat.PIPETUNE and not cols & set(TEXT_COLUMNS):
-        raise ValueError(f"{path}: rows need one of the columns {TEXT_COLUMNS}, or TorchTitan's 'texts' and 'images' "
-                         f"(interleaved documents) or 'txt' and 'jpg' (image-caption pairs); found {sorted(cols)}")
-    ids = _int_column(ds, path, "id") if "id" in cols else np.arange(n, dtype=np.int64)
-    if len(np.unique(ids)) != n:
-        uniq, counts = np.unique(ids, return_counts=True)
-        raise ValueError(f"{path}: sample id {uniq[np.argmax(counts > 1)]} appears more than once; ids must be unique")
-    if "source" in cols:
-        _null_check(ds.data.column("source"), path, "source")
-    sources = ds["source"] if "source" in cols else [fmt.value if fmt is not RowFormat.PIPETUNE else "user"] * n
-    names, codes = np.unique(np.asarray(sources, dtype=object).astype(str), return_inverse=True)
-
-    texts, refs = _image_refs(ds, path, fmt)
-    text_column = "texts" if fmt is RowFormat.INTERLEAVED else "txt" if fmt is RowFormat.PAIRS else "text"
-    if texts is None and "input_ids" not in cols and "text" in cols:
-        _null_check(ds.data.column("text"), path, "text")
-        text_type = ds.data.column("text").type
-        if not (pa.types.is_string(text_type) or pa.types.is_large_string(text_type)):
-            raise ValueError(f"{_where(path, 0, 'text')}: holds {text_type} values; it needs strings")
-        texts = ds["text"]
-    if "input_ids" in cols:
-        text_tokens, _ = _list_column(ds, path, "input_ids")
-    elif texts is not None:
-        pieces = [tokenizer.split(t) for t in texts]
-        text_tokens = np.fromiter((p.num_tokens for p in pieces), np.int64, n)
-        for i, p in enumerate(pieces):
-            if clash := set(tokenizer.not_text).intersection(p.token_ids):
-                raise ValueError(
-                    f"{_where(path, i, text_column)}: sample id={ids[i]} encodes to the image or vision marker id(s) "
-                    f"{sorted(clash)} of {tokenizer.name}, which only the loader writes; remove those special-token "
-                    f"strings from the text (mark images with {IMAGE_PLACEHOLDER})"
-                )
-    else:
-        text_tokens = _int_column(ds, path, "text_tokens")
-
-    if fmt is not RowFormat.PIPETUNE or "images" in cols:
-        num_images = np.fromiter((len(r) for r in refs), np.int64, n)
-    elif "num_images" in cols:
-        num_images = _int_column(ds, path, "num_images")
-    else:
-        num_images = np.zeros(n, np.int64)
-
-    if texts is not None and "input_ids" not in cols:
-        placed = np.fromiter((len(p.image_offsets) for p in pieces), np.int64, n)
-        mismatch = (placed > 0) & (placed != num_images) & ("images" in cols or "num_images" in cols)
-        if mismatch.any():
-            i = int(np.argmax(mismatch))
-            raise ValueError(
-                f"{_where(path, i, text_column)}: sample id={ids[i]} has {placed[i]} {IMAGE_PLACEHOLDER} placeholders but "
-                f"{num_images[i]} images; give one {IMAGE_PLACEHOLDER} per image"
-            )
-        num_images = np.where(placed > 0, placed, num_images)
-        first = int(tokenizer.bos is not None)  # images without placeholders open the text, after its BOS
-        offsets = [p.image_offsets if p.image_offsets else [first] * int(k) for p, k in zip(pieces, num_images)]
-    elif "image_offsets" in cols:
-        counts, flat = _list_column(ds, path, "image_offsets", nullable=True)
-        bad = counts != num_images
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise ValueError(f"{path}: sample id={ids[i]} has {counts[i]} image_offsets but {num_images[i]} images")
-        offsets = np.split(flat, np.cumsum(counts)[:-1]) if n else []
-    else:
-        offsets = None
-
-    sizes, unreadable = image_sizes(refs, base)
-    skipped: list[tuple[int, str]] = []
-    if unreadable:
-        row, why = next(iter(unreadable.items()))
-        if bad_images is BadImages.ERROR:
-            raise ValueError(f"{_where(path, row, 'images' if fmt is not RowFormat.PAIRS else pair_image_column(ds.column_names))}: sample "
-                             f"id={ids[row]}: {why} ({len(unreadable)} rows with unreadable images in all); repair or "
-                             "remove the image, or skip such rows (bad_images=skip)")
-        skipped = sorted(unreadable.items())
-    try:
-        table = SampleTable.build(
-            ids=ids,
-            source=codes,
-            source_names=tuple(str(x) for x in names),
-            text_tokens=text_tokens,
-            num_images=num_images,
-            image_offsets=offsets,
-            image_sizes=sizes if len(sizes) else None,  # None: synthesized pixels at the standard size
-            image_markers=tokenizer.image_markers if texts is not None and "input_ids" not in cols else 0,
-        )
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from e
-    if skipped:
-        table = table.take(np.setdiff1d(np.arange(n), [r for r, _ in skipped]))
-    return table, skipped

@@ -2,7 +2,8 @@
 
 pipetune's own byte-level tokenizer works offline with no vocabulary file: token id = UTF-8 byte +
 ``BYTE_OFFSET``; the ids below it are reserved (0 image, 1 padding, 2/3 vision start/end). A job
-with its own tokenizer passes a ``TextTokenizer`` built from it (``titan.tokenizer.text_tokenizer``):
+with its own tokenizer passes a ``TextTokenizer`` built from it (``titan.tokenizer.text_tokenizer``;
+the command line reads the same files without torch, ``pipetune.data.tokenizer_files``):
 metadata and content are then tokenized with it; image placeholders split the text first, so the
 tokenizer never sees them. Data can also be pre-tokenized into ``input_ids`` (taken as stored).
 """
@@ -17,6 +18,11 @@ IMAGE_PLACEHOLDER = "<image>"
 _PROBE = "The quick brown fox jumps over the lazy dog; 0123456789, naïve café, 中文, \t tabs and  spaces."
 BYTE_OFFSET = 4
 BYTE_VOCAB = 256 + BYTE_OFFSET
+
+VISION_TOKENS = {"image": "<|image_pad|>", "vision_start": "<|vision_start|>", "vision_end": "<|vision_end|>",
+                 "pad": "<|endoftext|>"}
+"""TorchTitan's Muse Glimmer and Qwen3.5 special-token strings (``MUSE_GLIMMER_SPECIAL_TOKENS``): the
+strings a HuggingFace tokenizer's image, vision start/end and padding ids are looked up by."""
 
 TextEncoder = Callable[[str], list[int]]
 
@@ -74,11 +80,12 @@ class TextTokenizer:
 
     @property
     def fingerprint(self) -> str:
-        """Tells tokenizers apart (metadata caches): name, vocabulary size, special ids and the ids
-        of a probe text (a tokenizer file changed in place changes them)."""
+        """Tells tokenizers apart (metadata caches and indexes): vocabulary size, special ids and the
+        ids of a probe text (a tokenizer file changed in place changes them). Not the name: the
+        command line's loader and the job's tokenizer of the same files name them differently."""
         probe = self.encode(_PROBE)
         ids = (self.image, self.pad, self.vision_start, self.vision_end, self.bos, self.eos)
-        return hashlib.sha256(repr((self.name, self.vocab_size, ids, probe)).encode()).hexdigest()[:16]
+        return hashlib.sha256(repr((self.vocab_size, ids, probe)).encode()).hexdigest()[:16]
 
     def split(self, text: str) -> TextPieces:
         """Token ids of ``text`` (with BOS/EOS) chunk by chunk between image placeholders."""
@@ -91,6 +98,18 @@ class TextTokenizer:
         if self.eos is not None:
             ids.append(self.eos)
         return TextPieces(ids, offsets)
+
+
+def vision_token_ids(name: str, token_to_id: Callable[[str], int | None], *, other_way: str = "") -> dict[str, int]:
+    """The image, vision start/end and padding ids of a tokenizer, looked up by ``VISION_TOKENS``;
+    refused in one line naming the missing strings (``other_way``: a further remedy the caller has)."""
+    ids = {k: token_to_id(s) for k, s in VISION_TOKENS.items()}
+    if missing := [VISION_TOKENS[k] for k, i in ids.items() if i is None]:
+        raise ValueError(
+            f"{name} has no {', '.join(missing)} token(s), which pipetune writes for images and padding as "
+            f"TorchTitan's Muse Glimmer does; add them as special tokens to the tokenizer (tokenizer_config.json "
+            f"added_tokens_decoder){other_way}")
+    return ids
 
 
 BYTE_TOKENIZER = TextTokenizer(name="pipetune's byte tokenizer", encode=byte_encode, vocab_size=BYTE_VOCAB,

@@ -158,16 +158,23 @@ def test_interleaved_zero_bubble_beside_data_or_tensor_parallelism(job, tmp_path
 
 
 def test_data_parallel_job_resumes_as_if_uninterrupted(job, tmp_path):
-    """DP 2 x PP 2, checkpoints at steps 2 and 4 (FSDP-sharded weights and optimizer, each data-
-    parallel rank's loader state, rank 0's learning); restarted as if it had died before the step-4
-    checkpoint, it trains steps 3 and 4 exactly as the first run did, replica by replica."""
+    """DP 2 x PP 2 reading real files (caption pairs and documents with images, raw text under the
+    job's tokenizer) through a metadata index the command line built; checkpoints at steps 2 and 4
+    (FSDP-sharded weights and optimizer, each data-parallel rank's loader state, rank 0's learning);
+    restarted as if it had died before the step-4 checkpoint, it trains steps 3 and 4 exactly as
+    the first run did, replica by replica."""
     import shutil
 
+    from pipetune.cli.main import main
+
+    index = tmp_path / "index"
+    assert main(["data", "index", str(job / "fixture" / "data"), "--out", str(index), "--tokenizer", str(job / "fixture" / "tokenizer")]) == 0
     dump = tmp_path / "job"
     run = ["-m", "torchtitan.train", *job_args(job, dump, "--training.steps", "4", "--checkpoint.enable", "--checkpoint.interval", "2",
-                                               "--parallelism.data_parallel_shard_degree", "2")]
+                                               "--parallelism.data_parallel_shard_degree", "2", "--dataloader.dataset_path", str(index))]
     torchrun(run, timeout=160, ranks=4)
     first = StepRecord.read(dump / "pipetune" / "steps.jsonl")
+    assert max(i for r in first for mb in r.samples for i in mb) < 32  # the indexed corpus's 32 samples, not job/data's 300
     shutil.rmtree(dump / "checkpoint" / "step-4")
     (dump / "pipetune" / "steps.jsonl").unlink()
     assert "Training starts at step 3" in torchrun(run, timeout=160, ranks=4)

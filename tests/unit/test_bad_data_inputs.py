@@ -17,11 +17,11 @@ ROOT = Path(__file__).resolve().parents[2]
 # (file name, content, message regex); rows are counted from 0, lines from 1
 BAD_FILES = [
     ("empty.jsonl", "", r"empty\.jsonl: the file is empty; a data set needs at least one row"),
-    ("blank.jsonl", "\n\n", r"blank\.jsonl: the file has no rows"),
+    ("blank.jsonl", "\n\n", r"blank\.jsonl: the file holds no rows"),
     (
         "missing.jsonl",
         '{"id": 1, "input_ids": [1, 2]}\n{"id": 2}\n',
-        r"missing\.jsonl, line 2: lacks column\(s\) \['input_ids'\] that line 1 has; every row needs the same columns",
+        r"missing\.jsonl: row 1 \(counted from 0\), column 'input_ids': missing or null",
     ),
     (
         "missing_first.jsonl",
@@ -42,12 +42,12 @@ BAD_FILES = [
     (
         "huge_id.jsonl",
         '{"id": 1, "text_tokens": 3}\n{"id": 99999999999999999999, "text_tokens": 3}\n',
-        r"huge_id\.jsonl, line 2, column 'id': 99999999999999999999 does not fit in int64",
+        r"huge_id\.jsonl: row 1 .*column 'id': 1e\+20 does not fit in int64",  # JSON's reader makes it a float
     ),
     (
         "huge_token.jsonl",
         '{"input_ids": [1, 2]}\n{"input_ids": [1, 99999999999999999999]}\n',
-        r"huge_token\.jsonl, line 2, column 'input_ids': 99999999999999999999 does not fit in int64",
+        r"huge_token\.jsonl: row 1 .*column 'input_ids': 1e\+20 does not fit in int64",
     ),
     (
         "float_ids.jsonl",  # 0, 0.5, 1 must not become 0, 0, 1 and a "duplicate id" error
@@ -74,7 +74,7 @@ BAD_FILES = [
         '{"text_tokens": 3, "num_images": 1, "image_offsets": [1.5]}\n',
         r"float_offset\.jsonl: row 0 .*column 'image_offsets': 1\.5 is not an integer",
     ),
-    ("string_id.jsonl", '{"id": "a", "text_tokens": 3}\n', r"string_id\.jsonl: row 0 .*column 'id': holds string values"),
+    ("string_id.jsonl", '{"id": "a", "text_tokens": 3}\n', r"string_id\.jsonl: row 0 .*column 'id': holds the text 'a'"),
     ("one_image.jsonl", '{"text": "a<image>", "images": "x.png"}\n',
      r"one_image\.jsonl: row 0 .*column 'images': holds string values; it needs a list of image file names"),
     ("int_text.jsonl", '{"text": 5}\n', r"int_text\.jsonl: row 0 .*column 'text': holds int64 values; it needs strings"),
@@ -198,3 +198,198 @@ def test_token_ids_outside_the_vocabulary_are_named_before_any_worker_starts(tmp
         return
     with pytest.raises(ValueError, match=rf"d\.jsonl: row 2 \(counted from 0\), column 'input_ids': sample id=2 has token id {bad} outside the vocabulary of 512"):
         cfg.build(tiny)
+
+
+# ---------------------------------------------------------------- both paths: with an index and without
+# Each bad input is refused (or handled by its policy) alike by `pipetune pack --data DATA` (the data
+# set read as it is) and `pipetune data index DATA` (read in place by the index's readers).
+
+PACK = ["pack", "--model", "tiny", "--gbs", "2", "--max-seq-len", "64", "--iters", "1", "--data"]
+GOOD = [{"text": "a picture <image> of a cat", "images": ["ok.png"]}] * 3
+
+
+def _png_header(width: int, height: int) -> bytes:
+    """A PNG that is only its header: all Pillow reads to learn an image's size."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)) + chunk(b"IEND", b"")
+
+
+def _jsonl(path: Path, rows) -> Path:
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _parquet(path: Path, columns: dict) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table(columns), path)
+    return path
+
+
+def _shard(path: Path, pairs: int) -> list[int]:
+    """A webdataset shard of ``pairs`` image-caption pairs; returns where each member's data ends."""
+    import io
+    import tarfile
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (16, 16)).save(buf, "PNG")
+    ends = []
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for i in range(pairs):
+            for field, data in (("png", buf.getvalue()), ("txt", f"caption {i}".encode())):
+                info = tarfile.TarInfo(f"{i:04d}.{field}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+                ends.append(tar.offset)
+    return ends
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Every bad input of the tests below, written once."""
+    import pyarrow as pa
+    from PIL import Image
+
+    d = tmp_path_factory.mktemp("corpus")
+    Image.new("RGB", (16, 16)).save(d / "ok.png")
+    (d / "bomb.png").write_bytes(_png_header(30000, 30000))  # 9e8 pixels: over Pillow's decompression-bomb limit
+    _jsonl(d / "bomb.jsonl", GOOD + [{"text": "a bomb <image>", "images": ["bomb.png"]}])
+    _jsonl(d / "url.jsonl", GOOD + [{"text": "a remote <image>", "images": ["https://example.com/cat.png"]}])
+    _parquet(d / "empty_parquet" / "a.parquet", {"text": ["hello", "world"]})
+    _parquet(d / "empty_parquet" / "b.parquet", {"text": pa.array([], pa.string())})
+    _parquet(d / "parquet_columns" / "a.parquet", {"text": ["hello", "world"]})
+    _parquet(d / "parquet_columns" / "b.parquet", {"text": ["hello", "world"], "source": ["x", "y"]})
+    _jsonl(d / "jsonl_columns" / "a.jsonl", [{"text": "hello", "source": "x"}, {"text": "world", "source": "y"}])
+    _jsonl(d / "jsonl_columns" / "b.jsonl", [{"text": "hello"}, {"text": "world"}])
+    _jsonl(d / "blank_lines" / "a.jsonl", [{"text": "hello"}])
+    (d / "blank_lines" / "b.jsonl").write_text('{"text": "hello"}\n\n{"text": "world"}\n\n  \n\n')
+    (d / "row3.jsonl").write_text('{"text_tokens": 3}\n{"text_tokens": 4}\n\n{"text_tokens": 5}\n{"text_tokens": "many"}\n')
+    _jsonl(d / "row3_list.jsonl", [{"input_ids": [1]}, {"input_ids": [2, 3]}, {"input_ids": []}, {"input_ids": [4, 2.5]}])
+    (d / "row3_text.jsonl").write_text("".join(f'{{"id": "{i}", "text_tokens": 3}}\n' for i in ("0", "1", "2", "x")))
+    ends = _shard(d / "cut" / "shard-0.tar", 50)
+    with open(d / "cut" / "shard-0.tar", "r+b") as fh:
+        fh.truncate(ends[19])  # right after member 20's data: 10 whole pairs and no end-of-archive blocks
+    _shard(d / "whole" / "shard-0.tar", 50)
+    textless = [{"input_ids": [], "images": ["ok.png"]}, {"input_ids": [], "images": ["ok.png", "ok.png"]}]
+    _jsonl(d / "textless.jsonl", [{"input_ids": [1, 2, 3], "images": ["ok.png"]}, textless[0], {"input_ids": [4, 5], "images": []},
+                                  textless[1]])
+    _jsonl(d / "all_textless.jsonl", textless)
+    return d
+
+
+def _cli_error(capsys, *argv) -> str:
+    """The error of a CLI run that must fail: exit code 2, no traceback, one line (after any
+    progress bars), the last output."""
+    assert main([str(a) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("pipetune: error: ") == 1, err
+    message = err.split("pipetune: error: ", 1)[1]
+    assert message.count("\n") == 1 and message.endswith("\n"), err
+    return message
+
+
+def _cli_output(capsys, *argv) -> str:
+    assert main([str(a) for a in argv]) == 0
+    return capsys.readouterr().out
+
+
+def _both_refuse(capsys, data: Path, out: Path, *expected: str) -> None:
+    for argv in (PACK + [data], ["data", "index", data, "--out", out]):
+        message = _cli_error(capsys, *argv)
+        assert all(e in message for e in expected), (argv[0], message)
+
+
+@pytest.mark.parametrize("name,image,why", [
+    ("bomb", "bomb.png", "Shrink the image, or raise PIL.Image.MAX_IMAGE_PIXELS"),  # today: a traceback, under skip too
+    ("url", "https://example.com/cat.png", "remote images are not read; download them"),
+])
+def test_an_image_that_is_not_read_is_named_or_left_out_by_the_policy(corpus, tmp_path, capsys, name, image, why):
+    data = corpus / f"{name}.jsonl"
+    _both_refuse(capsys, data, tmp_path / "index", f"{name}.jsonl: row 3 (counted from 0), column 'images': sample id=3: ", image, why,
+                 "(bad_images=skip)")
+    store = open_dataset(data, bad_images="skip")
+    ((row, reason),) = store.skipped
+    assert len(store) == 3 and row == 3 and image in reason and why in reason
+    out = _cli_output(capsys, "data", "index", data, "--out", tmp_path / "skipping", "--bad-images", "skip")
+    assert "indexed 3 samples" in out and "1 rows left out (listed in skipped.jsonl)" in out
+    ((where, reason),) = open_dataset(tmp_path / "skipping", bad_images="skip").skipped
+    assert where.endswith(", row 3") and image in reason and why in reason
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("empty_parquet", ["empty_parquet/b.parquet: the file holds no rows; remove it from the data set"]),
+    ("parquet_columns", ["parquet_columns/b.parquet: has columns ['source', 'text']",
+                         "a.parquet has ['text']; every file of a data set needs the same columns"]),
+    ("jsonl_columns", ["jsonl_columns/b.jsonl: has columns ['text']",
+                       "a.jsonl has ['source', 'text']; every file of a data set needs the same columns"]),
+    ("row3.jsonl", ["row3.jsonl, line 5, column 'text_tokens': holds a str where line 1 holds a number"]),  # line 3 is blank
+    ("row3_text.jsonl", ["row3_text.jsonl: row 3 (counted from 0), column 'id': holds the text 'x'"]),
+    ("row3_list.jsonl", ["row3_list.jsonl: row 3 (counted from 0), column 'input_ids': 2.5 is not an integer"]),
+    ("cut", ["cut/shard-0.tar: the shard ends at byte", "without tar's end-of-archive blocks: it was cut short"]),
+    ("all_textless.jsonl", ["all_textless.jsonl", "sample id=0 has no text token: nothing to train on"]),
+])
+def test_bad_files_are_named_alike_with_and_without_an_index(corpus, tmp_path, capsys, name, expected):
+    _both_refuse(capsys, corpus / name, tmp_path / "index", *expected)
+
+
+@pytest.mark.parametrize("name,rows", [("blank_lines", 3), ("whole", 50)])
+def test_blank_lines_and_whole_shards_are_read_alike_with_and_without_an_index(corpus, tmp_path, capsys, name, rows):
+    assert len(open_dataset(corpus / name)) == rows
+    assert f"indexed {rows} samples" in _cli_output(capsys, "data", "index", corpus / name, "--out", tmp_path / "index")
+
+
+def test_rows_without_text_are_left_out_and_counted(corpus, tmp_path, capsys):
+    data = corpus / "textless.jsonl"
+    store = open_dataset(data)
+    assert store.table.ids.tolist() == [0, 2] and [r for r, _ in store.skipped] == [1, 3]
+    assert "no text token" in store.skipped[0][1] and "samples_in_data=2" in _cli_output(capsys, *PACK, data)
+    out = _cli_output(capsys, "data", "index", data, "--out", tmp_path / "index")
+    assert "indexed 2 samples" in out and "2 rows left out (listed in skipped.jsonl)" in out
+    assert open_dataset(tmp_path / "index").table.take([0, 1]).ids.tolist() == [0, 2]
+
+
+def test_a_bad_token_id_after_a_left_out_row_is_named_at_its_own_row(tmp_path):
+    data = _jsonl(tmp_path / "d.jsonl", [{"input_ids": []}, {"input_ids": [1, 2]}, {"input_ids": [3, 999]}])
+    with pytest.raises(ValueError, match=r"d\.jsonl: row 2 \(counted from 0\), column 'input_ids': sample id=2 has token id 999"):
+        open_dataset(data).check_token_ids(512)
+
+
+def test_the_layout_search_samples_rows_under_the_jobs_bad_image_policy(corpus, tiny, monkeypatch):
+    from types import SimpleNamespace
+
+    from torchtitan_patches.titan import model_parts
+    from torchtitan_patches.titan.dataloader import PipeTuneTitanDataLoader
+
+    monkeypatch.setattr(model_parts, "replicas_of", lambda config: 1)
+    config = SimpleNamespace(training=SimpleNamespace(seq_len=64), tokenizer=SimpleNamespace(build=lambda tokenizer_path: None),
+                             hf_assets_path=None)
+    config.dataloader = PipeTuneTitanDataLoader.Config(dataset_path=str(corpus / "bomb.jsonl"), gbs=2, bad_images="skip")
+    assert {i for b in model_parts.sample_job_batches(config, tiny) for i in b.table.ids.tolist()} <= {0, 1, 2}
+    config.dataloader.bad_images = "error"
+    with pytest.raises(ValueError, match=r"bomb\.jsonl: row 3 .*bomb\.png: .*MAX_IMAGE_PIXELS"):
+        model_parts.sample_job_batches(config, tiny)
+
+
+def test_the_titan_loader_checks_gbs_against_the_data_set_before_the_model_and_opens_it_once(corpus, tiny):
+    from torchtitan_patches.titan.dataloader import PipeTuneTitanDataLoader
+
+    config = PipeTuneTitanDataLoader.Config(dataset_path=str(corpus / "textless.jsonl"), gbs=3, num_workers=0)
+    with pytest.raises(ValueError, match=r"dataloader\.gbs 3 is larger than the data set .*textless\.jsonl \(2 rows to train on; "
+                                         r"2 more are left out\).*use dataloader\.gbs <= 2"):
+        config.build(seq_len=64)
+    config.gbs = 2
+    loader = config.build(seq_len=64)
+    assert loader.bind(tiny, packing_source=None).store is loader.store

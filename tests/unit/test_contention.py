@@ -5,11 +5,12 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from recorded_stream import RecordedStream
 from pipetune.config import load_hardware, load_model_config
 from pipetune.cost import CostModel, StageLayout, analytical_table
 from pipetune.calibrate.action_fit import OVERHEAD_GRID, Design, calibrate_design
 from pipetune.cost.latency_table import LatencyTableError, table_from_dict
-from pipetune.data import BatchStream, batch_meta, make_mix
+from pipetune.data import batch_meta, make_mix
 from pipetune.plan import PlannerConfig
 from pipetune.simulate import Latencies, TimedAction, compile_schedule, evaluate, simulate
 from pipetune.simulate.contention import concurrent_time, overlap_with_others
@@ -48,7 +49,7 @@ def job():
     model = load_model_config("7b")
     cost = CostModel(analytical_table(model, load_hardware("a100"), tp=4), StageLayout.even(32, 2))
     data = make_mix("datamix2", 3000, 0)
-    stream = BatchStream(num_rows=len(data), gbs=32)
+    stream = RecordedStream(len(data), 32)  # the batches these properties were shown on
     metas = [batch_meta(data, stream, s, images=square_images(576), max_seq_len=4096) for s in range(10)]
     return model, cost, metas
 

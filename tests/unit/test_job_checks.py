@@ -261,7 +261,7 @@ def test_layout_and_baseline_are_chosen_on_batches_of_one_replicas_share(monkeyp
     config.dataloader.gbs = 16
     asked = {}
     monkeypatch.setattr(model_parts, "text_tokenizer", lambda tok: None)
-    monkeypatch.setattr(model_parts, "open_dataset", lambda path, tokenizer: SimpleNamespace(table=None))
+    monkeypatch.setattr(model_parts, "open_dataset", lambda path, tokenizer, bad_images: SimpleNamespace(table=None))
     monkeypatch.setattr(model_parts, "sample_batches", lambda table, model, **kw: asked.update(kw) or [])
     config.tokenizer = SimpleNamespace(build=lambda tokenizer_path: None)
     model_parts.sample_job_batches(config, None)

@@ -5,6 +5,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from recorded_stream import RecordedStream
 from pipetune.config import load_hardware, load_model_config
 from pipetune.cost import CostModel, StageLayout, analytical_table
 from pipetune.calibrate.action_fit import Observed, Part
@@ -36,7 +37,7 @@ def setup():
     curves = dict(base.table.curves, rest=bend(base.table.curves["rest"], 0.6), attention=bend(base.table.curves["attention"], -0.3))
     truth = CostModel(replace(base.table, curves=curves, overhead={"bwd_s": 2e-3}), layout)
     data = make_mix("datamix2", 3000, 0)
-    stream = BatchStream(num_rows=len(data), gbs=32)
+    stream = RecordedStream(len(data), 32)  # the batches these properties were shown on
     metas = [batch_meta(data, stream, s, images=square_images(576), max_seq_len=4096) for s in range(8)]
     # a new planner per test: calibration tests swap its cost model
     return base, truth, metas, lambda: PlannerConfig(max_seq_len=4096, memory_bytes=80e9, max_mbs=4).build(model, base)

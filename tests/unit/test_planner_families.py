@@ -3,10 +3,11 @@
 import numpy as np
 import pytest
 
+from recorded_stream import RecordedStream
 from pipetune.config import load_hardware, load_model_config
 from pipetune.cost import CostModel, StageLayout, analytical_table
 from pipetune.cost.memory import model_state_bytes
-from pipetune.data import BatchStream, batch_meta, make_mix
+from pipetune.data import batch_meta, make_mix
 from pipetune.plan import IterationPlan, PlannerConfig
 from pipetune.plan.compare import compare_modes
 from pipetune.schedule.lowering import lower_all
@@ -25,7 +26,7 @@ def costs(V: int = 1, pp: int = 4):
 
 def metas(n=3, mix="datamix3"):
     table = make_mix(mix, 20_000, 0)
-    stream = BatchStream(num_rows=len(table), gbs=128, seed=0)
+    stream = RecordedStream(len(table), 128)  # the batches these properties were shown on
     return [batch_meta(table, stream, s, images=square_images(576), max_seq_len=8192) for s in range(n)]
 
 

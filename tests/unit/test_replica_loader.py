@@ -2,10 +2,12 @@
 share its replica's plan names; over many steps and epochs no sample is lost or repeated."""
 
 import numpy as np
+import pytest
 
 from pipetune.config import load_hardware
 from pipetune.cost import CostModel, StageLayout, analytical_table
 from pipetune.data import make_mix, write_dataset
+from pipetune.data.index import build_index
 from pipetune.packing import PackingConfig
 from pipetune.plan.mode import Mode
 from pipetune.plan.planner_config import PlannerConfig
@@ -29,11 +31,13 @@ class ReplicaShare:
         return [list(mb) for mb in plans.plans[self.replica].micro_batches]
 
 
-def test_replicas_partition_every_global_batch_over_200_steps_and_many_epochs(tmp_path, tiny):
-    write_dataset(make_mix("datamix2", ROWS, 3), tmp_path / "data", {"mix": "datamix2"})
+@pytest.mark.parametrize("indexed", [False, True], ids=["data set", "index"])
+def test_replicas_partition_every_global_batch_over_200_steps_and_many_epochs(tmp_path, tiny, indexed):
+    write_dataset(make_mix("datamix2", ROWS, 3), tmp_path / "rows", {"mix": "datamix2"})
+    data = build_index(tmp_path / "rows", tmp_path / "index", progress=False) and tmp_path / "index" if indexed else tmp_path / "rows"
     cost = CostModel(analytical_table(tiny, load_hardware("a100"), tp=1), StageLayout.even(tiny.backbone.n_layers, 2))
     planner = ReplicaPlanner(PlannerConfig(mode=Mode.BALANCED, mbs=1, max_seq_len=SEQ, memory_bytes=80 * 2**30).build(tiny, cost), DP, balanced=True)
-    config = DataLoaderConfig(data=tmp_path / "data", gbs=GBS, max_seq_len=SEQ, seed=1, max_steps=STEPS, packing=PackingConfig(max_seq_len=SEQ))
+    config = DataLoaderConfig(data=data, gbs=GBS, max_seq_len=SEQ, seed=1, max_steps=STEPS, packing=PackingConfig(max_seq_len=SEQ))
     sent: dict = {}
     loaders = [config.build(tiny, packing_source=ReplicaShare(planner, r, sent), dp_rank=r, dp_size=DP) for r in range(DP)]
     stream_rows = []

@@ -8,6 +8,7 @@ import pytest
 from test_lowering_fifo import check
 from test_separated import H100, heavy, random_case  # noqa: F401  (the fixture)
 
+from recorded_stream import RecordedStream
 from pipetune.plan import IterationPlan, PlannerConfig
 from pipetune.plan.interleave import Problem
 from pipetune.plan.segment_search import exhaustive, sub_batch_sizes
@@ -121,7 +122,7 @@ def test_the_search_spreads_a_size_over_the_counts_between_two_sizes(monkeypatch
     holds every sample once and lowers onto in-order transports."""
     from pipetune.cost import CostModel, StageLayout, analytical_table
     from pipetune.config import load_model_config
-    from pipetune.data import BatchStream, batch_meta, make_mix
+    from pipetune.data import batch_meta, make_mix
     from pipetune.data.images import ImageSizing
     from pipetune.plan.separated import SeparatedPlanner
 
@@ -129,7 +130,7 @@ def test_the_search_spreads_a_size_over_the_counts_between_two_sizes(monkeypatch
     layout = StageLayout.even(model.backbone.n_layers, 4).separated(model.encoder.n_layers, 1, 20)
     cost = CostModel(analytical_table(model, H100, tp=4), layout, recompute_encoder=False)
     data = make_mix("datamix3", 20_000, 0)
-    meta = batch_meta(data, BatchStream(num_rows=len(data), gbs=128, seed=0), 1, images=ImageSizing.for_model(model), max_seq_len=8192)
+    meta = batch_meta(data, RecordedStream(len(data), 128), 1, images=ImageSizing.for_model(model), max_seq_len=8192)  # the batch it was shown on
     config = PlannerConfig(max_seq_len=8192, memory_bytes=H100.memory_bytes)
     planner = config.build(model, cost)
     natural = {mbs: planner._packing(meta, mbs, "balanced")[0].num_micro_batches for mbs in (1, 2)}

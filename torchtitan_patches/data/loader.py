@@ -205,10 +205,13 @@ class DataLoaderConfig:
         dp_size: int = 1,
         tokenizer: TextTokenizer = BYTE_TOKENIZER,
         pixels: bool = True,
+        store: SampleStore | None = None,
     ) -> "PipeTuneDataLoader":
         """``tokenizer`` tokenizes raw ``text`` rows and gives the image and padding ids;
-        ``pixels=False`` for a rank that runs no encoder chunk (its batches carry no pixels)."""
-        store = open_dataset(self.data, tokenizer=tokenizer, bad_images=self.bad_images)
+        ``pixels=False`` for a rank that runs no encoder chunk (its batches carry no pixels);
+        ``store``: ``data`` already opened with ``tokenizer`` and ``bad_images`` (opening derives
+        every row's metadata: a caller that checked the data set before the model existed reuses it)."""
+        store = open_dataset(self.data, tokenizer=tokenizer, bad_images=self.bad_images) if store is None else store
         return PipeTuneDataLoader(self, model, store, packing_source, dp_rank, dp_size, pixels=pixels)
 
     def sizing(self, model: ModelConfig) -> ImageSizing | None:
@@ -242,7 +245,7 @@ class PipeTuneDataLoader(StatefulDataLoader):
             raise ValueError(
                 f"packing.max_seq_len={config.packing.max_seq_len} differs from the loader's max_seq_len={config.max_seq_len}"
             )
-        if model.encoder is None and store.table.num_images.any():
+        if model.encoder is None and store.has_images:
             raise ValueError(f"{store.path}: the data set has images but model {model.name!r} has no vision encoder")
         store.check_token_ids(model.backbone.vocab_size)
         self.config = config

@@ -3,9 +3,10 @@
 TorchTitan's trainer builds its dataloader from ``Trainer.Config.dataloader`` with the
 data-parallel coordinates, the job's tokenizer and batch sizes. pipetune's loader also needs the
 planning shapes of the model (tokens per image, vocabulary) and its packing source (the planner),
-which exist only once the trainer has built the model; ``PipeTuneTitanDataLoader`` therefore takes
-TorchTitan's arguments at build time and is bound to the model and planner by
-``PipeTuneTrainer`` (``bind``) before the first step or checkpoint load.
+which exist only once the trainer has built the model; ``PipeTuneTitanDataLoader`` therefore opens
+the data set at build time (TorchTitan builds the dataloader before the model, so a data set too
+small for ``gbs`` or a bad row stops the job before any model is built) and is bound to the model
+and planner by ``PipeTuneTrainer`` (``bind``) before the first step or checkpoint load.
 
 It yields one ``GlobalBatch`` per step (every micro-batch of the step, packed as the plan says)
 rather than TorchTitan's ``(input_dict, labels)`` per micro-batch: the number and length of
@@ -33,6 +34,7 @@ from torchtitan.components.dataloader import BaseDataLoader
 from pipetune.config.model import ModelConfig
 from pipetune.data import Overlong
 from pipetune.data.image_files import BadImages
+from pipetune.data.storage import open_dataset
 from pipetune.packing import PackingConfig
 from torchtitan_patches.data.loader import DataLoaderConfig, PackingSource, PipeTuneDataLoader
 from torchtitan_patches.titan.tokenizer import text_tokenizer
@@ -95,6 +97,12 @@ class PipeTuneTitanDataLoader(BaseDataLoader):
         self.config = config
         self.tokenizer = tokenizer
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
+        self.store = open_dataset(config.dataset_path, tokenizer=text_tokenizer(tokenizer), bad_images=self.loader_config.bad_images)
+        rows = len(self.store)
+        if config.gbs > rows:
+            left_out = f"; {len(self.store.skipped)} more are left out" if self.store.skipped else ""
+            raise ValueError(f"dataloader.gbs {config.gbs} is larger than the data set {config.dataset_path} ({rows} rows to train "
+                             f"on{left_out}): a global batch holds distinct samples; use dataloader.gbs <= {rows} or a larger data set")
         self.inner: PipeTuneDataLoader | None = None
 
     def bind(self, model: ModelConfig, packing_source: PackingSource, *, seq_multiple: int = 1, pixels: bool = True,
@@ -109,8 +117,8 @@ class PipeTuneTitanDataLoader(BaseDataLoader):
                 f"{model.backbone.vocab_size}; use a tokenizer that fits the model")
         config = dataclasses.replace(self.loader_config, seq_multiple=seq_multiple,
                                      keep_aspect=self.loader_config.keep_aspect and not square_images)
-        self.inner = config.build(model, packing_source=packing_source, tokenizer=text_tokenizer(self.tokenizer),
-                                  dp_rank=self.dp_rank, dp_size=self.dp_world_size, pixels=pixels)
+        self.inner = config.build(model, packing_source=packing_source, tokenizer=self.store.tokenizer, dp_rank=self.dp_rank,
+                                  dp_size=self.dp_world_size, pixels=pixels, store=self.store)
         return self.inner
 
     def _bound(self) -> PipeTuneDataLoader:

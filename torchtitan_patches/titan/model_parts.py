@@ -94,11 +94,14 @@ def sample_job_batches(config, model: ModelConfig) -> list[BatchMeta]:
     the same): the layout search and the choice of the guard's baseline are made on them. Each is
     as large as one data-parallel replica's share (``dataloader.gbs / replicas``), what every
     pipeline plans: a global batch's worth of rows would favour larger micro-batches and layouts
-    that need more micro-batches than a replica gets."""
+    that need more micro-batches than a replica gets. The rows are the loader's: the job's
+    ``dataloader.bad_images`` policy decides which are left out."""
     dl = config.dataloader
+    loader = dl.data_loader_config(config.training.seq_len)  # checks the settings before the data set is read
     tokenizer = text_tokenizer(config.tokenizer.build(tokenizer_path=config.hf_assets_path))
-    return sample_batches(open_dataset(dl.dataset_path, tokenizer=tokenizer).table, model, gbs=max(dl.gbs // replicas_of(config), 1),
-                          max_seq_len=config.training.seq_len, count=8, seed=dl.seed, overlong=dl.overlong)
+    store = open_dataset(loader.data, tokenizer=tokenizer, bad_images=loader.bad_images)
+    return sample_batches(store.table, model, gbs=max(dl.gbs // replicas_of(config), 1), max_seq_len=config.training.seq_len,
+                          count=8, seed=dl.seed, overlong=dl.overlong)
 
 
 def layout_search(config, model: ModelConfig, table: LatencyTable, sample: list[BatchMeta]) -> LayoutSearch:

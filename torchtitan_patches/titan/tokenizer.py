@@ -6,8 +6,9 @@ offline machine may not have. pipetune's data path tokenizes raw ``text`` rows b
 the job names another tokenizer: ``text_tokenizer`` then gives the dataloader the job's tokenizer
 (TorchTitan's ``HuggingFaceTokenizer`` or ``MultiModalTokenizer``) with its special ids, found as
 TorchTitan's multimodal data path finds them: the image placeholder and vision start/end tokens
-(TorchTitan's ``MultiModalTokenizer`` ids, else the Muse Glimmer / Qwen strings below looked up in
-the vocabulary), BOS/EOS as the tokenizer defines them. Generated data keeps synthetic ids.
+(TorchTitan's ``MultiModalTokenizer`` ids, else the Muse Glimmer / Qwen strings of ``VISION_TOKENS``
+looked up in the vocabulary), BOS/EOS as the tokenizer defines them. Generated data keeps synthetic
+ids. The command line reads the same files without torch (``pipetune.data.tokenizer_files``).
 """
 
 from __future__ import annotations
@@ -17,11 +18,8 @@ from dataclasses import dataclass
 
 from torchtitan.components.tokenizer import BaseTokenizer, HuggingFaceTokenizer, MultiModalTokenizer
 
-from pipetune.data.text import BYTE_OFFSET, BYTE_TOKENIZER, BYTE_VOCAB, TextTokenizer, byte_encode
-
-VISION_TOKENS = {"image": "<|image_pad|>", "vision_start": "<|vision_start|>", "vision_end": "<|vision_end|>",
-                 "pad": "<|endoftext|>"}
-"""TorchTitan's Muse Glimmer and Qwen3.5 special-token strings (``MUSE_GLIMMER_SPECIAL_TOKENS``)."""
+from pipetune.data.text import (BYTE_OFFSET, BYTE_TOKENIZER, BYTE_VOCAB, VISION_TOKENS, TextTokenizer, byte_encode,
+                                vision_token_ids)
 
 
 class ByteTokenizer(BaseTokenizer):
@@ -60,13 +58,8 @@ def text_tokenizer(tokenizer: BaseTokenizer | None) -> TextTokenizer:
     if isinstance(tokenizer, MultiModalTokenizer):  # TorchTitan checked its configured strings at build
         ids = {k: getattr(tokenizer, f"{k}_id") for k in VISION_TOKENS}
     else:
-        ids = {k: tokenizer.token_to_id(s) for k, s in VISION_TOKENS.items()}
-        missing = [VISION_TOKENS[k] for k, i in ids.items() if i is None]
-        if missing:
-            raise ValueError(
-                f"{name} has no {', '.join(missing)} token(s), which pipetune writes for images and padding as "
-                "TorchTitan's Muse Glimmer does; add them as special tokens to the tokenizer (tokenizer_config.json "
-                "added_tokens_decoder), or name the tokens it has with TorchTitan's MultiModalTokenizer.Config "
-                "(image_token, vision_start_token, vision_end_token, pad_token) as the job's tokenizer")
+        ids = vision_token_ids(name, tokenizer.token_to_id, other_way=(
+            ", or name the tokens it has with TorchTitan's MultiModalTokenizer.Config (image_token, vision_start_token, "
+            "vision_end_token, pad_token) as the job's tokenizer"))
     return TextTokenizer(name=name, encode=functools.partial(_encode_plain, tokenizer), vocab_size=tokenizer.get_vocab_size(),
                          bos=tokenizer.bos_id, eos=tokenizer.eos_id, **ids)
