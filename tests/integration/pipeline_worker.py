@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining._backward import stage_backward_input
 from random_schedules import packed_separated_plan
+from recorded_stream import RecordedStream
 
 from pipetune.config import load_model_config
 from pipetune.cost import StageLayout
@@ -64,7 +65,9 @@ def setup(rank: int, world: int, opts: dict | None = None):
 
 def loader(model, data, gbs, groups_of):
     cfg = DataLoaderConfig(data=data, gbs=gbs, max_seq_len=MAX_SEQ_LEN, packing=PackingConfig(max_seq_len=MAX_SEQ_LEN))
-    return cfg.build(model, packing_source=groups_of)
+    ld = cfg.build(model, packing_source=groups_of)
+    ld.stream = RecordedStream(len(ld.store), gbs)  # the batches these scenarios' checks were made on
+    return ld
 
 
 def plan_for(model, meta, *, packer: str, mbs: int, order=None, encoder_before=None, stage_rank=(0, 1)):

@@ -102,7 +102,7 @@ def _separated_job(job, tmp_path, *extra: str, replicate: int = 1, dp: int = 1, 
 
     from pipetune.data import make_mix, write_dataset
 
-    write_dataset(make_mix("5:5:90", 300, 0), tmp_path / "data", {"mix": "5:5:90"})
+    write_dataset(make_mix("5:5:90", 300, 7), tmp_path / "data", {"mix": "5:5:90"})  # 1-2 image samples in each of the 3 steps
     table = json.loads((job / "table_trained.json").read_text())
     (tmp_path / "table.json").write_text(json.dumps({**table, "tp": tp}))
     ranks, records = _scale_out_job(job, tmp_path, "--parallelism.data_parallel_replicate_degree", str(replicate),

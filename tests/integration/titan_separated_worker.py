@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from random_schedules import packed_separated_plan
+from recorded_stream import RecordedStream
 from titan_reference import unsplit_step
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.pipeline_parallel import _split_module
@@ -75,7 +76,9 @@ def main() -> None:
                       image_shapes=ImageShapes.of(model.encoder), strict_order=True)
 
     cfg = DataLoaderConfig(data=data, gbs=12, max_seq_len=SEQ, packing=PackingConfig(max_seq_len=SEQ))
-    meta = cfg.build(model).meta(0)
+    ld = cfg.build(model)
+    ld.stream = RecordedStream(len(ld.store), 12)  # the batch these checks were made on
+    meta = ld.meta(0)
     B = opts.get("sub_batch", 2)
     if opts.get("search"):
         layout = StageLayout.even(model.backbone.n_layers, world).separated(model.encoder.n_layers, len(CHUNKS) // world, B)
@@ -93,7 +96,7 @@ def main() -> None:
         plan, images = packed_separated_plan(np.random.default_rng(opts.get("seed", 0)), model, meta, ranks=world,
                                              segments=len(CHUNKS) // world, image_sub_batch=B, trained=trained, max_seq_len=SEQ)
     groups = [list(mb) for mb in plan.micro_batches]
-    batch = next(iter(cfg.build(model, packing_source=lambda m: groups)))
+    batch = ld.pack(meta, groups)
     res = ex.run(batch, plan)
 
     ref_loss = unsplit_step(whole, batch)
