@@ -8,7 +8,8 @@ initial weights:
   them: its own stage split, torch's ``Schedule1F1B`` over micro-batches of one row of
   ``seq_len`` tokens, samples packed as TorchTitan's multimodal packer packs them, rows padded and
   streamed (``torchtitan_patches.titan.fixed_shape_loader``), as many rows per step as pipetune's
-  global batches pack into on average, so both train about the same samples per step;
+  global batches pack into on average (at least one per stage, which 1F1B needs), so both train
+  about the same samples per step;
 * ``pipetune``: ``muse_glimmer_mm``, ``PipeTuneTrainer`` with its defaults (no CPU testbed; the
   stock job has none either), GBS samples per step.
 
@@ -33,6 +34,9 @@ from pathlib import Path
 import numpy as np
 
 from titan_jobs import corpus, corpus_tokenizer, job_arguments, prepare, run_job
+
+STAGES = 2
+"""The stock job's pipeline stages: its 1F1B needs at least one row (micro-batch) per stage."""
 
 
 def _batches(out: Path, args) -> tuple[list[int], list[int]]:
@@ -71,12 +75,12 @@ def main(argv=None) -> int:
     args = job_arguments(__doc__, rounds=3).parse_args(argv)
     prepare(args.out)
     rows, tokens = _batches(args.out, args)
-    streamed = max(1, round(float(np.mean(rows))))
+    streamed = max(STAGES, round(float(np.mean(rows))))
     runs: dict[str, list[list[dict]]] = {"torchtitan": [], "pipetune": []}
     for k in range(args.rounds):
         runs["torchtitan"].append(_stock(args.out / f"vs_torchtitan_{k}", args.out, args, streamed, steps=args.steps))
         runs["pipetune"].append(_pipetune(args.out / f"vs_pipetune_{k}", args.out, args, tokens))
-    first = _stock(args.out / "vs_torchtitan_step1", args.out, args, rows[0], steps=1, pad_steps=True)[0]
+    first = _stock(args.out / "vs_torchtitan_step1", args.out, args, max(STAGES, rows[0]), steps=1, pad_steps=True)[0]
     print(f"TorchTitan muse_glimmer debugmodel_mm, 2 gloo ranks, seq_len {args.seq_len}, {args.steps} steps x {args.rounds} "
           f"round(s), first {args.warmup} steps of each job left out; TorchTitan: 1F1B over {streamed} rows of {args.seq_len} "
           f"tokens per step (streamed); pipetune: GBS {args.gbs}")
