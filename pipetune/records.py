@@ -2,8 +2,8 @@
 
 One typed record per executed plan, written by the trainer and read back by replays, the
 benchmarks and the online calibration's re-analyses, so all of them agree on one schema.
-Fields learnt on rank 0 (``kind``, the guard's and the calibration's) are ``None`` on other
-ranks, which never write records (there ``plan`` and ``timeline`` are left empty, not serialised).
+Fields learnt by a replica's lead rank (``kind``, the guard's and the calibration's) are ``None``
+until it learns; rank 0 writes every replica's records.
 """
 
 from __future__ import annotations
@@ -45,7 +45,9 @@ class StepRecord:
     CPU), beside the plan's simulated peak ``predicted_peak_bytes`` (model states plus in-flight
     activations, as the planner checks it against ``pipetune.memory_gib``). ``host_syncs``: per
     stage, the host-device synchronisations of its rank's action loop (``pipetune.count_host_syncs``;
-    None where not counted)."""
+    None where not counted). ``fallback_reason``: why the replica ran its planner's fallback plan
+    (the search passed its budget, the planner process died or stopped answering); empty when it
+    did not."""
 
     step: int
     batch: int
@@ -77,6 +79,7 @@ class StepRecord:
     peak_bytes: list[float | None] = field(default_factory=list)
     predicted_peak_bytes: list[float] = field(default_factory=list)
     host_syncs: list[int | None] = field(default_factory=list)
+    fallback_reason: str = ""
 
     ENUMS: ClassVar[dict[str, type[Enum]]] = {"kind": StepKind}
 

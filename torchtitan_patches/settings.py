@@ -45,11 +45,12 @@ class CalibrationSettings(Configurable):
         def __post_init__(self) -> None:
             _at_least("calibration.", self, 0, "online_window", "steps")
 
-        def calibrator(self, profiled: CostModel, *, jitter_draws: int, replicas: int = 1) -> OnlineCalibrator | None:
-            """The window holds the runs of the last ``online_window`` steps: ``replicas`` runs each."""
+        def calibrator(self, profiled: CostModel, *, jitter_draws: int) -> OnlineCalibrator | None:
+            """The window holds the runs of the last ``online_window`` steps (of one replica: each
+            replica's lead learns from its own runs)."""
             if not self.online_window:
                 return None
-            return OnlineCalibrator(profiled.table, profiled.layout, self.online_window * replicas, jitter_draws=jitter_draws)
+            return OnlineCalibrator(profiled.table, profiled.layout, self.online_window, jitter_draws=jitter_draws)
 
 
 class GuardSettings(Configurable):
@@ -174,9 +175,8 @@ class PipeTuneSettings(Configurable):
             """Whether the guard runs: pipetune mode, planning (not replaying), guard enabled."""
             return self.guard.enable and self.tuning and not self.replay.path
 
-        def learner(self, profiled: CostModel, *, replicas: int = 1) -> Learner:
-            """Rank 0's learning for this job (``pipetune.calibrate.learner``) of ``replicas``
-            data-parallel replicas."""
-            calibrator = self.calibration.calibrator(profiled, jitter_draws=self.jitter_draws, replicas=replicas)
+        def learner(self, profiled: CostModel) -> Learner:
+            """A replica lead's learning for this job (``pipetune.calibrate.learner``)."""
+            calibrator = self.calibration.calibrator(profiled, jitter_draws=self.jitter_draws)
             correction = FamilyCorrection() if calibrator is not None and self.tuning else None
             return Learner(profiled, calibrator=calibrator, correction=correction, guard=self.guard.guard() if self.guarded else None)

@@ -13,21 +13,26 @@ metrics and logging. What is overridden, and why:
   ``pipelining_fn`` also returns is not used (nor TorchTitan 0.3.0's ``schedule.step(arg_mbs=)``,
   which torch 2.13 lacks).
 * ``batch_generator``: the dataloader yields one ``GlobalBatch`` per step.
-* ``state_dict``: adds rank 0's learning (calibration window and anchors, per-mbs correction,
+* ``state_dict``: adds each lead's learning (calibration window and anchors, per-mbs correction,
   guard), so a resumed job plans as the uninterrupted one would.
 
-A step: rank 0's ``PlanSource`` gives the batch's plans, one per data-parallel replica (replayed,
-calibration cycle, the planner planning ``plan_ahead`` batches ahead in its own process, or
-the guard's baseline) over a gloo control group; every rank runs its replica's plan on its
-pipeline (``runs``: one run; a subclass may add measurement runs); rank 0 learns from every
-replica's run (``pipetune.calibrate.learner``: online refit, per-mbs correction, guard) and appends
-one ``StepRecord`` per replica to ``<dump_folder>/pipetune/steps.jsonl``.
+A step: each data-parallel replica's lead rank (pipeline stage 0, TP rank 0; rank 0 with one
+replica) has a ``PlanSource`` that gives its replica's plan of the batch (replayed, calibration
+cycle, the planner planning ``plan_ahead`` batches ahead in its own process, the guard's
+baseline, or the planner's fallback when that process fails) and sends it over the replica's gloo
+group (``runtime.plan_channel``); every rank runs its replica's plan on its pipeline (``runs``: one
+run; a subclass may add measurement runs); the lead learns from its replica's run
+(``pipetune.calibrate.learner``: online refit, per-mbs correction, guard), and rank 0 appends one
+``StepRecord`` per replica to ``<dump_folder>/pipetune/steps.jsonl``.
 
-Data parallelism (FSDP, or HSDP with a replicate degree; ``runtime.data_parallel``): every rank
-reads the global batch, rank 0 splits it over the replicas (``pipetune.plan.dp_balance``) and
-plans each, every replica runs its own plan on its pipeline (TorchTitan's ``pp`` mesh), FSDP
-gathers and reduces once per step, and the loss is normalised by the global batch's label tokens.
-Times are taken per rank from its own step start, so ranks on other nodes need no common clock.
+Data parallelism (FSDP, or HSDP with a replicate degree; ``runtime.data_parallel``): every lead
+splits the global batch over the replicas (``pipetune.plan.dp_balance``: deterministic, priced by
+the profiled table, so every lead gets the same split; the leads check that their plans
+partition the batch) and plans its own share, in parallel with the others
+(``runtime.replica_groups``); every replica runs its own plan on its pipeline (TorchTitan's ``pp``
+mesh), FSDP gathers and reduces once per step, and the loss is normalised by the global batch's
+label tokens. Times are taken per rank from its own step start, so ranks on other nodes need no
+common clock.
 
 Tensor parallelism is the model's own TP plan on each stage: every TP rank of a replica runs the
 same plan on its own pipeline (TorchTitan's ``pp`` mesh at its TP coordinate); with sequence
@@ -77,10 +82,11 @@ from pipetune.cost import CostModel, load_latency_table
 from pipetune.plan import Mode, PlannerConfig
 from pipetune.plan.async_planner import AsyncPlanner
 from pipetune.plan.compare import best_static_planner
+from pipetune.plan.dp_balance import ShareCost
 from pipetune.plan.guard import GuardState
 from pipetune.plan.plan import IterationPlan
 from pipetune.plan.plan_source import PlanSource, load_replay
-from pipetune.plan.replicas import ReplicaPlanner
+from pipetune.plan.replicas import ReplicaShare, SharePlanner
 from pipetune.records import StepKind, StepRecord
 from pipetune.simulate import TimedAction
 from torchtitan_patches.data.micro_batch import GlobalBatch
@@ -89,6 +95,7 @@ from torchtitan_patches.runtime.executor import ImageShapes, PlanExecutor, StepR
 from torchtitan_patches.runtime.grad_norm import clip_grad_norm_
 from torchtitan_patches.runtime.tensor_parallel import TensorParallelGrads
 from torchtitan_patches.runtime.plan_channel import PlanChannel
+from torchtitan_patches.runtime.replica_groups import ReplicaGroups
 from torchtitan_patches.settings import PipeTuneSettings
 from torchtitan_patches.compat.cpu_device import use_cpu
 from torchtitan_patches.titan.dataloader import PipeTuneTitanDataLoader
@@ -126,8 +133,8 @@ class Share:
 
 @dataclass(frozen=True)
 class RunOutcome:
-    """A run as every rank knows it: the loss over all replicas, the time of the slowest, and on
-    rank 0 the records (one per replica)."""
+    """A run as every rank knows it: the loss over all replicas, the time of the slowest, and the
+    records: on a lead its replica's, on rank 0 every replica's."""
 
     loss: float
     measured_s: float
@@ -178,12 +185,14 @@ class PipeTuneTrainer(Trainer):
         self.rank = dist.get_rank()
         self.stage = dims.get_mesh("pp").get_local_rank()
         self.replicas, self.replica = (dims.get_mesh("batch").size(), dims.get_mesh("batch").get_local_rank()) if dims.dp_enabled else (1, 0)
-        self.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=config.comm.init_timeout_seconds))
+        tp = dims.get_optional_mesh("tp")
+        self.tp_rank = tp.get_local_rank() if tp is not None else 0
+        timeout = timedelta(seconds=config.comm.init_timeout_seconds)
+        self.control = dist.new_group(backend="gloo", timeout=timeout)
+        self.groups = ReplicaGroups.build(self.replica, self.stage, self.tp_rank, control=self.control, timeout=timeout)
         self.sequence_shards = dims.tp if dims.tp_enabled and config.parallelism.enable_sequence_parallel else 1
         self.executor = self._build_executor(config.pipetune, dims.pp)
         self.fsdp = FsdpStep(self.model_parts) if dims.dp_enabled else None
-        tp = dims.get_optional_mesh("tp")
-        self.tp_rank = tp.get_local_rank() if tp is not None else 0
         self.tp_grads = TensorParallelGrads(self.model_parts, dims.tp, group=tp.get_group() if tp is not None else None)
         self.profiled = CostModel(self.table, self.layout)
         self.sizes_run: set[int] = set()  # micro-batch sizes this process has run (a size's first run is cold)
@@ -195,18 +204,21 @@ class PipeTuneTrainer(Trainer):
             row, why = loader.store.skipped[0]
             logger.warning(f"pipetune: left out {len(loader.store.skipped)} samples without text or (dataloader.bad_images=skip) "
                            f"with unreadable images, e.g. row {row}: {why}")
-        self.source = self.learner = None
-        error = [None]
-        if self.rank == 0:  # only rank 0 plans; a planner it cannot build stops every rank, not just rank 0
+        self.source = self.learner = self.async_planner = None
+        error = None
+        if self.groups.is_lead:  # each replica's lead plans; a planner one cannot build stops every rank
             try:
                 self.learner = self._learner(config.pipetune)
                 self.source = self._plan_source(config, loader)
             except ValueError as e:
-                error = [str(e)]
-        dist.broadcast_object_list(error, src=0, group=self.control)
-        if error[0] is not None:
-            raise ValueError(f"pipetune: rank 0 cannot plan this job: {error[0]}")
-        self.channel = PlanChannel(self.source, replica=self.replica, replicas=self.replicas, group=self.control)
+                error = str(e)
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error, group=self.control)
+        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if failed:
+            raise ValueError(f"pipetune: rank {failed[0][0]} cannot plan this job: {failed[0][1]}")
+        self.channel = PlanChannel(self.source, replica=self.replica, replicas=self.replicas, src=self.groups.lead,
+                                   group=self.groups.replica, leads=self.groups.leads)
         loader.packing_source = self.channel
         self.records_path = Path(config.dump_folder) / "pipetune" / "steps.jsonl"
 
@@ -240,17 +252,18 @@ class PipeTuneTrainer(Trainer):
             loss_fn=lambda logits, labels, n: self.loss_fn(logits, labels, n)[0])  # a Python divisor: no upload per micro-batch
 
     def _learner(self, pt: PipeTuneSettings.Config) -> Learner:
-        """Rank 0's learning (an extension point: a subclass may measure more)."""
-        return pt.learner(self.profiled, replicas=self.replicas)
+        """A lead's learning from its replica's runs (an extension point: a subclass may measure more)."""
+        return pt.learner(self.profiled)
 
     def _plan_source(self, config: Config, loader) -> PlanSource:
-        """Rank 0's planners: the job's mode, the calibration cycle, and the guard's baseline. Every
+        """A lead's planners: the job's mode, the calibration cycle, and the guard's baseline. Every
         planner predicts the same kind of time (expected under jitter, or deterministic), so the
         per-mbs correction and the guard compare like with like. With data parallelism each plans
-        every replica: the job's planner on the balanced split (``pipetune.plan.dp_balance``; mode
-        ``original`` keeps TorchTitan's round-robin), the others round-robin. The job's planner
-        plans ahead in its own process (``AsyncPlanner``), so ``self.planners`` holds the
-        ``AsyncPlanner``, through which model updates reach that process."""
+        this replica's share of the job's split: the balanced one (``pipetune.plan.dp_balance``,
+        priced by the profiled table, which every lead holds alike; mode ``original`` keeps
+        TorchTitan's round-robin). The job's planner splits and plans ahead in its own process
+        (``AsyncPlanner``), so ``self.planners`` holds the ``AsyncPlanner``, through which model
+        updates reach that process."""
         pt, seq, seed = config.pipetune, config.training.seq_len, config.debug.seed or 0
         memory = pt.memory_gib * 2**30
 
@@ -258,22 +271,22 @@ class PipeTuneTrainer(Trainer):
             return PlannerConfig(mode=mode, max_seq_len=seq, memory_bytes=memory, max_mbs=max_mbs, mbs=mbs, seed=seed,
                                  jitter_draws=pt.jitter_draws, split_backward=self.split_backward).build(self.planning_model, self.profiled)
 
-        def replicas(p, *, balanced: bool = False) -> ReplicaPlanner:
-            return ReplicaPlanner(p, self.replicas, balanced=balanced)
-
-        tuned = replicas(planner(Mode(pt.mode), pt.mbs or None), balanced=Mode(pt.mode) is not Mode.ORIGINAL)
-        calibration = [replicas(planner(Mode.BALANCED, k)) for k in range(1, tuned.max_mbs + 1)] if pt.calibration.steps else []
-        baseline = replicas(best_static_planner(self.planning_model, self.profiled, self._sample(config), max_seq_len=seq,
-                                                memory_bytes=memory, seed=seed, max_mbs=pt.max_mbs, jitter_draws=pt.jitter_draws,
-                                                split_backward=self.split_backward)) if pt.guarded else None
-        if baseline is not None:
+        balanced = Mode(pt.mode) is not Mode.ORIGINAL and self.replicas > 1
+        share = ReplicaShare(self.replicas, self.replica, ShareCost(self.profiled, packed_tokens=seq) if balanced else None)
+        tuned = SharePlanner(planner(Mode(pt.mode), pt.mbs or None), share)
+        calibration = [planner(Mode.BALANCED, k) for k in range(1, tuned.max_mbs + 1)] if pt.calibration.steps else []
+        baseline = best_static_planner(self.planning_model, self.profiled, self._sample(config), max_seq_len=seq, memory_bytes=memory,
+                                       seed=seed, max_mbs=pt.max_mbs, jitter_draws=pt.jitter_draws,
+                                       split_backward=self.split_backward) if pt.guarded else None
+        if baseline is not None and self.rank == 0:
             fewest = baseline.config.min_micro_batches
             logger.info(f"pipetune guard: baseline = {baseline.config.mode.value} packing at mbs {baseline.fixed_mbs}"
                         + (f", at least {fewest} micro-batches" if fewest > 1 else "")
-                        + (", round-robin over replicas" if self.replicas > 1 else "") + " (best fixed configuration on 8 sampled batches)")
-        self.async_planner = AsyncPlanner(tuned, loader.meta, budget_s=pt.budget_s, lookahead=pt.plan_ahead)
+                        + (", of each replica's share, judged per replica" if self.replicas > 1 else "")
+                        + " (best fixed configuration on 8 sampled batches)")
+        self.async_planner = AsyncPlanner(tuned, loader.reader, budget_s=pt.budget_s, lookahead=pt.plan_ahead)
         self.planners = [self.async_planner, *calibration, *([baseline] if baseline else [])]
-        return PlanSource(self.async_planner, baseline=baseline, calibration=calibration, calibrate_steps=pt.calibration.steps,
+        return PlanSource(self.async_planner, read=loader.reader, share=share, baseline=baseline, calibration=calibration, calibrate_steps=pt.calibration.steps,
                           guard=self.learner.guard, replay=load_replay(pt.replay.path) if pt.replay.path else None)
 
     def batch_generator(self, data_iterable):
@@ -312,7 +325,7 @@ class PipeTuneTrainer(Trainer):
         self.lr_schedulers.step()
         if self.metrics_processor.should_log(self.step):
             extra = {"pipetune/measured_s": own.measured_s}
-            if own.records:  # rank 0
+            if self.rank == 0 and own.records:
                 slowest = max(own.records, key=lambda r: r.measured_s)
                 extra |= {f"pipetune/{k}": getattr(slowest, k) for k in ("mbs", "micro_batches", "precomputed_encoders", "predicted_s")}
                 extra["pipetune/baseline_ran"] = float(slowest.kind is StepKind.BASELINE)
@@ -325,74 +338,84 @@ class PipeTuneTrainer(Trainer):
 
     def _execute(self, run: Run, *, cold: bool) -> "RunOutcome":
         """Run ``run`` from the step's weights (under data parallelism with one FSDP reduction);
-        on rank 0 learn from it and write its records, one per replica."""
+        each lead learns from its replica's run, and rank 0 writes every replica's record."""
         self.optimizers.zero_grad()
         with self.train_context(), self.fsdp.step() if self.fsdp is not None else nullcontext():
             res = self.executor.run(run.batch, run.plan)
         self.tp_grads.reduce()
         outcome = self._gather(run, res, cold=cold)
-        if self.rank == 0:
+        if self.groups.is_lead:
             self._learn(run, outcome.records)
+            outcome = RunOutcome(outcome.loss, outcome.measured_s, self._collect(outcome.records))
+        if self.rank == 0:
             for record in outcome.records:
                 record.append_to(self.records_path)
             r = max(outcome.records, key=lambda r: r.measured_s)
+            fell_back = [x for x in outcome.records if x.fallback]
             logger.info(f"pipetune step {self.step}: {r.kind.value if r.kind else '?'} plan ({run.plan.mode}), "
                         + (f"{self.replicas} replicas, slowest {r.replica}: " if self.replicas > 1 else "")
                         + f"mbs {r.mbs}, {r.micro_batches} micro-batches, {r.precomputed_encoders} encoders "
                         f"pre-computed, predicted {r.predicted_s * 1e3:.1f} ms, measured {r.measured_s * 1e3:.1f} ms"
                         + (f"; guard {r.guard}" if r.guard else ""))
+            if fell_back:
+                logger.warning(f"pipetune step {self.step}: fallback plans on replica" + ("s " if len(fell_back) > 1 else " ")
+                               + "; ".join(f"{x.replica} ({x.fallback_reason or 'no reason given'})" for x in fell_back))
         return outcome
 
-    def _run_plans(self, run: Run) -> list[IterationPlan]:
-        """Rank 0: the plans every replica ran in ``run`` (an extension's extra run: its one plan)."""
-        if run.extra:
-            return [run.plan]
-        return list(self.source.decided[run.batch.step].plans.plans)
+    def _collect(self, records: list[StepRecord]) -> list[StepRecord]:
+        """A lead's records of a run, handed to rank 0: there every replica's, by replica; elsewhere its own."""
+        every = [None] * len(self.groups.lead_ranks) if self.rank == 0 else None
+        dist.gather_object(records, every, dst=0, group=self.groups.leads)
+        return sorted((r for rs in every for r in rs), key=lambda r: r.replica) if self.rank == 0 else records
+
+    def _run_plan(self, run: Run) -> IterationPlan:
+        """A lead: the plan its replica ran in ``run`` (an extension's extra run: its one plan)."""
+        return run.plan if run.extra else self.source.decided[run.batch.step].plan.plan
 
     def _gather(self, run: Run, res: StepResult, *, cold: bool) -> "RunOutcome":
-        """Every rank's timing and loss, gathered over the control group: the run's loss (summed
-        over replicas) and time (its slowest replica's) everywhere, and on rank 0 one record per
-        replica, whose timeline is that of the replica's first pipeline (of its tensor-parallel
-        ranks, which run the same actions). Times are from each rank's own step start
-        (``StepResult``), so clocks of other nodes need not agree."""
+        """The run's loss (summed over replicas) and time (its slowest replica's) on every rank, by
+        two all-reduces of one number; each replica's timings gathered on its lead, which makes
+        the replica's record, whose timeline is that of the replica's first pipeline (of its
+        tensor-parallel ranks, which run the same actions). Times are from each rank's own step
+        start (``StepResult``), so clocks of other nodes need not agree."""
         mine = Share(self.replica, self.stage, self.tp_rank, res.elapsed_s, res.loss, res.overhead_s, res.peak_bytes, res.host_syncs, res.timeline)
-        every: list[Share] = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine, group=self.control)
-        line = [g for g in every if g.tp_rank == 0]
-        loss = sum(g.loss for g in line if g.loss is not None)
-        measured = max(g.elapsed_s for g in every)
-        if self.rank != 0:
-            return RunOutcome(loss, measured, [])
-        records = []
-        for r, plan in enumerate(self._run_plans(run)):
-            ranks = sorted((g for g in line if g.replica == r), key=lambda g: g.stage)
-            timeline = sorted((t for g in ranks for t in g.timeline), key=lambda t: (t.start, t.rank))
-            records.append(self.record_class(
-                step=self.step, batch=run.batch.step, mode=plan.mode, mbs=plan.mbs, micro_batches=plan.num_micro_batches,
-                order=list(plan.order), samples=[list(mb) for mb in plan.micro_batches],
-                precomputed_encoders=sum(t.precomputed for t in timeline), predicted_s=plan.predicted_s,
-                measured_s=max(g.elapsed_s for g in every if g.replica == r), plan_setup_s=max(g.overhead_s for g in every),
-                loss=sum(g.loss for g in ranks if g.loss is not None), fallback=plan.fallback, layout=self.layout.layers_per_stage(),
-                separated=self.layout.is_separated, plan=plan.to_json(), cold=cold, replica=r,
-                peak_bytes=[g.peak_bytes for g in ranks], predicted_peak_bytes=list(plan.peak_bytes), host_syncs=[g.host_syncs for g in ranks],
-                timeline=[[t.rank, str(t.action), t.start, t.end, t.precomputed] for t in timeline], **self.run_fields(run)))
-        return RunOutcome(loss, measured, records)
+        loss = torch.tensor([mine.loss if mine.loss is not None and self.tp_rank == 0 else 0.0], dtype=torch.float64)
+        measured = torch.tensor([res.elapsed_s], dtype=torch.float64)
+        dist.all_reduce(loss, group=self.control)
+        dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=self.control)
+        every: list[Share] | None = [None] * dist.get_world_size(self.groups.replica) if self.groups.is_lead else None
+        dist.gather_object(mine, every, dst=self.groups.lead, group=self.groups.replica)
+        if not self.groups.is_lead:
+            return RunOutcome(float(loss.item()), float(measured.item()), [])
+        plan = self._run_plan(run)
+        ranks = sorted((g for g in every if g.tp_rank == 0), key=lambda g: g.stage)
+        timeline = sorted((t for g in ranks for t in g.timeline), key=lambda t: (t.start, t.rank))
+        record = self.record_class(
+            step=self.step, batch=run.batch.step, mode=plan.mode, mbs=plan.mbs, micro_batches=plan.num_micro_batches,
+            order=list(plan.order), samples=[list(mb) for mb in plan.micro_batches],
+            precomputed_encoders=sum(t.precomputed for t in timeline), predicted_s=plan.predicted_s,
+            measured_s=max(g.elapsed_s for g in every), plan_setup_s=max(g.overhead_s for g in every),
+            loss=sum(g.loss for g in ranks if g.loss is not None), fallback=plan.fallback, layout=self.layout.layers_per_stage(),
+            separated=self.layout.is_separated, plan=plan.to_json(), cold=cold, replica=self.replica,
+            peak_bytes=[g.peak_bytes for g in ranks], predicted_peak_bytes=list(plan.peak_bytes), host_syncs=[g.host_syncs for g in ranks],
+            timeline=[[t.rank, str(t.action), t.start, t.end, t.precomputed] for t in timeline], **self.run_fields(run))
+        return RunOutcome(float(loss.item()), float(measured.item()), [record])
 
     def run_fields(self, run: Run) -> dict:
         """Record fields that describe how ``run`` ran (an extension point)."""
         return {"extra_run": run.extra}
 
     def _learn(self, run: Run, records: list[StepRecord]) -> None:
-        """Rank 0, after the step's own run: why it ran (the plan source's decision) and what the
-        learner takes from it."""
+        """A lead, after the step's own run: why its replica's plan ran (the plan source's
+        decision) and what the learner takes from it."""
         decided = self.source.pop(run.batch.step)
         for record in records:
-            record.kind = decided.kind
+            record.kind, record.fallback_reason = decided.kind, decided.fallback_reason
             record.tuned_predicted_s, record.baseline_predicted_s = decided.tuned_predicted_s, decided.baseline_predicted_s
-        self._apply(self.learner.observe(records, decided.plans, self.dataloader.inner.meta(run.batch.step)))
+        self._apply(self.learner.observe(records, decided.plan.plans, decided.plan.share))
 
     def _apply(self, learned: Learned) -> None:
-        """Rank 0: every planner prices with the latest model, the job's planner compares sizes with
+        """A lead: every planner prices with the latest model, the job's planner compares sizes with
         the latest per-mbs factors, and guard transitions are logged."""
         if learned.cost is not None:
             for planner in self.planners:
@@ -403,7 +426,7 @@ class PipeTuneTrainer(Trainer):
             before, d = learned.guard
             if d.state is not before:
                 say = logger.warning if d.state is GuardState.FALLBACK else logger.info
-                say(f"pipetune guard: {before.value} -> {d.state.value} at step {self.step} (pipetune's measured advantage over "
+                say(f"pipetune guard{f' (replica {self.replica})' if self.replicas > 1 else ''}: {before.value} -> {d.state.value} at step {self.step} (pipetune's measured advantage over "
                     f"the baseline, log ratio: {d.advantage:+.3f} +- {d.stderr:.3f})")
 
     def state_dict(self) -> dict:
@@ -417,7 +440,7 @@ class PipeTuneTrainer(Trainer):
             raise ValueError(f"the checkpoint has no planner state for rank {self.rank} ({key}); it was not written by "
                              "PipeTuneTrainer with this pipeline degree")
         state = pickle.loads(state_dict[key])
-        if self.rank == 0 and self.learner is not None and state is not None:
+        if self.learner is not None and state is not None:
             self._apply(self.learner.load_state_dict(state))
 
     def close(self) -> None:

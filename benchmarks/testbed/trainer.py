@@ -132,7 +132,7 @@ class TestbedTrainer(PipeTuneTrainer):
         is a calibration batch of the smallest size (rank 0 knows the sizes)."""
         plans = []
         if self.rank == 0 and has_size_twin(step, calibrate_steps=self.source.calibrate_steps, sizes=len(self.source.calibration)):
-            plans = [self.source.calibration[-1].plan(self.dataloader.inner.meta(step)).plans[0].serialised().to_json()]
+            plans = [self.source.calibration[-1].plan(self.dataloader.inner.meta(step)).serialised().to_json()]
         return self._sent_from_rank0(step, plans)
 
     def _beside(self, step: int) -> list[tuple]:

@@ -1,4 +1,4 @@
-"""What rank 0 learns from each run of a plan: the online refit, the per-mbs correction and the
+"""What a replica's lead rank learns from each run of its plan: the online refit, the per-mbs correction and the
 guard's judgement.
 
 The trainer calls ``Learner.observe`` after every step, and the benchmarks replay a job's records
@@ -38,7 +38,7 @@ class Learned:
 
 
 class Learner:
-    """Rank 0's learning: ``calibrator`` refits the profiled model (``profiled``) to recent steps,
+    """A lead's learning: ``calibrator`` refits the profiled model (``profiled``) to recent steps,
     ``correction`` tracks each micro-batch size's bias, ``guard`` judges pipetune's plans against
     the baseline. Each part may be ``None`` (off)."""
 

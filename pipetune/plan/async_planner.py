@@ -2,7 +2,10 @@
 
 ``AsyncPlanner`` is a packing source for ``PipeTuneDataLoader``: when the loader asks for step
 ``t``'s packing it also queues steps ``t+1 .. t+lookahead`` (their metadata is known ahead, see
-``pipetune.data.stream``), and a planner process plans them in step order. Each search gets a
+``pipetune.data.stream``), and a planner process plans them in step order. The process reads each
+batch's metadata itself (``meta_fn``, sent to it once with the planner), so a request is a step
+number and the training process never reads a batch only the planner needs (under data
+parallelism, the global batch a replica's lead splits). Each search gets a
 deadline of ``budget_s`` after it was queued; a search that passes it returns the balanced plan at
 the last good micro-batch size (logged, and marked ``fallback``). The training loop reads the plan
 of the step it is running with ``pop(step)``.
@@ -14,7 +17,7 @@ pipetune.plan.plan_worker``, which imports the planning core only: multiprocessi
 forkserver would re-import the trainer's ``__main__`` (``torchtitan.train``, so torch), and fork is
 unsafe in a process with threads (torch's).
 
-Pickles travel over the process's stdin and stdout: the planner once, then one request at a time
+Pickles travel over the process's stdin and stdout: the planner and ``meta_fn`` once, then one request at a time
 (the next is sent when the previous plan arrives; a reader thread receives them into futures).
 ``set_cost``, ``set_correction`` and ``load_state_dict`` apply to the local planner at once (which
 checks them) and travel with the next request, so they apply from the next search on, as on a
@@ -48,7 +51,7 @@ from pipetune.plan.plan import IterationPlan, PlanError
 from pipetune.plan.planner import Planner
 
 if TYPE_CHECKING:
-    from pipetune.plan.replicas import ReplicaPlanner
+    from pipetune.plan.replicas import SharePlanner
 
 REAP_S = 10.0  # to collect a process that ended or was killed
 
@@ -66,7 +69,7 @@ def _dumps(obj) -> bytes:
 
 
 def _set_last_mbs(planner, mbs: int) -> None:
-    """The fallback's micro-batch size (an attribute; a ``ReplicaPlanner``'s property)."""
+    """The fallback's micro-batch size (an attribute; a ``SharePlanner``'s property)."""
     planner.last_mbs = mbs
 
 
@@ -94,7 +97,6 @@ def _exit_status(proc: subprocess.Popen) -> str:
 @dataclass(eq=False)
 class _Request:
     step: int | None  # None: the planner's arrival
-    meta: BatchMeta | None
     deadline: float | None  # this process's perf_counter
     wait_until: float
     future: Future = field(default_factory=Future)
@@ -105,12 +107,11 @@ class _Request:
 
 
 class AsyncPlanner:
-    def __init__(self, planner: Planner | ReplicaPlanner, meta_fn: Callable[[int], BatchMeta], *, budget_s: float | None = None,
+    def __init__(self, planner: Planner | SharePlanner, meta_fn: Callable[[int], BatchMeta], *, budget_s: float | None = None,
                  lookahead: int = 2, grace_s: float = 60.0):
         if lookahead < 0:
             raise ValueError(f"lookahead must be >= 0, got {lookahead}")
         self.planner = planner
-        self.meta_fn = meta_fn
         self.budget_s = budget_s
         self.lookahead = lookahead
         self.grace_s = grace_s
@@ -123,11 +124,11 @@ class AsyncPlanner:
         self._failed: str | None = None  # how the process ended
         self._proc = subprocess.Popen([sys.executable, "-m", plan_worker.__name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self._stop = weakref.finalize(self, _stop, self._proc, os.getpid())
-        self._busy: _Request | None = (start := _Request(None, None, None, time.perf_counter() + grace_s))
+        self._busy: _Request | None = (start := _Request(None, None, time.perf_counter() + grace_s))
         self._reader = threading.Thread(target=self._receive, name="pipetune-planner-reader", daemon=True)
         self._reader.start()
         try:
-            self._send(planner)
+            self._send((planner, meta_fn))
             self._wait(start)
         except BaseException:
             self.close()
@@ -145,7 +146,7 @@ class AsyncPlanner:
         """Send the next queued request, with the updates since the last, if the process is idle (lock held)."""
         if self._busy is None and self._waiting and self._failed is None:
             r = self._busy = self._waiting.popleft()
-            self._send((list(self._updates.items()), r.meta, None if r.deadline is None else r.deadline - time.perf_counter()))
+            self._send((list(self._updates.items()), r.step, None if r.deadline is None else r.deadline - time.perf_counter()))
             self._updates.clear()
 
     def _receive(self) -> None:
@@ -181,12 +182,11 @@ class AsyncPlanner:
         r.future.set_exception(PlanError(f"pipetune planner process (pid {self._proc.pid}) {self._failed}"
                                          + ("" if r.step is None else f"; no plan for step {r.step}")))
 
-    def _queue(self, step: int, meta: BatchMeta | None = None) -> _Request:
+    def _queue(self, step: int) -> _Request:
         with self._lock:
             if step not in self._requests:
                 queued, budget = time.perf_counter(), self.budget_s
-                r = self._requests[step] = _Request(step, meta if meta is not None else self.meta_fn(step),
-                                                    None if budget is None else queued + budget, queued + (budget or 0) + self.grace_s)
+                r = self._requests[step] = _Request(step, None if budget is None else queued + budget, queued + (budget or 0) + self.grace_s)
                 if self._failed is not None:
                     self._fail(r)
                 else:
@@ -201,26 +201,31 @@ class AsyncPlanner:
             limit = f"{self.grace_s:g} s" if r.step is None else f"its budget ({self.budget_s} s) + {self.grace_s:g} s after it was queued"
             raise PlanError(f"pipetune planner process (pid {self._proc.pid}) did not finish {r.doing} within {limit}") from None
 
-    def _ready(self, meta: BatchMeta):
-        """``meta``'s plan (blocks until it or its fallback is ready), queueing the next steps'."""
-        r = self._queue(meta.step, meta)
+    def _ready(self, step: int, batch_ids=None):
+        """Step ``step``'s plan (blocks until it or its fallback is ready; checked against the
+        batch's sample ids when given), queueing the next steps'."""
+        r = self._queue(step)
         for ahead in range(1, self.lookahead + 1):
-            self._queue(meta.step + ahead)
-        plan = self._wait(r).validate(meta.table.ids)
+            self._queue(step + ahead)
+        plan = self._wait(r).validate(batch_ids)
         with self._lock:
-            self._requests.pop(meta.step, None)
-            self._plans[meta.step] = plan
+            self._requests.pop(step, None)
+            self._plans[step] = plan
         return plan
 
     def __call__(self, meta: BatchMeta) -> list[list[int]]:
         """The packing of ``meta``'s step (as a loader's packing source)."""
-        return [list(mb) for mb in self._ready(meta).micro_batches]
+        return [list(mb) for mb in self._ready(meta.step, meta.table.ids).micro_batches]
 
     def plan(self, meta: BatchMeta):
         """``meta``'s plan, taken at once (for a caller that is both loader and training loop); of
-        the wrapped planner's type (an ``IterationPlan``, or a ``ReplicaPlanner``'s plans)."""
-        self._ready(meta)
-        return self.pop(meta.step)
+        the wrapped planner's type (an ``IterationPlan``, or a ``SharePlanner``'s ``SharePlan``)."""
+        return self.plan_step(meta.step, meta.table.ids)
+
+    def plan_step(self, step: int, batch_ids=None):
+        """Step ``step``'s plan, taken at once, without this process reading the batch."""
+        self._ready(step, batch_ids)
+        return self.pop(step)
 
     def pop(self, step: int):
         """The plan the loader used for ``step`` (each plan is handed out once)."""

@@ -1,57 +1,123 @@
 """Data-parallel balance: split each global batch over ``D`` pipeline replicas so the slowest one,
-which gates the step, is as fast as possible, and plan every replica.
+which gates the step, is as fast as possible, at a cost that does not grow with ``D`` times a plan.
 
-TorchTitan's data loader deals samples round-robin (``BatchStream`` with ``dp_size``), blind to
-their cost, so one replica can draw the interleaved documents with many images while another draws
-text. ``split_and_plan(..., balanced=True)``:
+TorchTitan's data loader deals samples round-robin, blind to their cost, so one replica can draw
+the interleaved documents with many images while another draws text. ``split_batch(...,
+balanced=True)`` makes the global decision only; every replica then plans its own share
+(``pipetune.plan.replicas.SharePlanner``, on the replica's own ranks in a job):
 
-1. FLOPs-aware LPT: samples in decreasing order of training FLOPs (backbone forward + backward,
-   plus the ViT's per image) each go to the least loaded replica that still has room. Every
-   replica keeps the sample count round-robin gives it (``n // D``, one more for ``n % D`` of
-   them), so per-replica batch shapes and loss normalisation stay the loader's;
-2. refinement by simulation: each replica is planned (the caller's ``plan_of``), and one sample of
-   the slowest replica is swapped with one of the fastest while that lowers the slower of the two.
-   The candidate swaps move the FLOPs that close half the pair's time gap at the batch's mean
-   FLOPs per second (the first candidate nearly always succeeds). Each round lowers only the
-   slowest replica, by a fraction of a percent once LPT has balanced FLOPs, for two plans, so the
-   search stops after ``rounds`` rounds or once the slowest is within ``min_gain`` of the mean;
-3. guard: round-robin replicas are planned heaviest first until one is at least as slow as the
-   balanced split's slowest (usually the first); if none is, round-robin is returned. So the
-   balanced split is never slower than round-robin, at about one extra plan.
+1. ``ShareCost``: the busy seconds each sample adds to each rank of a pipeline when packed, from
+   the latency table (attention per document; token-linear parts and the encoder at the per-token
+   and per-image rates of a full micro-batch, so small samples are not charged a whole kernel
+   launch), rounded to integer nanoseconds. A share's estimate is its busiest rank's load: the
+   work no schedule of that share can avoid on that rank (the pipeline's fill is about the same
+   for every share of a balanced split, so it does not decide between them).
+2. LPT in blocks: samples in decreasing order of total work, ``D`` at a time, the block's
+   heaviest to the replica with the least busiest-rank load, the next to the next. Every replica
+   keeps the sample count round-robin gives it (``n // D``, one more for ``n % D`` of them), so
+   per-replica batch shapes and loss normalisation stay the loader's.
+3. Refinement, ``rounds`` at most: the replica with the largest estimate swaps the one pair of
+   samples with the replica with the smallest that lowers the larger of the two estimates most
+   (every pair at once, vectorised over the ``C x C`` heaviest / lightest candidates); it stops
+   when no pair helps.
+4. Round-robin is kept when its largest estimate is no larger.
 
-Every replica is planned once however often the search meets it (a memo keyed by its rows), and
-the returned ``DPSplit.plans`` are those plans: nothing is planned again. Every sample lands in
-exactly one replica (``DPSplit.replicas`` partitions the batch's rows) and the split is
-deterministic: stable sorts, ties broken by replica number, so the same batch, ``D`` and planner
-give the same split and plans.
+Cost: the work table is one vectorised pass over the batch; LPT is ``n / D`` vectorised rounds of
+``O(D log D)``; a round of refinement is ``O(C^2 R + D)``. Nothing is planned (0.1 s for 65,536
+samples over 1,024 replicas on one core, ``benchmarks/dp_balance.py``). Determinism: integer
+loads, stable sorts, ties to the lowest replica, and no time budget, so every rank that computes
+the split from the same batch and table gets the same one (a job's leads check that their shares
+partition the batch: ``pipetune.data.batch.id_checksum``). Every sample lands in exactly one
+replica.
 """
 
 from __future__ import annotations
 
-import heapq
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
-from pipetune.data.images import ImageSizing
 from pipetune.config.model import ModelConfig
+from pipetune.cost.cost_model import CostModel, MicroBatchShapes
 from pipetune.data.batch import BatchMeta
-from pipetune.packing.flops import FlopsModel
+from pipetune.data.images import ImageSizing
 from pipetune.plan.plan import IterationPlan
 
 PlanOf = Callable[[BatchMeta], IterationPlan]
+TOKEN_LINEAR = ("rest", "embedding", "head", "linear_attention")
+CANDIDATES = 256  # per side of a refinement swap
+
+
+class ShareCost:
+    """Per-sample, per-rank busy seconds of a pipeline with ``cost``'s table and layout (module
+    doc, 1); ``packed_tokens``: the tokens of a full micro-batch, where the rates are read."""
+
+    def __init__(self, cost: CostModel, *, packed_tokens: int):
+        if packed_tokens < 1:
+            raise ValueError(f"packed_tokens must be >= 1, got {packed_tokens}")
+        self.cost = cost
+        placement = cost.placement()
+        self.ranks = placement.num_ranks
+        self.backbone_rank = np.asarray(placement.backbone)
+        self.encoder_rank = np.asarray(placement.encoder)
+        parts, _ = cost.components(self._shapes(np.array([packed_tokens]), np.zeros(1, np.int64), None))
+        self.per_token = sum(cost.table.scale(n) * (p["fwd"][0] + p["bwd"][0]) for n, p in parts.items() if n in TOKEN_LINEAR) / packed_tokens
+        enc = cost.table.model.encoder
+        self.per_image = np.zeros(len(cost.encoder_share))
+        if enc is not None:
+            k = max(1, packed_tokens // max(1, cost.table.model.tokens_per_image))
+            f, _ = cost.encoder_curve(np.array([k]), "fwd")
+            per = f[0]
+            if cost.encoder_trainable:
+                b, _ = cost.encoder_curve(np.array([k]), "bwd")
+                per += b[0] + (f[0] if cost.recompute_encoder else 0.0)
+            self.per_image = cost.table.scale("encoder") * per / k * cost.encoder_share
+
+    @staticmethod
+    def _shapes(lengths: np.ndarray, images: np.ndarray, image_tokens: np.ndarray | None) -> MicroBatchShapes:
+        n = len(lengths)
+        return MicroBatchShapes(doc_lengths=lengths, doc_mb=np.arange(n), tokens=lengths, images=images, image_tokens=image_tokens)
+
+    def work(self, meta: BatchMeta) -> np.ndarray:
+        """``(samples, ranks)`` integer nanoseconds each sample adds to each rank."""
+        t, cost = meta.table, self.cost
+        lengths = t.lengths
+        shapes = self._shapes(lengths, t.num_images, t.sample_image_tokens)
+        parts, _ = cost.components(shapes)
+        stage = lengths[:, None] * self.per_token[None, :]
+        for name, p in parts.items():
+            if name not in TOKEN_LINEAR:
+                stage = stage + cost.table.scale(name) * (p["fwd"] + p["bwd"])
+        out = np.zeros((len(t), self.ranks))
+        np.add.at(out.T, self.backbone_rank, stage.T)
+        if len(self.encoder_rank):
+            units = cost.image_units(shapes).astype(np.float64)
+            enc = units[:, None] * self.per_image[None, :]
+            np.add.at(out.T, self.encoder_rank, enc.T)
+        return np.rint(out * 1e9).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class Split:
+    """Row indices into the batch's table (ascending), one array per replica, and each replica's
+    estimate (busiest-rank load, seconds; ``nan`` for a round-robin split made without a cost)."""
+
+    replicas: tuple[np.ndarray, ...]
+    estimate_s: np.ndarray
 
 
 @dataclass(frozen=True)
 class DPSplit:
-    """Row indices into the batch's table (ascending), one array per replica; ``plans[r]`` is the
-    plan of exactly replica ``r``'s samples; ``plans_made``: ``plan_of`` calls the split took."""
+    """A split and every replica's plan: ``plans[r]`` plans exactly replica ``r``'s samples."""
 
-    replicas: tuple[np.ndarray, ...]
+    split: Split
     plans: tuple[IterationPlan, ...]
-    plans_made: int
+
+    @property
+    def replicas(self) -> tuple[np.ndarray, ...]:
+        return self.split.replicas
 
     @property
     def iter_s(self) -> np.ndarray:
@@ -70,17 +136,9 @@ class DPSplit:
         return float(t.max() / t.mean())
 
 
-def sample_flops(model: ModelConfig, meta: BatchMeta) -> np.ndarray:
-    f = FlopsModel(model)
-    tpi = model.tokens_per_image
-    standard_images = meta.table.sample_image_tokens / tpi if tpi else meta.table.num_images  # images at their own size
-    return f.sequence_flops(meta.table.lengths) + f.encoder_flops(standard_images)
-
-
 def replica_meta(meta: BatchMeta, idx: np.ndarray) -> BatchMeta:
-    """The part of ``meta`` made of table rows ``idx``, in the batch's row order."""
-    idx = np.sort(np.asarray(idx, dtype=np.int64))
-    return replace(meta, rows=meta.rows[idx], table=meta.table.take(idx))
+    """The share of ``meta`` made of table rows ``idx``, in the batch's row order."""
+    return meta.take(idx)
 
 
 def even_split(n: int, dp: int) -> list[np.ndarray]:
@@ -88,132 +146,150 @@ def even_split(n: int, dp: int) -> list[np.ndarray]:
     return [np.arange(r, n, dp, dtype=np.int64) for r in range(dp)]
 
 
-def lpt_split(weights: np.ndarray, dp: int) -> list[np.ndarray]:
-    """Longest-processing-time first with round-robin's sample counts (module doc, 1): the
-    ``dp * (n // dp)`` heaviest samples each to the least loaded replica not yet full (a heap, ties
-    to the lowest replica), then the ``n % dp`` lightest one each to the least loaded replicas."""
-    n = len(weights)
-    full = n // dp
-    heavy_first = np.argsort(-weights, kind="stable")
-    w = weights.tolist()
-    load, count = [0.0] * dp, [0] * dp
+def lpt_split(work: np.ndarray, dp: int) -> list[np.ndarray]:
+    """Longest-processing-time first with round-robin's sample counts (module doc, 2), dealt in
+    blocks: ``work`` is ``(n,)`` weights or ``(n, ranks)`` loads, balanced by the busiest rank's.
+    Samples in decreasing order of total work, ``dp`` at a time: the block's heaviest goes to the
+    least loaded replica, its next to the next (a stable sort, ties to the lowest replica), so
+    every replica takes one sample a block; the ``n % dp`` lightest go one each to the least
+    loaded. ``n // dp`` vectorised rounds instead of ``n`` heap operations."""
+    work = np.asarray(work)
+    if work.ndim == 1:
+        work = work[:, None]
+    n = len(work)
+    heavy_first = np.argsort(-work.sum(axis=1), kind="stable")
+    load = np.zeros((dp, work.shape[1]), dtype=work.dtype)
     owner = np.empty(n, dtype=np.int64)
-    heap = [(0.0, r) for r in range(dp)]
-    dealt = heavy_first[: full * dp].tolist()
-    owners = []
-    for i in dealt:
-        _, r = heapq.heappop(heap)
-        owners.append(r)
-        load[r] += w[i]
-        count[r] += 1
-        if count[r] < full:
-            heapq.heappush(heap, (load[r], r))
-    owner[dealt] = owners
-    owner[heavy_first[full * dp :]] = np.argsort(load, kind="stable")[: n % dp]
+    for start in range(0, n, dp):
+        block = heavy_first[start : start + dp]
+        least = np.argsort(load.max(axis=1), kind="stable")[: len(block)]
+        owner[block] = least
+        load[least] += work[block]
     return [np.flatnonzero(owner == r) for r in range(dp)]
 
 
-class _Planned:
-    """``plan_of`` behind a memo keyed by a replica's (ascending) rows, checking what comes back."""
-
-    def __init__(self, meta: BatchMeta, plan_of: PlanOf):
-        self.meta, self.plan_of = meta, plan_of
-        self.memo: dict[bytes, IterationPlan] = {}
-
-    def __call__(self, idx: np.ndarray) -> IterationPlan:
-        key = idx.tobytes()
-        if key not in self.memo:
-            plan = self.plan_of(replica_meta(self.meta, idx))
-            if plan.step != self.meta.step or sorted(plan.sample_ids()) != sorted(self.meta.table.ids[idx].tolist()):
-                raise ValueError(f"plan_of returned a plan of step {plan.step} that does not plan the replica's "
-                                 f"{len(idx)} samples of step {self.meta.step}")
-            self.memo[key] = plan
-        return self.memo[key]
-
-    def split(self, parts: list[np.ndarray]) -> DPSplit:
-        return DPSplit(tuple(parts), tuple(self(p) for p in parts), len(self.memo))
+def _best_swap(wa: np.ndarray, wb: np.ndarray, la: np.ndarray, lb: np.ndarray) -> tuple[int, int, int]:
+    """The pair (``i`` of a, ``j`` of b) whose swap gives the smallest larger busiest-rank load of
+    the two, and that load (candidates: a's heaviest, b's lightest)."""
+    ca = np.argsort(-wa.sum(axis=1), kind="stable")[:CANDIDATES]
+    cb = np.argsort(wb.sum(axis=1), kind="stable")[:CANDIDATES]
+    delta = wb[cb][None, :, :] - wa[ca][:, None, :]  # (i, j, rank): a's change
+    worst = np.maximum((la + delta).max(axis=2), (lb - delta).max(axis=2))
+    k = int(np.argmin(worst))
+    i, j = divmod(k, worst.shape[1])
+    return int(ca[i]), int(cb[j]), int(worst.flat[k])
 
 
-def _refine(parts: list[np.ndarray], times: np.ndarray, w: np.ndarray, planned: _Planned, *, rounds: int, tries: int,
-            min_gain: float) -> None:
-    """Swap samples between the slowest and the fastest replica (module doc, 2), in place."""
-    flops_per_s = w.sum() / times.sum()
+def _refine(parts: list[np.ndarray], work: np.ndarray, rounds: int) -> np.ndarray:
+    """Swap pairs between the replica with the largest and the smallest estimate (module doc, 3),
+    in place; returns every replica's load vector."""
+    loads = np.stack([work[p].sum(axis=0) for p in parts])
+    est = loads.max(axis=1)
     for _ in range(rounds):
-        slow, fast = int(np.argmax(times)), int(np.argmin(times))
-        if times[slow] <= (1 + min_gain) * times.mean():
-            return
+        slow, fast = int(np.argmax(est)), int(np.argmin(est))
+        if slow == fast:
+            break
         a, b = parts[slow], parts[fast]
-        diff = w[a][:, None] - w[b][None, :]
-        target = (times[slow] - times[fast]) / 2 * flops_per_s
-        for k in np.argsort(np.abs(diff - target), axis=None, kind="stable")[:tries]:
-            i, j = np.unravel_index(k, diff.shape)
-            na, nb = np.sort(np.append(np.delete(a, i), b[j])), np.sort(np.append(np.delete(b, j), a[i]))
-            ta, tb = planned(na).predicted_s, planned(nb).predicted_s
-            if max(ta, tb) < times[slow]:
-                parts[slow], parts[fast] = na, nb
-                times[slow], times[fast] = ta, tb
-                break
-        else:
-            return
+        i, j, worst = _best_swap(work[a], work[b], loads[slow], loads[fast])
+        if worst >= est[slow]:
+            break
+        parts[slow] = np.sort(np.append(np.delete(a, i), b[j]))
+        parts[fast] = np.sort(np.append(np.delete(b, j), a[i]))
+        for r in (slow, fast):
+            loads[r] = work[parts[r]].sum(axis=0)
+            est[r] = loads[r].max()
+    return loads
 
 
-def split_and_plan(meta: BatchMeta, dp: int, model: ModelConfig, plan_of: PlanOf, *, balanced: bool, rounds: int = 8,
-                   tries: int = 4, min_gain: float = 0.001) -> DPSplit:
-    """Split ``meta`` over ``dp`` replicas and plan each with ``plan_of`` (a replica's ``BatchMeta`` ->
-    its plan, of step ``meta.step``): round-robin (the loader's split, the fixed baseline's) or, with
-    ``balanced``, the balanced split (module doc). The plans come out of the split: the runtime runs
-    ``plans[r]`` on replica ``r``."""
+def split_batch(meta: BatchMeta, dp: int, share_cost: ShareCost | None = None, *, balanced: bool, rounds: int = 64) -> Split:
+    """Split ``meta`` over ``dp`` replicas: round-robin (the loader's split, the fixed baseline's)
+    or, with ``balanced``, the balanced split of the module doc, estimated by ``share_cost``."""
     n = len(meta.table)
     if dp < 1 or n < dp:
         raise ValueError(f"cannot split a batch of {n} samples over dp={dp} replicas: every replica needs at least one sample")
-    planned = _Planned(meta, plan_of)
     rr = even_split(n, dp)
-    if not balanced:
-        return planned.split(rr)
-    w = sample_flops(model, meta)
-    parts = lpt_split(w, dp)
-    times = np.array([planned(p).predicted_s for p in parts])
-    if dp > 1:
-        _refine(parts, times, w, planned, rounds=rounds, tries=tries, min_gain=min_gain)
-    slowest = times.max()
-    heavy_first = np.argsort(-np.array([w[p].sum() for p in rr]), kind="stable")
-    if all(planned(rr[r]).predicted_s < slowest for r in heavy_first):
-        parts = rr
-    return planned.split(parts)
+    if share_cost is None:
+        if balanced:
+            raise ValueError("the balanced split needs a ShareCost")
+        return Split(tuple(rr), np.full(dp, np.nan))
+    work = share_cost.work(meta)
+    rr_load = np.zeros((dp, work.shape[1]), dtype=work.dtype)
+    np.add.at(rr_load, np.arange(n) % dp, work)
+    rr_est = rr_load.max(axis=1)
+    if not balanced or dp == 1:
+        return Split(tuple(rr), rr_est / 1e9)
+    parts = lpt_split(work, dp)
+    est = _refine(parts, work, rounds).max(axis=1)
+    if rr_est.max() <= est.max():
+        parts, est = rr, rr_est
+    return Split(tuple(parts), est / 1e9)
+
+
+def plan_split(meta: BatchMeta, split: Split, plan_of: PlanOf) -> DPSplit:
+    """Every replica's share of ``split`` planned by ``plan_of`` (checked to plan exactly it)."""
+    plans = []
+    for idx in split.replicas:
+        plan = plan_of(replica_meta(meta, idx))
+        if plan.step != meta.step or sorted(plan.sample_ids()) != sorted(meta.table.ids[idx].tolist()):
+            raise ValueError(f"plan_of returned a plan of step {plan.step} that does not plan the replica's "
+                             f"{len(idx)} samples of step {meta.step}")
+        plans.append(plan)
+    return DPSplit(split, tuple(plans))
+
+
+def share_cost_for(planner, max_seq_len: int) -> ShareCost:
+    """The ``ShareCost`` of ``planner``'s profiled model, read at full micro-batches of ``max_seq_len``."""
+    return ShareCost(planner.cost, packed_tokens=max_seq_len)
 
 
 def compare_dp(model: ModelConfig, planner, data, *, dp: int, gbs: int, max_seq_len: int, iters: int, seed: int = 0,
-               overlong="truncate", warmup: int = 0) -> dict:
-    """Per iteration of ``gbs`` samples: each replica planned by ``planner`` under the round-robin and
-    the balanced split; the step takes its slowest replica's time. ``planning_s``: wall-clock
-    seconds of each ``split_and_plan`` (the split plus the plans the planner process makes per
-    step). The first ``warmup`` iterations warm the planner's caches and are not counted; the
-    balanced split is timed first, so whatever the other split warms favours round-robin's time."""
+               overlong="truncate", warmup: int = 0, share_cost: ShareCost | None = None) -> dict:
+    """Per iteration of ``gbs`` samples, round-robin and the balanced split, every replica planned
+    by ``planner``; the step takes its slowest replica's time. Planning on the critical path, as a
+    job runs it: ``split_s`` (the split, every rank or one) plus the slowest replica's own plan
+    (each replica plans on its own ranks, in parallel); ``plans_per_rank``: 1. The first
+    ``warmup`` iterations warm the planner's caches and are not counted."""
     from pipetune.data.batch import batch_meta
     from pipetune.data.stream import BatchStream
 
     if gbs % dp:
         raise ValueError(f"global batch size {gbs} is not a multiple of dp={dp}")
+    share_cost = share_cost or share_cost_for(planner, max_seq_len)
     stream = BatchStream(num_rows=len(data), gbs=gbs, seed=seed)
     rows = {"balanced": [], "round_robin": []}
     for step in range(warmup + iters):
         meta = batch_meta(data, stream, step, images=ImageSizing.for_model(model), max_seq_len=max_seq_len, overlong=overlong)
         for name in rows:
             t0 = time.perf_counter()
-            split = split_and_plan(meta, dp, model, planner.plan, balanced=name == "balanced")
+            split = split_batch(meta, dp, share_cost, balanced=name == "balanced")
+            split_s = time.perf_counter() - t0
+            plans, plan_s = [], []
+            for idx in split.replicas:
+                share = replica_meta(meta, idx)
+                t0 = time.perf_counter()
+                plans.append(planner.plan(share))
+                plan_s.append(time.perf_counter() - t0)
             if step >= warmup:
-                rows[name].append((split, time.perf_counter() - t0))
+                rows[name].append((DPSplit(split, tuple(plans)), split_s, np.array(plan_s)))
     out = {}
     for name in ("round_robin", "balanced"):
-        splits, secs = [s for s, _ in rows[name]], [t for _, t in rows[name]]
+        splits = [s for s, _, _ in rows[name]]
+        split_s = np.array([t for _, t, _ in rows[name]])
+        plan_max = np.array([p.max() for _, _, p in rows[name]])
+        critical = split_s + plan_max
+        est = np.concatenate([s.split.estimate_s for s in splits])
+        planned = np.concatenate([s.iter_s for s in splits])
         out[name] = {
             "mean_iter_s": float(np.mean([s.step_s for s in splits])),
             "spread_max_over_mean": float(np.mean([s.spread for s in splits])),
             "spread_max_minus_min_s": float(np.mean([np.ptp(s.iter_s) for s in splits])),
-            "plans_per_step": float(np.mean([s.plans_made for s in splits])),
-            "planning_s_p50": float(np.percentile(secs, 50)),
-            "planning_s_p90": float(np.percentile(secs, 90)),
-            "planning_s": secs,
+            "split_s_p50": float(np.percentile(split_s, 50)),
+            "replica_plan_s_p50": float(np.percentile(np.concatenate([p for _, _, p in rows[name]]), 50)),
+            "replica_plan_s_max_p90": float(np.percentile(plan_max, 90)),
+            "planning_s_p50": float(np.percentile(critical, 50)),
+            "planning_s_p90": float(np.percentile(critical, 90)),
+            "planning_s": critical.tolist(),
+            "estimate_vs_planned_corr": float(np.corrcoef(est, planned)[0, 1]) if len(est) > 2 and np.ptp(est) > 0 else float("nan"),
         }
     out["cut_vs_round_robin"] = 1 - out["balanced"]["mean_iter_s"] / out["round_robin"]["mean_iter_s"]
     return out

@@ -1,9 +1,10 @@
 """``AsyncPlanner``'s planner process: ``python -m pipetune.plan.plan_worker`` (see
 ``pipetune.plan.async_planner`` for why a process).
 
-It imports the planning core only, never torch. Pickles on stdin: first the planner, then one
-request at a time, ``(updates, meta, remaining_s)``: it applies ``updates`` (``(function, args)``
-calls on the planner, such as its class's ``set_cost``, made since the previous request), plans ``meta`` with a deadline
+It imports the planning core only, never torch. Pickles on stdin: first the planner and the
+function that reads a batch's metadata, then one request at a time, ``(updates, step,
+remaining_s)``: it applies ``updates`` (``(function, args)`` calls on the planner, such as its
+class's ``set_cost``, made since the previous request), reads batch ``step`` and plans it with a deadline
 ``remaining_s`` from now (``None``: none) and writes ``(True, plan)``, or ``(False, (exception,
 traceback))`` if planning raised, to stdout. Answer ``(True, None)`` says the planner arrived. It
 exits when stdin closes.
@@ -39,18 +40,18 @@ def _answer(out: BinaryIO, ok: bool, value) -> None:
 
 
 def serve(requests: BinaryIO, answers: BinaryIO) -> None:
-    planner = pickle.load(requests)
+    planner, read = pickle.load(requests)
     _answer(answers, True, None)
     while True:
         try:
-            updates, meta, remaining = pickle.load(requests)
+            updates, step, remaining = pickle.load(requests)
         except EOFError:
             return
         try:
             for update, args in updates:
                 update(planner, *args)
             deadline = None if remaining is None else time.perf_counter() + remaining
-            answer = True, planner.plan(meta, deadline=deadline)
+            answer = True, planner.plan(read(step), deadline=deadline)
         except Exception as e:
             answer = False, (_portable(e), traceback.format_exc())
         _answer(answers, *answer)

@@ -367,9 +367,15 @@ class Planner:
         bound = min(c.lower_bound_s for c in cands) if mode is Mode.PIPETUNE else best.lower_bound_s
         return self._to_plan(meta, best, time.perf_counter() - t0, lower_bound_s=bound)
 
-    def _fallback(self, meta: BatchMeta, t0: float) -> IterationPlan:
+    def fallback(self, meta: BatchMeta, why: str) -> IterationPlan:
+        """The plan a step runs when its search cannot be had (``why``, logged): the balanced
+        packing at the last good micro-batch size, flagged ``fallback``."""
+        with self._lock:
+            return self._fallback(meta, time.perf_counter(), why)
+
+    def _fallback(self, meta: BatchMeta, t0: float, why: str = "planning exceeded its time budget") -> IterationPlan:
         c = self._candidate(meta, self.last_mbs, PackerKind.BALANCED)
-        log.warning("step %d: planning exceeded its time budget; using the balanced plan at mbs=%d", meta.step, c.mbs)
+        log.warning("step %d: %s; using the balanced plan at mbs=%d", meta.step, why, c.mbs)
         return self._to_plan(meta, c, time.perf_counter() - t0, lower_bound_s=c.lower_bound_s, fallback=True)
 
     def _to_plan(self, meta: BatchMeta, c: Candidate, search_s: float, *, lower_bound_s: float, fallback: bool = False) -> IterationPlan:

@@ -189,46 +189,63 @@ def _channel_worker(scenario: str, rank: int, port: int) -> None:
     """One rank of a plan-channel scenario; prints ``ERROR <message>`` or ``OK``."""
     import torch.distributed as dist
 
-    from pipetune.data import BatchStream, ImageSizing, batch_meta, make_mix
+    import numpy as np
+
+    from pipetune.data import BatchStream, ImageSizing, make_mix
+    from pipetune.data.batch import BatchReader
     from pipetune.plan.plan import PlanError, build_plan
-    from pipetune.plan.replicas import ReplicaPlans
+    from pipetune.plan.replicas import ReplicaShare
     from torchtitan_patches.runtime.plan_channel import PlanChannel
 
     dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}",
                             timeout=timedelta(seconds=JOB_TIMEOUT_S))
     data = make_mix("datamix3", 64, seed=0)
-    stream = BatchStream(num_rows=len(data), gbs=8, seed=0)
+    reader = BatchReader(data, BatchStream(num_rows=len(data), gbs=8, seed=0),
+                         ImageSizing(patch_size=1, merge=1, standard_grid=4, min_pixels=1, max_pixels=16), 1 << 20)
 
-    def meta(step):
-        return batch_meta(data, stream, step, images=ImageSizing(patch_size=1, merge=1, standard_grid=4, min_pixels=1, max_pixels=16),
-                          max_seq_len=1 << 20)
+    def planned(step, idx, replica=0, replicas=1):
+        share = reader(step).take(idx)
+        return ReplicaShare(replicas, replica).plans(share, build_plan(step=step, micro_batches=[share.table.ids.tolist()], order=[0],
+                                                                       num_stages=2, encoder=False, mbs=1, max_seq_len=1 << 20))
 
-    def planner(m):
-        return ReplicaPlans(m.step, (build_plan(step=m.step, micro_batches=[m.table.ids.tolist()], order=[0], num_stages=2,
-                                                encoder=False, mbs=1, max_seq_len=1 << 20),))
+    def planner(step):
+        return planned(step, np.arange(8))
 
     try:
         if scenario == "agree":
             ch = PlanChannel(planner if rank == 0 else None)
-            groups = [ch(meta(s)) for s in range(3)]
-            assert sorted(groups[2][0]) == sorted(meta(2).table.ids.tolist())
+            groups = [ch.share(s, reader)[1] for s in range(3)]
+            assert sorted(groups[2][0]) == sorted(reader(2).table.ids.tolist())
         elif scenario == "steps":  # rank 1 skipped a step (other --steps / --modes)
             ch = PlanChannel(planner if rank == 0 else None)
-            ch(meta(0 if rank == 0 else 1))
+            ch.share(0 if rank == 0 else 1, reader)
         elif scenario == "no_planner":  # rank 0 started without a planner
             PlanChannel(None)
         elif scenario == "modes":  # rank 0 runs two modes, rank 1 one: rank 0 opens a second channel
             first = PlanChannel(planner if rank == 0 else None)
             if rank == 0:
                 PlanChannel(planner)
-            first(meta(0))
+            first.share(0, reader)
+        elif scenario in ("replicas", "overlap", "lead_fails"):  # two replicas of one rank each, each its own lead
+            own = [dist.new_group([r], backend="gloo") for r in range(2)][rank]
+            leads = dist.new_group([0, 1], backend="gloo")
+
+            def share(step):
+                if scenario == "lead_fails" and rank == 1:
+                    raise ValueError("no micro-batch size fits this batch")
+                mine = (np.arange(4), np.arange(4, 8)) if scenario == "replicas" else (np.arange(5), np.arange(3, 8))
+                return planned(step, mine[rank], rank, 2)
+
+            ch = PlanChannel(share, replica=rank, replicas=2, src=rank, group=own, leads=leads)
+            shares = [ch.share(s, reader) for s in range(2)]
+            assert len(shares[1][1][0]) == 4 and shares[1][0].totals == reader(1).totals
         elif scenario == "stopped":  # rank 1 dies after joining
             ch = PlanChannel(planner if rank == 0 else None)
             if rank == 1:
                 os._exit(0)
-            ch(meta(0))
+            ch.share(0, reader)
         print("OK", flush=True)
-    except PlanError as e:
+    except (PlanError, ValueError) as e:
         print(f"ERROR {type(e).__name__}: {e}", flush=True)
     finally:
         os._exit(0)  # a rank whose peer failed must not wait in destroy_process_group
@@ -265,6 +282,9 @@ def _run_channel(scenario: str) -> list[str]:
         ("no_planner", ["rank 0 must own the planner and only it, but ranks [] have one"] * 2),
         ("modes", ["no answer from the other ranks within 10 s"] * 2),
         ("stopped", ["no answer from the other ranks within 10 s while asking for the plan of step 0", ""]),
+        ("replicas", ["OK", "OK"]),
+        ("overlap", ["step 0: the replicas' plans do not partition the global batch (they hold 10 samples of its 8)"] * 2),
+        ("lead_fails", ["step 0: another replica's lead could not plan its share", "ValueError: no micro-batch size fits this batch"]),
     ],
 )
 def test_plan_channel_mismatch_fails_on_every_rank_within_the_timeout(scenario, messages):

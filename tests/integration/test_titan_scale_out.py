@@ -69,9 +69,11 @@ def _check_steps(ranks: list[list[dict]], records: list[StepRecord], replicas: i
 
 
 def _scale_out_job(job, tmp_path, *extra: str, ranks: int = 4) -> None:
+    """Runs the job (its output in ``tmp_path / "job.log"``); every rank's steps and the records."""
     dump = tmp_path / "dump"
-    torchrun([str(WORKER), str(tmp_path), str(STEPS)] + job_args(job, dump, "--training.steps", str(STEPS), "--training.max_norm", "1e9",
-                                                                   *extra), timeout=160 if ranks == 4 else 400, ranks=ranks)
+    out = torchrun([str(WORKER), str(tmp_path), str(STEPS)] + job_args(job, dump, "--training.steps", str(STEPS), "--training.max_norm", "1e9",
+                                                                         *extra), timeout=160 if ranks == 4 else 400, ranks=ranks)
+    (tmp_path / "job.log").write_text(out)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(ranks)]
     return ranks, StepRecord.read(dump / "pipetune" / "steps.jsonl")
 
@@ -84,12 +86,21 @@ def unsplit_backend(monkeypatch):
     monkeypatch.setattr(dist_utils, "_spmd_backend", "partial_dtensor")
 
 
-def test_data_parallel_steps_equal_the_unsplit_model_on_the_global_batch(job, tmp_path, unsplit_backend):
-    """DP 2 x PP 2 with FSDP, 3 steps: the replicas' plans partition each global batch, and every
-    step's loss (summed over replicas), every parameter's gradient (after FSDP's reduction) and the
-    gradient norm equal the unsplit model's on the whole batch from the same weights."""
+def test_data_parallel_steps_equal_the_unsplit_model_on_the_global_batch(job, tmp_path, unsplit_backend, monkeypatch):
+    """DP 2 x PP 2 with FSDP, 3 steps, each replica planning its own share on its lead; replica
+    1's planner process is killed before the first step. Replica 1 runs its planner's fallback of
+    its share every step and its records and the log say why, replica 0 its own searched plans; the
+    replicas' plans partition each global batch, and every step's loss (summed over replicas),
+    every parameter's gradient (after FSDP's reduction) and the gradient norm equal the unsplit
+    model's on the whole batch from the same weights."""
+    monkeypatch.setenv("KILL_PLANNER_OF_REPLICA", "1")
     ranks, records = _scale_out_job(job, tmp_path, "--parallelism.data_parallel_shard_degree", "2")
     _check_steps(ranks, records, replicas=2)
+    for r in records:
+        assert r.fallback == (r.replica == 1), (r.step, r.replica, r.fallback_reason)
+        assert (r.replica == 1) == bool(r.fallback_reason) and (r.replica == 0 or "exited with code -9 (Killed)" in r.fallback_reason)
+    log = (tmp_path / "job.log").read_text()
+    assert log.count("fallback plans on replica 1 (pipetune planner process") == STEPS
 
 
 def _separated_job(job, tmp_path, *extra: str, replicate: int = 1, dp: int = 1, tp: int = 1):

@@ -5,9 +5,11 @@ rank's place (pipeline stage, tensor-parallel rank, replica) and the modules act
 checkpointing wraps, for comparison with an unsplit TorchTitan model on the global batch.
 FSDP-sharded tensors are saved whole, tensor-parallel shards as they are (the test joins them);
 names are the unsplit model's. The weights are perturbed from TorchTitan's init first, so that
-every parameter gets a gradient."""
+every parameter gets a gradient. With ``KILL_PLANNER_OF_REPLICA=d`` in the environment, replica
+``d``'s lead kills its planner process before the first step (as an OOM killer would)."""
 
 import os
+import signal
 import sys
 import zlib
 
@@ -30,6 +32,8 @@ def whole(t: torch.Tensor) -> torch.Tensor:
 def main() -> None:
     out, steps, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
     trainer = ConfigManager().parse_args(argv).build()
+    if trainer.async_planner is not None and str(trainer.replica) == os.environ.get("KILL_PLANNER_OF_REPLICA"):
+        os.kill(trainer.async_planner._proc.pid, signal.SIGKILL)
     parts = trainer.model_parts  # with virtual stages, one per backbone chunk of this rank
     named = [(fqn(name), p) for part in parts for name, p in part.named_parameters()]
     checkpointed = [fqn(name) for part in parts for name, m in part.named_modules() if isinstance(m, CheckpointWrapper)]

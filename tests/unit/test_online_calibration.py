@@ -15,7 +15,8 @@ from pipetune.plan import Mode, PlannerConfig
 from pipetune.plan.guard import Guard
 from pipetune.calibrate.online import MeasuredStep, OnlineCalibrator, fit_steps, held_out_times, simulate_plan, timeline_observations
 from pipetune.plan.plan_source import PlanSource, StepKind
-from pipetune.plan.replicas import ReplicaPlanner
+from pipetune.plan.async_planner import AsyncPlanner
+from pipetune.plan.replicas import ReplicaShare, SharePlanner
 from image_sizing import square_images
 from pipetune.data.images import ImageSizing
 
@@ -116,13 +117,14 @@ def test_the_guard_prices_both_plans_of_a_batch_with_the_current_model(setup):
     base, _, metas, _ = setup
     model, older = load_model_config("7b"), CostModel(replace(base.table, scales={c: 1.2 for c in CURVES}), base.layout)
     balanced = PlannerConfig(mode=Mode.BALANCED, mbs=2, max_seq_len=4096, memory_bytes=80e9)
-    source = PlanSource(ReplicaPlanner(balanced.build(model, older), 1, balanced=False),
-                        baseline=ReplicaPlanner(balanced.build(model, base), 1, balanced=False), guard=Guard())
+    tuned = AsyncPlanner(SharePlanner(balanced.build(model, older), ReplicaShare(1)), metas.__getitem__, lookahead=0)
+    source = PlanSource(tuned, read=metas.__getitem__, baseline=balanced.build(model, base), guard=Guard())
     for meta in metas[:3]:
-        (plan,) = source(meta).plans
+        plan = source(meta.step).plan
         step = source.pop(meta.step)
         assert step.kind is StepKind.TUNED and plan.predicted_s > 1.1 * simulate_plan(base, plan, meta).makespan
         assert step.tuned_predicted_s == step.baseline_predicted_s == simulate_plan(base, plan, meta).makespan
+    tuned.close()
 
 
 def test_held_out_times_predict_each_step_from_the_others(setup):

@@ -12,7 +12,9 @@ from pipetune.data import BatchStream, batch_meta, make_mix
 from pipetune.packing import PackingConfig
 from pipetune.plan import IterationPlan, Mode, PlanError, PlannerConfig
 from pipetune.plan.async_planner import AsyncPlanner
-from pipetune.plan.replicas import ReplicaPlanner
+from pipetune.plan.dp_balance import ShareCost
+from pipetune.plan.plan_source import PlanSource
+from pipetune.plan.replicas import ReplicaShare, SharePlanner
 from pipetune.schedule import Schedule, one_f_one_b
 from pipetune.simulate import Latencies, simulate
 from image_sizing import square_images
@@ -154,39 +156,34 @@ def test_deadline_gives_the_balanced_fallback_at_the_last_good_mbs(setup13b):
 
 def test_async_planner_plans_ahead_and_honours_its_budget(setup13b):
     ms = metas("datamix2", n=5)
-    asked = []
-
-    def meta_of(step):
-        asked.append(step)
-        return ms[step]
-
-    ap = AsyncPlanner(planner(setup13b), meta_of, budget_s=None, lookahead=2)
+    ap = AsyncPlanner(planner(setup13b), ms.__getitem__, budget_s=None, lookahead=2)
     groups = ap(ms[0])
+    assert sorted(ap._requests) == [1, 2]  # the next two steps queued, their metadata read in the process
     plan = ap.pop(0)
     assert [list(mb) for mb in plan.micro_batches] == groups and not plan.fallback
     with pytest.raises(PlanError, match="no plan for step 0"):
         ap.pop(0)
     assert ap.state_dict() == {"last_mbs": plan.mbs}
-    ap(ms[1])  # step 1 was planned ahead, from the loader's metadata
-    assert asked[0] == 1 and ap.pop(1).micro_batches == planner(setup13b).plan(ms[1]).micro_batches
+    ap(ms[1])
+    assert ap.pop(1).micro_batches == planner(setup13b).plan(ms[1]).micro_batches
     ap.close()
-    hurried = AsyncPlanner(planner(setup13b), meta_of, budget_s=0.0, lookahead=0)
-    asked.clear()
+    hurried = AsyncPlanner(planner(setup13b), ms.__getitem__, budget_s=0.0, lookahead=0)
     hurried(ms[3])
-    assert hurried.pop(3).fallback and asked == []  # no look-ahead: only the asked step is planned
+    assert hurried.pop(3).fallback and not hurried._requests  # no look-ahead: only the asked step is planned
     hurried.close()
 
 
 def stripped(plan) -> list[dict]:
-    """A plan (or a step's replica plans) as JSON, less its search time: equal searches differ only there."""
-    return [json.loads(p.to_json()) | {"search_s": 0} for p in getattr(plan, "plans", (plan,))]
+    """A plan (or a replica's ``SharePlan``) as JSON, less its search time: equal searches differ only there."""
+    return [json.loads(p.to_json()) | {"search_s": 0} for p in (plan.plans.plans if hasattr(plan, "share") else (plan,))]
 
 
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_the_planner_process_plans_what_the_planner_plans(setup13b, replicas):
     ms = metas("datamix2", n=6)
-    local = ReplicaPlanner(planner(setup13b, seed=3), replicas, balanced=True)
-    ap = AsyncPlanner(ReplicaPlanner(planner(setup13b, seed=3), replicas, balanced=True), ms.__getitem__, lookahead=2)
+    share = ReplicaShare(replicas, replicas - 1, ShareCost(setup13b[1], packed_tokens=8192))
+    local = SharePlanner(planner(setup13b, seed=3), share)
+    ap = AsyncPlanner(SharePlanner(planner(setup13b, seed=3), share), ms.__getitem__, lookahead=2)
     assert [stripped(ap.plan(m)) for m in ms[:3]] == [stripped(local.plan(m)) for m in ms[:3]]
     ap.close()
     assert ap._proc.poll() is not None and not ap._reader.is_alive()  # no child process left
@@ -310,7 +307,7 @@ def test_async_planner_drives_the_dataloader(datamix2_dir):
     cost = CostModel(analytical_table(tiny, load_hardware("h100")), StageLayout.even(4, 2))
     loader = DataLoaderConfig(data=datamix2_dir, gbs=16, max_seq_len=512, max_steps=4,
                               packing=PackingConfig(mbs=2, max_seq_len=512), num_workers=1, prefetch_factor=2).build(tiny)
-    ap = AsyncPlanner(PlannerConfig(max_seq_len=512, memory_bytes=1e9, max_mbs=4).build(tiny, cost), loader.meta, lookahead=2)
+    ap = AsyncPlanner(PlannerConfig(max_seq_len=512, memory_bytes=1e9, max_mbs=4).build(tiny, cost), loader.reader, lookahead=2)
     loader.packing_source = ap
     for batch in loader:
         plan = ap.pop(batch.step)
@@ -383,3 +380,28 @@ def test_the_best_static_configuration_may_fix_a_micro_batch_count(setup13b):
     fixed = static_planners(model, interleaved, max_seq_len=8192, memory_bytes=A100.memory_bytes)
     counts = {k.min_micro_batches for k in fixed if k.packer is Mode.BALANCED and k.mbs == 2}
     assert counts == {1, 4, 5, 6, 7, 8, 10, 12, 15, 16}  # torch's Interleaved1F1B at 4 ranks: n a multiple of its n // 4 rounds
+
+
+@pytest.mark.timeout(90)
+def test_a_replica_whose_planner_dies_or_is_late_falls_back_alone(setup13b):
+    """DP 3: each replica's lead plans its own share in its own process. Replica 1's process is
+    killed and replica 2's search has no time: each runs its planner's fallback of its own share of
+    the same split, saying why, replica 0 its searched plan, and the three partition the batch."""
+    ms = metas("datamix2", n=2)
+    shares = [ReplicaShare(3, r, ShareCost(setup13b[1], packed_tokens=8192)) for r in range(3)]
+    sources = [PlanSource(AsyncPlanner(SharePlanner(planner(setup13b), s), ms.__getitem__, budget_s=0.0 if s.replica == 2 else None,
+                                       lookahead=0), read=ms.__getitem__, share=s) for s in shares]
+    os.kill(sources[1].tuned._proc.pid, signal.SIGKILL)
+    made = [src(1) for src in sources]
+    plans = [m.plan for m in made]
+    steps = [src.pop(1) for src in sources]
+    assert [p.fallback for p in plans] == [False, True, True]
+    assert steps[0].fallback_reason == ""
+    assert "exited with code -9" in steps[1].fallback_reason and "time budget" in steps[2].fallback_reason
+    ids = [s for p in plans for s in p.sample_ids()]
+    assert sorted(ids) == sorted(ms[1].table.ids.tolist())
+    for m, s in zip(made, shares):
+        assert sorted(m.plan.sample_ids()) == sorted(m.share.table.ids.tolist()) == sorted(s.of(ms[1]).table.ids.tolist())
+        assert m.share.whole == ms[1].totals
+    for src in sources:
+        src.tuned.close()

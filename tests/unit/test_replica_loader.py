@@ -1,5 +1,6 @@
 """Data parallelism in the loader: every data-parallel rank reads the global batch and yields the
-share its replica's plan names; over many steps and epochs no sample is lost or repeated."""
+share its replica's plan names, each replica planning its own share; over many steps and epochs no
+sample is lost or repeated."""
 
 import numpy as np
 import pytest
@@ -11,24 +12,26 @@ from pipetune.data.index import build_index
 from pipetune.packing import PackingConfig
 from pipetune.plan.mode import Mode
 from pipetune.plan.planner_config import PlannerConfig
-from pipetune.plan.replicas import ReplicaPlanner, ReplicaPlans
+from pipetune.plan.dp_balance import ShareCost
+from pipetune.plan.replicas import ReplicaPlans, ReplicaShare, SharePlanner
 from torchtitan_patches.data import DataLoaderConfig
 
 SEQ, GBS, STEPS, ROWS, DP = 2048, 8, 200, 60, 2
 
 
-class ReplicaShare:
-    """What ``PlanChannel`` does on one rank: rank 0's plans of the step (planned once, shared as
-    a broadcast would), checked to partition the batch, this replica's groups."""
+class OwnPlan:
+    """What ``PlanChannel`` does on one rank: its replica's lead plans the replica's share (here in
+    the same process, from the global batch as its planner process reads it) and the rank receives
+    the plan as JSON with the share's rows and the batch's totals, from which it reads its share."""
 
-    def __init__(self, planner: ReplicaPlanner, replica: int, sent: dict):
-        self.planner, self.replica, self.sent = planner, replica, sent
+    def __init__(self, planner: SharePlanner):
+        self.planner = planner
 
-    def __call__(self, meta):
-        if meta.step not in self.sent:
-            self.sent[meta.step] = self.planner.plan(meta).to_json()
-        plans = ReplicaPlans.from_json(self.sent[meta.step], batch_ids=meta.table.ids)
-        return [list(mb) for mb in plans.plans[self.replica].micro_batches]
+    def share(self, step, reader):
+        made = self.planner.plan(reader(step))
+        share = reader.rows(step, made.share.rows.tolist(), made.share.whole)
+        plan = ReplicaPlans.from_json(made.plans.to_json()).plans[0].validate(share.table.ids)
+        return share, [list(mb) for mb in plan.micro_batches]
 
 
 @pytest.mark.parametrize("indexed", [False, True], ids=["data set", "index"])
@@ -36,10 +39,10 @@ def test_replicas_partition_every_global_batch_over_200_steps_and_many_epochs(tm
     write_dataset(make_mix("datamix2", ROWS, 3), tmp_path / "rows", {"mix": "datamix2"})
     data = build_index(tmp_path / "rows", tmp_path / "index", progress=False) and tmp_path / "index" if indexed else tmp_path / "rows"
     cost = CostModel(analytical_table(tiny, load_hardware("a100"), tp=1), StageLayout.even(tiny.backbone.n_layers, 2))
-    planner = ReplicaPlanner(PlannerConfig(mode=Mode.BALANCED, mbs=1, max_seq_len=SEQ, memory_bytes=80 * 2**30).build(tiny, cost), DP, balanced=True)
+    planner = PlannerConfig(mode=Mode.BALANCED, mbs=1, max_seq_len=SEQ, memory_bytes=80 * 2**30).build(tiny, cost)
     config = DataLoaderConfig(data=data, gbs=GBS, max_seq_len=SEQ, seed=1, max_steps=STEPS, packing=PackingConfig(max_seq_len=SEQ))
-    sent: dict = {}
-    loaders = [config.build(tiny, packing_source=ReplicaShare(planner, r, sent), dp_rank=r, dp_size=DP) for r in range(DP)]
+    shares = [ReplicaShare(DP, r, ShareCost(cost, packed_tokens=SEQ)) for r in range(DP)]
+    loaders = [config.build(tiny, packing_source=OwnPlan(SharePlanner(planner, shares[r])), dp_rank=r, dp_size=DP) for r in range(DP)]
     stream_rows = []
     for step, batches in enumerate(zip(*loaders)):
         meta = loaders[0].meta(step)

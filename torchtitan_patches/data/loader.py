@@ -18,14 +18,14 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Protocol
+from typing import Callable, Iterator, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from pipetune.config.model import ModelConfig
-from pipetune.data.batch import BatchMeta, batch_meta
+from pipetune.data.batch import BatchMeta, BatchReader
 from pipetune.data.image_files import BadImages
 from pipetune.data.images import ImageSizing
 from pipetune.data.samples import Overlong, OverlongTotals
@@ -40,6 +40,15 @@ class PackingSource(Protocol):
     """Decides a batch's micro-batches: a list of sample-id lists, one per micro-batch."""
 
     def __call__(self, meta: BatchMeta) -> list[list[int]]: ...
+
+
+@runtime_checkable
+class ShareSource(Protocol):
+    """Decides this data-parallel replica's share of batch ``step`` and its micro-batches, reading
+    only the share's metadata with ``reader`` (``runtime.plan_channel.PlanChannel``): a rank then
+    never reads the global batch."""
+
+    def share(self, step: int, reader: BatchReader) -> tuple[BatchMeta, list[list[int]]]: ...
 
 
 @dataclass(frozen=True)
@@ -88,11 +97,12 @@ def groups_from_ids(meta: BatchMeta, id_groups: list[list[int]]) -> list[np.ndar
 class _StepSampler:
     """Batch sampler yielding one ``BatchSpec`` per step; stateful through the step counter.
 
-    With ``replicas > 1`` the packing source packs this replica's share of the global batch (the
-    samples it names; the source checks that the replicas' shares partition the batch)."""
+    A ``ShareSource`` gives this replica's share and its packing directly; a ``PackingSource``
+    packs the global batch's metadata, or with ``replicas > 1`` this replica's share of it (the
+    samples it names)."""
 
-    def __init__(self, meta_fn: Callable[[int], BatchMeta], source: PackingSource, max_steps: int | None, replicas: int = 1):
-        self._meta_fn = meta_fn
+    def __init__(self, reader: BatchReader, source: Callable[[], PackingSource | ShareSource], max_steps: int | None, replicas: int = 1):
+        self._reader = reader
         self._source = source
         self._max_steps = max_steps
         self._replicas = replicas
@@ -104,16 +114,21 @@ class _StepSampler:
     def __next__(self) -> BatchSpec:
         if self._max_steps is not None and self.next_step >= self._max_steps:
             raise StopIteration
-        meta = self._meta_fn(self.next_step)
-        if not meta.table.label_tokens.any():
+        source, step = self._source(), self.next_step
+        if isinstance(source, ShareSource):
+            share, id_groups = source.share(step, self._reader)
+        else:
+            meta = self._reader(step)
+            id_groups = source(meta)
+            share = meta.share(s for g in id_groups for s in g) if self._replicas > 1 else meta
+        totals = share.totals
+        if not totals.label_tokens:
             raise ValueError(
-                f"step {meta.step}: none of the batch's {len(meta.table)} samples has a token to predict (each has at "
-                f"most one text token, e.g. sample ids {meta.table.ids[:5].tolist()}), so its loss would be 0/0; "
+                f"step {step}: none of the batch's {totals.samples} samples has a token to predict (each has at "
+                f"most one text token, e.g. sample ids {share.table.ids[:5].tolist()}), so its loss would be 0/0; "
                 "remove samples with fewer than 2 text tokens from the data set"
             )
-        id_groups = self._source(meta)
-        share = meta.share(s for g in id_groups for s in g) if self._replicas > 1 else meta
-        spec = BatchSpec(share, groups_from_ids(share, id_groups), int(meta.table.label_tokens.sum()))
+        spec = BatchSpec(share, groups_from_ids(share, id_groups), totals.label_tokens)
         self.next_step += 1
         return spec
 
@@ -227,7 +242,8 @@ class PipeTuneDataLoader(StatefulDataLoader):
 
     ``packing_source`` may be replaced before iterating (a planner built on ``meta`` needs the
     loader first). ``truncation`` sums the overlong reports of the batches yielded so far
-    (``truncation.describe()`` is the line to print).
+    (``truncation.describe()`` is the line to print; through a ``ShareSource``, of this
+    replica's shares).
     """
 
     def __init__(
@@ -270,7 +286,8 @@ class PipeTuneDataLoader(StatefulDataLoader):
             pixels=pixels,
             bad_images=config.bad_images,
         )
-        self._sampler = _StepSampler(self.meta, lambda meta: self.packing_source(meta), config.max_steps, replicas=dp_size)
+        self.reader = BatchReader(store.table, self.stream, self.sizing, config.max_seq_len, config.overlong)
+        self._sampler = _StepSampler(self.reader, lambda: self.packing_source, config.max_steps, replicas=dp_size)
         self._next_step = 0
         self.truncation = OverlongTotals(config.overlong)
         with warnings.catch_warnings():
@@ -286,14 +303,7 @@ class PipeTuneDataLoader(StatefulDataLoader):
 
     def meta(self, step: int) -> BatchMeta:
         """Metadata of batch ``step`` (pure function of the seed and the step)."""
-        return batch_meta(
-            self.store.table,
-            self.stream,
-            step,
-            images=self.sizing,
-            max_seq_len=self.config.max_seq_len,
-            overlong=self.config.overlong,
-        )
+        return self.reader(step)
 
     def pack(self, meta: BatchMeta, id_groups: list[list[int]]) -> GlobalBatch:
         """The batch of ``meta`` (from ``meta(step)``) packed as ``id_groups`` (checked to cover it
