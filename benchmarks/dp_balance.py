@@ -82,7 +82,7 @@ def host_work(model, planner, share_cost: ShareCost, data, *, dp: int, gbs: int,
         w = made.share.whole
         message = (made.plans.to_json(), made.share.rows.tolist(), (w.samples, w.label_tokens, w.checksum))
         t0 = time.perf_counter()
-        text, rows, whole = pickle.loads(pickle.dumps(message))  # the replica's broadcast, as gloo pickles it
+        text, rows, whole = pickle.loads(pickle.dumps(message))  # the lead's message, as send_object_list pickles it
         share = reader.rows(step, rows, BatchTotals(*whole))
         plan = ReplicaPlans.from_json(text).plans[0].validate(share.table.ids)
         groups_from_ids(share, [list(mb) for mb in plan.micro_batches])

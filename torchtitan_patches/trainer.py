@@ -19,8 +19,8 @@ metrics and logging. What is overridden, and why:
 A step: each data-parallel replica's lead rank (pipeline stage 0, TP rank 0; rank 0 with one
 replica) has a ``PlanSource`` that gives its replica's plan of the batch (replayed, calibration
 cycle, the planner planning ``plan_ahead`` batches ahead in its own process, the guard's
-baseline, or the planner's fallback when that process fails) and sends it over the replica's gloo
-group (``runtime.plan_channel``); every rank runs its replica's plan on its pipeline (``runs``: one
+baseline, or the planner's fallback when that process fails) and sends it to the replica's ranks
+(``runtime.plan_channel``); every rank runs its replica's plan on its pipeline (``runs``: one
 run; a subclass may add measurement runs); the lead learns from its replica's run
 (``pipetune.calibrate.learner``: online refit, per-mbs correction, guard), and rank 0 appends one
 ``StepRecord`` per replica to ``<dump_folder>/pipetune/steps.jsonl``.
@@ -217,8 +217,7 @@ class PipeTuneTrainer(Trainer):
         failed = [(r, e) for r, e in enumerate(errors) if e is not None]
         if failed:
             raise ValueError(f"pipetune: rank {failed[0][0]} cannot plan this job: {failed[0][1]}")
-        self.channel = PlanChannel(self.source, replica=self.replica, replicas=self.replicas, src=self.groups.lead,
-                                   group=self.groups.replica, leads=self.groups.leads)
+        self.channel = PlanChannel(self.source, replica=self.replica, replicas=self.replicas, links=self.groups)
         loader.packing_source = self.channel
         self.records_path = Path(config.dump_folder) / "pipetune" / "steps.jsonl"
 
@@ -364,6 +363,8 @@ class PipeTuneTrainer(Trainer):
 
     def _collect(self, records: list[StepRecord]) -> list[StepRecord]:
         """A lead's records of a run, handed to rank 0: there every replica's, by replica; elsewhere its own."""
+        if self.groups.leads is None:  # one replica: rank 0 leads it
+            return records
         every = [None] * len(self.groups.lead_ranks) if self.rank == 0 else None
         dist.gather_object(records, every, dst=0, group=self.groups.leads)
         return sorted((r for rs in every for r in rs), key=lambda r: r.replica) if self.rank == 0 else records
@@ -374,7 +375,7 @@ class PipeTuneTrainer(Trainer):
 
     def _gather(self, run: Run, res: StepResult, *, cold: bool) -> "RunOutcome":
         """The run's loss (summed over replicas) and time (its slowest replica's) on every rank, by
-        two all-reduces of one number; each replica's timings gathered on its lead, which makes
+        two all-reduces of one number; each replica's timings sent to its lead, which makes
         the replica's record, whose timeline is that of the replica's first pipeline (of its
         tensor-parallel ranks, which run the same actions). Times are from each rank's own step
         start (``StepResult``), so clocks of other nodes need not agree."""
@@ -383,9 +384,8 @@ class PipeTuneTrainer(Trainer):
         measured = torch.tensor([res.elapsed_s], dtype=torch.float64)
         dist.all_reduce(loss, group=self.control)
         dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=self.control)
-        every: list[Share] | None = [None] * dist.get_world_size(self.groups.replica) if self.groups.is_lead else None
-        dist.gather_object(mine, every, dst=self.groups.lead, group=self.groups.replica)
-        if not self.groups.is_lead:
+        every: list[Share] | None = self.groups.to_lead(mine)
+        if every is None:
             return RunOutcome(float(loss.item()), float(measured.item()), [])
         plan = self._run_plan(run)
         ranks = sorted((g for g in every if g.tp_rank == 0), key=lambda g: g.stage)

@@ -196,6 +196,7 @@ def _channel_worker(scenario: str, rank: int, port: int) -> None:
     from pipetune.plan.plan import PlanError, build_plan
     from pipetune.plan.replicas import ReplicaShare
     from torchtitan_patches.runtime.plan_channel import PlanChannel
+    from torchtitan_patches.runtime.replica_groups import ReplicaGroups
 
     dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}",
                             timeout=timedelta(seconds=JOB_TIMEOUT_S))
@@ -227,8 +228,7 @@ def _channel_worker(scenario: str, rank: int, port: int) -> None:
                 PlanChannel(planner)
             first.share(0, reader)
         elif scenario in ("replicas", "overlap", "lead_fails"):  # two replicas of one rank each, each its own lead
-            own = [dist.new_group([r], backend="gloo") for r in range(2)][rank]
-            leads = dist.new_group([0, 1], backend="gloo")
+            links = ReplicaGroups(dist.new_group(backend="gloo"), (rank,), dist.new_group([0, 1], backend="gloo"), (0, 1))
 
             def share(step):
                 if scenario == "lead_fails" and rank == 1:
@@ -236,7 +236,7 @@ def _channel_worker(scenario: str, rank: int, port: int) -> None:
                 mine = (np.arange(4), np.arange(4, 8)) if scenario == "replicas" else (np.arange(5), np.arange(3, 8))
                 return planned(step, mine[rank], rank, 2)
 
-            ch = PlanChannel(share, replica=rank, replicas=2, src=rank, group=own, leads=leads)
+            ch = PlanChannel(share, replica=rank, replicas=2, links=links)
             shares = [ch.share(s, reader) for s in range(2)]
             assert len(shares[1][1][0]) == 4 and shares[1][0].totals == reader(1).totals
         elif scenario == "stopped":  # rank 1 dies after joining

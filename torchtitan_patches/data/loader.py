@@ -101,7 +101,8 @@ class _StepSampler:
     packs the global batch's metadata, or with ``replicas > 1`` this replica's share of it (the
     samples it names)."""
 
-    def __init__(self, reader: BatchReader, source: Callable[[], PackingSource | ShareSource], max_steps: int | None, replicas: int = 1):
+    def __init__(self, reader: Callable[[], BatchReader], source: Callable[[], PackingSource | ShareSource], max_steps: int | None,
+                 replicas: int = 1):
         self._reader = reader
         self._source = source
         self._max_steps = max_steps
@@ -114,11 +115,11 @@ class _StepSampler:
     def __next__(self) -> BatchSpec:
         if self._max_steps is not None and self.next_step >= self._max_steps:
             raise StopIteration
-        source, step = self._source(), self.next_step
+        source, reader, step = self._source(), self._reader(), self.next_step
         if isinstance(source, ShareSource):
-            share, id_groups = source.share(step, self._reader)
+            share, id_groups = source.share(step, reader)
         else:
-            meta = self._reader(step)
+            meta = reader(step)
             id_groups = source(meta)
             share = meta.share(s for g in id_groups for s in g) if self._replicas > 1 else meta
         totals = share.totals
@@ -286,8 +287,7 @@ class PipeTuneDataLoader(StatefulDataLoader):
             pixels=pixels,
             bad_images=config.bad_images,
         )
-        self.reader = BatchReader(store.table, self.stream, self.sizing, config.max_seq_len, config.overlong)
-        self._sampler = _StepSampler(self.reader, lambda: self.packing_source, config.max_steps, replicas=dp_size)
+        self._sampler = _StepSampler(lambda: self.reader, lambda: self.packing_source, config.max_steps, replicas=dp_size)
         self._next_step = 0
         self.truncation = OverlongTotals(config.overlong)
         with warnings.catch_warnings():
@@ -300,6 +300,11 @@ class PipeTuneDataLoader(StatefulDataLoader):
                 prefetch_factor=config.prefetch_factor if config.num_workers else None,
                 snapshot_every_n_steps=1,
             )
+
+    @property
+    def reader(self) -> BatchReader:
+        """This loader's metadata lookups, as a picklable object (of its current ``stream``)."""
+        return BatchReader(self.store.table, self.stream, self.sizing, self.config.max_seq_len, self.config.overlong)
 
     def meta(self, step: int) -> BatchMeta:
         """Metadata of batch ``step`` (pure function of the seed and the step)."""
