@@ -13,9 +13,9 @@ def register(sub) -> None:
     p.add_argument("--out", required=True, help="calibrated table to write")
     p.add_argument("--stages", type=positive_int, default=2, help="pipeline stages to split the model into")
     p.add_argument("--samples", type=positive_int, default=12, help="micro-batches to time")
-    p.add_argument("--max-seq-len", type=positive_int, default=512)
-    p.add_argument("--max-mbs", type=positive_int, default=4)
-    p.add_argument("--threads", type=positive_int, default=1)
+    p.add_argument("--max-seq-len", type=positive_int, default=512, help="longest packed sequence of the drawn micro-batches (tokens)")
+    p.add_argument("--max-mbs", type=positive_int, default=4, help="largest micro-batch size drawn")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (use what training uses)")
     p.set_defaults(run=run)
 
 

@@ -7,6 +7,7 @@ import json
 import sys
 
 from pipetune.config import ModelConfig, load_model_config
+from pipetune.config.presets import available_hardware, available_models
 from pipetune.data import Overlong, SampleTable, make_mix, open_dataset
 from pipetune.data.image_files import BadImages
 from pipetune.data.text import BYTE_TOKENIZER, TextTokenizer
@@ -34,8 +35,19 @@ non_negative_int = _number(int, "an integer", ">= 0", lambda v: v >= 0)
 positive_float = _number(float, "a number", "> 0", lambda v: 0 < v < float("inf"))
 
 
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Help that shows every option's default, unless its text already says it or there is none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        unset = action.default is None or action.default is argparse.SUPPRESS or action.default is False or action.default == []
+        if not action.option_strings or "default" in text or unset:
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
 def add_model_args(p: argparse.ArgumentParser, default: str = "13b") -> None:
-    p.add_argument("--model", default=default, help="model preset name (3b, 7b, 13b, tiny) or a model TOML file")
+    p.add_argument("--model", default=default, help=f"model preset ({', '.join(available_models())}) or a model TOML file")
     p.add_argument("--model-config", help="model TOML file; overrides --model")
 
 
@@ -79,7 +91,7 @@ def table_from_args(args) -> SampleTable:
 
 def add_batch_args(p: argparse.ArgumentParser, *, mbs: int | None = 2) -> None:
     p.add_argument("--gbs", type=positive_int, default=128, help="global batch size in samples")
-    p.add_argument("--max-seq-len", type=positive_int, default=8192)
+    p.add_argument("--max-seq-len", type=positive_int, default=8192, help="longest packed sequence (tokens); longer samples meet --overlong")
     if mbs is not None:
         p.add_argument("--mbs", type=positive_int, default=mbs, help="micro-batch size: a micro-batch holds mbs x max-seq-len tokens")
     p.add_argument("--overlong", default="truncate", choices=[o.value for o in Overlong], help="policy for samples over max-seq-len")
@@ -93,7 +105,8 @@ def emit_json(obj) -> None:
 
 
 def add_cost_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--hardware", default="a100", help="analytical preset (a100, h100, h200) or hardware TOML; used without --latency-table")
+    p.add_argument("--hardware", default="a100",
+                   help=f"analytical preset ({', '.join(available_hardware())}) or hardware TOML; used without --latency-table")
     p.add_argument("--latency-table", help="measured latency table (pipetune profile); overrides --hardware")
     p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree per stage (must divide every head count)")
     p.add_argument("--pp", type=positive_int, default=4, help="pipeline stages (one per rank)")

@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 
-from pipetune.cli.common import positive_int
+from pipetune.cli.common import non_negative_int, positive_int
 from pipetune.data import make_mix, write_dataset
 from pipetune.data.image_files import BadImages
 from pipetune.data.mixes import parse_mix
@@ -22,14 +22,14 @@ def register(sub) -> None:
     dsub = p.add_subparsers(dest="data_cmd", required=True)
     make = dsub.add_parser("make", help="generate a mix of COYO-, MMC4- and FLAN-like samples (PipeTune Table 1)")
     make.add_argument("--mix", default="datamix2", help="datamix1|datamix2|datamix3 or weights mmc4:coyo:flan")
-    make.add_argument("--samples", type=int, default=100_000)
-    make.add_argument("--seed", type=int, default=0)
+    make.add_argument("--samples", type=positive_int, default=100_000, help="samples to write")
+    make.add_argument("--seed", type=non_negative_int, default=0, help="generator seed (same seed, same data set)")
     make.add_argument("--out", required=True, help="output directory (new, or empty)")
     make.set_defaults(run=run_make)
     fix = dsub.add_parser("fixture", help="write a small corpus of real image files and text in TorchTitan's "
                                          "multimodal formats, with a tokenizer (offline)")
     fix.add_argument("--out", required=True, help="output directory (new, or empty)")
-    fix.add_argument("--seed", type=int, default=0)
+    fix.add_argument("--seed", type=non_negative_int, default=0, help="seed of the corpus's choices (same seed, same files)")
     fix.add_argument("--pairs", type=int, default=300, help="CC12M-style image-caption pairs")
     fix.add_argument("--documents", type=int, default=40, help="OBELICS-style interleaved documents, 1-8 images each")
     fix.add_argument("--text-only", type=int, default=40, help="text-only documents (FLAN-like)")

@@ -16,16 +16,32 @@ import traceback
 from pathlib import Path
 
 from pipetune.cli import calibrate_cmd, data_cmd, layout_cmd, pack_cmd, plan_cmd, profile_cmd, trace_cmd
+from pipetune.cli.common import DefaultsFormatter
 
 PROJECT_DIRS = tuple(Path(__file__).resolve().parents[2] / d for d in ("pipetune", "profiling", "torchtitan_patches"))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pipetune", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(
+        prog="pipetune", description="Plan pipeline-parallel VLM training per iteration: make, index and pack data, profile a "
+        "device, simulate and compare plans. `pipetune COMMAND --help` shows a command's options and their defaults.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in (data_cmd, pack_cmd, profile_cmd, calibrate_cmd, trace_cmd, plan_cmd, layout_cmd):
         module.register(sub)
+    for command in _parsers(sub):
+        command.formatter_class = DefaultsFormatter
     return parser
+
+
+def _parsers(sub) -> list[argparse.ArgumentParser]:
+    """Every (sub)command parser under ``sub``."""
+    out = []
+    for p in dict.fromkeys(sub.choices.values()):
+        out.append(p)
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                out += _parsers(action)
+    return out
 
 
 def _origin(e: BaseException) -> str:

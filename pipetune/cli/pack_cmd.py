@@ -16,7 +16,8 @@ def register(sub) -> None:
     add_model_args(p)
     add_data_args(p)
     add_batch_args(p)
-    p.add_argument("--packer", default="balanced", choices=["balanced", "original"])
+    p.add_argument("--packer", default="balanced", choices=["balanced", "original"],
+                   help="balanced: FLOPs-balanced packing (PipeTune Alg. 1); original: arrival order")
     p.set_defaults(run=run)
 
 

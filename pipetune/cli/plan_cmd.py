@@ -18,6 +18,11 @@ from pipetune.plan.compare import compare_modes
 from pipetune.plan.planner_config import SplitBackward
 
 
+def gap(x: float) -> str:
+    """A gap to the lower bound as a percentage; float noise at the bound prints as 0.0 %, not -0.0 %."""
+    return f"{0.0 if -5e-4 < x < 5e-4 else x:.1%}"
+
+
 def register(sub) -> None:
     p = sub.add_parser("plan", help="plan iterations in every mode (original, balanced, reorder, pipetune) and compare")
     add_model_args(p)
@@ -75,7 +80,7 @@ def run(args) -> int:
     print(f"{'mode':11} {'mean iter (s)':>13} {'cut vs original':>16} {'gap to LB':>10} {'search p50 / p99 (ms)':>22}")
     for mode, d in ((m, out[m]) for m in summary):
         cut = "-" if mode == "original" else f"{d['cut_vs_original']:.1%}"
-        print(f"{mode:11} {d['mean_iter_s']:13.3f} {cut:>16} {d['gap_to_lower_bound']:10.1%} "
+        print(f"{mode:11} {d['mean_iter_s']:13.4g} {cut:>16} {gap(d['gap_to_lower_bound']):>10} "
               f"{d['search_ms_p50']:10.1f} / {d['search_ms_p99']:.1f}")
     if static is not None:
         print(f"best-static = {static.choice} (fixed for the run); pipetune cut vs best-static: "
@@ -86,8 +91,8 @@ def run(args) -> int:
         print(f"data parallel dp={args.dp} (GBS {args.gbs} split over replicas, each planned by pipetune; a step waits for the slowest):")
         for name in ("round_robin", "balanced"):
             d = dp[name]
-            print(f"  {name:11} mean iter {d['mean_iter_s']:.3f} s, slowest/mean replica {d['spread_max_over_mean']:.3f}, "
-                  f"slowest-fastest {d['spread_max_minus_min_s']:.3f} s")
+            print(f"  {name:11} mean iter {d['mean_iter_s']:.4g} s, slowest/mean replica {d['spread_max_over_mean']:.3f}, "
+                  f"slowest-fastest {d['spread_max_minus_min_s']:.4g} s")
         print(f"  balanced split cut vs round-robin: {dp['cut_vs_round_robin']:.1%}")
     if extrapolated:
         print("warning: planned beyond the latency table's grid (costs extrapolated by FLOPs growth): "
@@ -159,7 +164,7 @@ def _separated(args, model, data) -> int:
             print(f"{name:10} {','.join(map(str, row['backbone_layers_per_stage'])):>16}  no plan fits: {row['error']}")
             continue
         cut = f"{row['cut_vs_best_colocated']:.1%} cut" if "cut_vs_best_colocated" in row else "-"
-        print(f"{name:10} {','.join(map(str, row['backbone_layers_per_stage'])):>16} {row['mean_iter_s']:13.3f} {cut:>19} "
+        print(f"{name:10} {','.join(map(str, row['backbone_layers_per_stage'])):>16} {row['mean_iter_s']:13.4g} {cut:>19} "
               f"{row['search_ms_p50']:10.1f} / {row['search_ms_max']:.1f}")
     sep = rows.get("separated", {})
     if "cut_vs_best_colocated" in sep:

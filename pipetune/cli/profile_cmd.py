@@ -18,10 +18,11 @@ def register(sub) -> None:
     p.add_argument("--max-tokens", type=positive_int, default=2048, help="longest packed micro-batch to measure")
     p.add_argument("--max-images", type=non_negative_int, default=64, help="most images per micro-batch to measure")
     p.add_argument("--points", type=positive_int, default=10, help="grid points per curve")
-    p.add_argument("--repeats", type=positive_int, default=7)
-    p.add_argument("--warmup", type=non_negative_int, default=2)
+    p.add_argument("--repeats", type=positive_int, default=7, help="timed runs per grid point (the median is kept)")
+    p.add_argument("--warmup", type=non_negative_int, default=2, help="untimed runs before them")
     p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (use what training uses)")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "flash", "sdpa"])
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "flash", "sdpa"],
+                   help="document-masked attention kernel to time (auto: what the job would use)")
     p.add_argument("--no-p2p", action="store_true", help="skip the two-process message benchmark")
     p.add_argument("--master-weights", action="store_true",
                    help="keep float32 weights and time under autocast to --dtype (a job without FSDP; prepare_job decides this itself)")

@@ -31,8 +31,9 @@ def register(sub) -> None:
     add_data_args(p)
     add_batch_args(p)
     add_cost_args(p)
-    p.add_argument("--packer", default="balanced", choices=["balanced", "original"])
-    p.add_argument("--schedule", type=Schedule, default=Schedule.ONE_F_ONE_B, choices=list(Schedule))
+    p.add_argument("--packer", default="balanced", choices=["balanced", "original"],
+                   help="balanced: FLOPs-balanced packing (PipeTune Alg. 1); original: arrival order")
+    p.add_argument("--schedule", type=Schedule, default=Schedule.ONE_F_ONE_B, choices=list(Schedule), help="pipeline schedule to simulate")
     p.add_argument("--step", type=non_negative_int, default=0, help="which global batch to simulate")
     p.add_argument("--out", action="append", default=[], help="x.png (Gantt) or x.json (Chrome trace); repeatable")
     p.add_argument("--csv", help="also write the action table in torch's _load_csv format")
@@ -78,8 +79,8 @@ def run(args) -> int:
         emit_json(summary)
         return 0
     print(title + (" [analytical estimate]" if cost.table.estimate else ""))
-    print(f"  micro-batches {summary['micro_batches']}, makespan {result.makespan:.3f} s, lower bound "
-          f"{summary['lower_bound_s']:.3f} s, bubble ratio {result.bubble_ratio:.1%}")
+    print(f"  micro-batches {summary['micro_batches']}, makespan {result.makespan:.4g} s, lower bound "
+          f"{summary['lower_bound_s']:.4g} s, bubble ratio {result.bubble_ratio:.1%}")
     if costs.extrapolated:
         print(f"  warning: {costs.extrapolated} latency lookups beyond the table's grid (extrapolated by FLOPs growth): "
               + ", ".join(f"{n} up to {x:g}" for n, x in cost.beyond_grid.items()))

@@ -31,6 +31,10 @@ def available_models() -> list[str]:
     return sorted(p.stem for p in (config_dir() / "models").glob("*.toml"))
 
 
+def available_hardware() -> list[str]:
+    return sorted(p.stem for p in (config_dir() / "hardware").glob("*.toml"))
+
+
 def _read_toml(path: Path) -> dict:
     try:
         with open(path, "rb") as f:

@@ -55,3 +55,29 @@ def test_bad_model_files_are_rejected_with_a_reason(tmp_path, body, message):
 def test_unknown_preset_lists_the_known_ones():
     with pytest.raises(ValueError, match="unknown model preset 'huge'.*13b"):
         load_model_config("huge")
+
+
+def test_every_cli_option_shows_its_default_and_every_preset():
+    """`pipetune COMMAND --help`: every option with a default says it, and --model / --hardware
+    list every preset there is."""
+    import argparse
+
+    from pipetune.cli.main import _parsers, build_parser
+    from pipetune.config.presets import available_hardware, available_models
+
+    top = build_parser()
+    assert "Entry point" not in top.format_help()
+    sub = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))
+    for parser in _parsers(sub):
+        text = " ".join(parser.format_help().split())
+        for action in parser._actions:
+            if not action.option_strings or action.help == argparse.SUPPRESS:
+                continue
+            assert action.help, f"{parser.prog} {action.option_strings[0]} has no help"
+            if action.default not in (None, [], argparse.SUPPRESS) and not isinstance(action.default, bool):
+                assert "default" in " ".join((action.help or "").split()) or f"(default: {action.default})" in text, \
+                    f"{parser.prog} {action.option_strings[0]} does not show its default {action.default!r}"
+        if "--model" in text:
+            assert all(name in text for name in available_models())
+        if "--hardware" in text:
+            assert all(name in text for name in available_hardware())
