@@ -156,8 +156,9 @@ class SharePlan:
 
 
 class SharePlanner:
-    """``planner`` planning one replica's share of each global batch (a ``SharePlan``). Reads and settings reach the wrapped planner, so the calibration, the correction and the
-    guard treat it as that planner."""
+    """``planner`` planning one replica's share of each global batch (a ``SharePlan``). Reads and
+    settings reach the wrapped planner, so the calibration, the correction and the guard treat it
+    as that planner."""
 
     def __init__(self, planner: Planner, share: ReplicaShare):
         self.planner, self.share = planner, share
