@@ -11,9 +11,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
+import re
 import socket
 import subprocess
 import sys
+import threading
+import time
+from collections import deque
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,16 +27,30 @@ sys.path.insert(0, str(ROOT))  # configs/ and benchmarks/testbed, as the jobs im
 from benchmarks.testbed.learning import TestbedRecord  # noqa: E402
 
 
-def job_arguments(doc: str, *, rounds: int) -> argparse.ArgumentParser:
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers, e.g. 256,512,1024") from None
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every value must be positive")
+    return values
+
+
+def job_arguments(doc: str, *, rounds: int, seq_lens: list[int] | None = None) -> argparse.ArgumentParser:
     """The options every job comparison takes: output folder, steps per job, alternating rounds,
-    steps left out at the start of each job, global batch and sequence length."""
-    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=ROOT / "out" / "titan")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--rounds", type=int, default=rounds)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--gbs", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=1024)
+    steps left out at the start of each job, global batch and sequence length (a list to sweep,
+    with ``seq_lens`` as its default)."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out", type=Path, default=ROOT / "out" / "titan", help="prepared job folder (data, table) and the jobs' dumps")
+    p.add_argument("--steps", type=int, default=20, help="training steps per job")
+    p.add_argument("--rounds", type=int, default=rounds, help="rounds of alternating jobs")
+    p.add_argument("--warmup", type=int, default=2, help="steps left out at the start of each job")
+    p.add_argument("--gbs", type=int, default=16, help="samples per global batch")
+    if seq_lens is None:
+        p.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence")
+    else:
+        p.add_argument("--seq-len", type=int_list, default=seq_lens, help="sequence lengths to sweep (comma-separated)")
     return p
 
 
@@ -86,18 +105,58 @@ def run_job(dump: Path, overrides: dict[str, object], *, config: str = "muse_gli
     none with ``records=False``, for a job of another trainer).
 
     ``overrides`` maps TorchTitan option names to values (``{"pipetune.mode": "original"}`` ->
-    ``--pipetune.mode original``); ``True`` is a bare flag. A failed job exits with its log tail.
+    ``--pipetune.mode original``); ``True`` is a bare flag. Prints a line per training step (and
+    one every ``PROGRESS_S`` seconds while none comes); a failed job exits with its log tail.
     """
     args = []
     for key, value in overrides.items():
         args += [f"--{key}"] if value is True else [f"--{key}", str(value)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(_free_port()),
            "-m", "torchtitan.train", "--module", "configs", "--config", config, "--dump_folder", str(dump), *args]
-    res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
-    if res.returncode:
-        sys.exit(f"job {dump.name} failed (exit {res.returncode}):\n{res.stderr[-4000:]}")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
+    tail = _follow(proc, dump.name, overrides.get("training.steps"), timeout)
+    if proc.returncode:
+        sys.exit(f"job {dump.name} failed (exit {proc.returncode}):\n" + "".join(tail)[-4000:])
     return read_records(dump) if records else []
+
+
+PROGRESS_S = 20.0
+STEP_LINE = re.compile(r"pipetune step (\d+):|step:\s*(\d+)\s+loss:\s*(\S+)")  # pipetune's step line, or TorchTitan's metrics line
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _follow(proc: subprocess.Popen, name: str, steps, timeout: float | None) -> deque:
+    """Read a job's output to its end: print each training step once (from pipetune's or
+    TorchTitan's step line, of any rank), and a heartbeat when no step came for ``PROGRESS_S``
+    seconds; return the output's tail."""
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout] + [lines.put(None)], daemon=True).start()
+    tail, start, last, shown = deque(maxlen=200), time.monotonic(), time.monotonic(), 0
+    print(f"  {name}: started", flush=True)
+    while True:
+        try:
+            line = lines.get(timeout=PROGRESS_S)
+        except queue.Empty:
+            line = ""
+        now = time.monotonic()
+        if timeout is not None and now - start > timeout:
+            proc.kill()
+            sys.exit(f"job {name} passed its {timeout:.0f} s timeout:\n" + "".join(tail)[-4000:])
+        if line is None:
+            break
+        tail.append(line)
+        m = STEP_LINE.search(ANSI.sub("", line))
+        step = int(m.group(1) or m.group(2)) if m else 0
+        if step > shown:
+            shown, last = step, now
+            loss = f", loss {m.group(3)}" if m.group(3) else ""
+            print(f"  {name}: step {shown}{f'/{steps}' if steps else ''}{loss}, {now - start:.0f} s", flush=True)
+        elif now - last >= PROGRESS_S:
+            last = now
+            print(f"  {name}: {'starting' if not shown else f'step {shown + 1}'}, {now - start:.0f} s", flush=True)
+    proc.wait()
+    return tail
 
 
 def read_records(dump: Path) -> list[TestbedRecord]:

@@ -47,7 +47,8 @@ class StepRecord:
     stage, the host-device synchronisations of its rank's action loop (``pipetune.count_host_syncs``;
     None where not counted). ``fallback_reason``: why the replica ran its planner's fallback plan
     (the search passed its budget, the planner process died or stopped answering); empty when it
-    did not."""
+    did not. ``model_flops``, ``real_tokens``, ``padding_tokens``: what the replica's share trains
+    (``pipetune.packing.flops``: the encoder's included, padding not)."""
 
     step: int
     batch: int
@@ -80,6 +81,9 @@ class StepRecord:
     predicted_peak_bytes: list[float] = field(default_factory=list)
     host_syncs: list[int | None] = field(default_factory=list)
     fallback_reason: str = ""
+    model_flops: float = 0.0
+    real_tokens: int = 0
+    padding_tokens: int = 0
 
     ENUMS: ClassVar[dict[str, type[Enum]]] = {"kind": StepKind}
 

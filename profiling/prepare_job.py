@@ -92,11 +92,11 @@ def main(argv=None) -> int:
                             device=args.device, dtype=dtype, tp=args.tp or config.parallelism.tensor_parallel_degree,
                             master_weights=master_weights_of(config, dtype))
         try:
-            run_profile(model, cfg, table, progress=False)
+            run_profile(model, cfg, table)
         except P2PMeasurementError as e:
             # the job still runs; the online calibration absorbs the message cost into per-call overheads
             print(f"warning: {e}\nprofiling with the assumed message cost instead (the table's notes say so)")
-            run_profile(model, dataclasses.replace(cfg, p2p=False), table, progress=False)
+            run_profile(model, dataclasses.replace(cfg, p2p=False), table)
         print(f"wrote {table} (latency table of {model.name} on {args.device} in {cfg.dtype})")
     return 0
 

@@ -357,14 +357,19 @@ def run_profile(model: ModelConfig, cfg: ProfileConfig, out: str | Path, *, prog
     prof = _Profiler(model, cfg)
     msg, p2p_note = _message_cost(model, cfg, prof)  # first: a machine too busy to measure fails before the long part
     done = min((len(samples.get(f"{c}:{x}", [])) for c, x in tasks), default=0)
-    for _ in range(cfg.warmup if done == 0 else 1):
-        for curve, x in tasks:
-            prof.measure(curve, x)
-    for k in tqdm(range(done, cfg.repeats), desc=f"profiling {model.name} ({len(tasks)} points)", disable=not progress, unit="pass"):
-        for i in np.random.default_rng((cfg.seed, k)).permutation(len(tasks)):
-            curve, x = tasks[i]
-            samples.setdefault(f"{curve}:{x}", []).append(list(prof.measure(curve, x)))
-        write_text_atomic(partial, json.dumps({"header": header, "samples": samples}))
+    warm = cfg.warmup if done == 0 else 1
+    with tqdm(total=warm + cfg.repeats - done, desc=f"profiling {model.name} ({len(tasks)} points, {warm} warm-up passes)",
+              disable=not progress, unit=" passes") as bar:
+        for _ in range(warm):
+            for curve, x in tasks:
+                prof.measure(curve, x)
+            bar.update()
+        for k in range(done, cfg.repeats):
+            for i in np.random.default_rng((cfg.seed, k)).permutation(len(tasks)):
+                curve, x = tasks[i]
+                samples.setdefault(f"{curve}:{x}", []).append(list(prof.measure(curve, x)))
+            write_text_atomic(partial, json.dumps({"header": header, "samples": samples}))
+            bar.update()
     points = {k: np.median(np.asarray(v[: cfg.repeats]), axis=0).tolist() for k, v in samples.items()}
 
     def series(curve: str, grid: list[int]) -> list[list[float]]:

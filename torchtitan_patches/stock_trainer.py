@@ -12,8 +12,10 @@ Nothing of pipetune's planning runs. What is added, and why:
   sets, step for step the same samples as a ``PipeTuneTrainer`` job;
 * ``freeze_vision_encoder`` (PipeTune's setting, on by default as in ``PipeTuneSettings``), so
   both trainers train the same parameters;
+* model FLOPs of real tokens, the vision encoder's included, in TorchTitan's logged throughput,
+  tflops and MFU (``titan.metrics``: as ``PipeTuneTrainer`` logs them, so the two compare);
 * a record per step on rank 0 (``<dump_folder>/stock/steps.jsonl``: step, pipeline seconds, loss,
-  real tokens), the pipeline time measured as ``PipeTuneTrainer`` measures its own: the pipeline
+  real tokens, model FLOPs, padding tokens), the pipeline time measured as ``PipeTuneTrainer`` measures its own: the pipeline
   step alone (TorchTitan's ``pp_forward_backward_step``), without the optimizer and data loading,
   on the slowest rank.
 """
@@ -33,6 +35,7 @@ from torchtitan.trainer import Trainer
 from torchtitan_patches.compat.cpu_device import use_cpu
 from torchtitan_patches.compat.torch_compat import add_missing_torch_apis
 from torchtitan_patches.titan.fixed_shape_loader import FixedShapeDataLoader
+from torchtitan_patches.titan.metrics import WorkMetricsProcessor
 from torchtitan_patches.titan.model_spec import planning_model_config
 
 
@@ -54,6 +57,7 @@ class StockTrainer(Trainer):
         if config.dataloader.rows_per_step != config.training.local_batch_size:
             raise ValueError(f"dataloader.rows_per_step {config.dataloader.rows_per_step} != training.local_batch_size "
                              f"{config.training.local_batch_size}: TorchTitan's step pulls local_batch_size rows, the loader cuts steps of rows_per_step")
+        config.metrics = WorkMetricsProcessor.upgrade(config.metrics)
         super().__init__(config)
         encoder = getattr(self.model_parts[0], "vision_encoder", None)
         if config.freeze_vision_encoder and encoder is not None:
@@ -63,11 +67,16 @@ class StockTrainer(Trainer):
         self.dataloader.bind(model)
         self.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=config.comm.init_timeout_seconds))
         self.records_path = Path(config.dump_folder) / "stock" / "steps.jsonl"
+        self.steps_logged = 0  # the loader's steps whose work the metrics processor has
 
     def pp_forward_backward_step(self, **kwargs) -> torch.Tensor:
         t0 = time.perf_counter()
         loss = super().pp_forward_backward_step(**kwargs)
         elapsed = time.perf_counter() - t0
+        work = self.dataloader.work[-1]  # the loader cut this step's rows before its first micro-batch
+        for new in self.dataloader.work[self.steps_logged:]:  # once per step, whatever the gradient accumulation
+            self.metrics_processor.add_work(new)
+        self.steps_logged = len(self.dataloader.work)
         mine = torch.tensor([elapsed, float(loss.sum()) if self.pp_has_last_stage else 0.0], dtype=torch.float64)
         every = [torch.zeros_like(mine) for _ in range(dist.get_world_size(self.control))]
         dist.all_gather(every, mine, group=self.control)
@@ -76,5 +85,6 @@ class StockTrainer(Trainer):
             with self.records_path.open("a") as f:
                 f.write(json.dumps({"step": self.step, "pipeline_s": max(float(e[0]) for e in every),
                                     "loss": sum(float(e[1]) for e in every),
-                                    "real_tokens": self.dataloader.real_tokens[-1]}) + "\n")
+                                    "real_tokens": work.real_tokens, "model_flops": work.model_flops,
+                                    "padding_tokens": work.padding_tokens}) + "\n")
         return loss

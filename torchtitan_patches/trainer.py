@@ -14,7 +14,9 @@ metrics and logging. What is overridden, and why:
   which torch 2.13 lacks).
 * ``batch_generator``: the dataloader yields one ``GlobalBatch`` per step.
 * ``state_dict``: adds each lead's learning (calibration window and anchors, per-mbs correction,
-  guard), so a resumed job plans as the uninterrupted one would.
+  guard), by replica in one entry, so a resumed job, of this degree or another, plans as the
+  uninterrupted one would (where the table and layout are the same; otherwise it is reset).
+* ``train``: a failure on any rank stops every rank, naming the lost rank (``runtime.job_stop``).
 
 A step: each data-parallel replica's lead rank (pipeline stage 0, TP rank 0; rank 0 with one
 replica) has a ``PlanSource`` that gives its replica's plan of the batch (replayed, calibration
@@ -62,6 +64,7 @@ counts: ``titan.job_checks.with_job_weights``). The executor has run on one GPU
 
 from __future__ import annotations
 
+import hashlib
 import math
 import pickle
 import time
@@ -79,6 +82,7 @@ from torchtitan.trainer import Trainer
 
 from pipetune.calibrate.learner import Learned, Learner
 from pipetune.cost import CostModel, load_latency_table
+from pipetune.packing import FlopsModel
 from pipetune.plan import Mode, PlannerConfig
 from pipetune.plan.async_planner import AsyncPlanner
 from pipetune.plan.compare import best_static_planner
@@ -92,6 +96,7 @@ from pipetune.simulate import TimedAction
 from torchtitan_patches.data.micro_batch import GlobalBatch
 from torchtitan_patches.runtime.data_parallel import FsdpStep
 from torchtitan_patches.runtime.executor import ImageShapes, PlanExecutor, StepResult
+from torchtitan_patches.runtime import job_stop
 from torchtitan_patches.runtime.grad_norm import clip_grad_norm_
 from torchtitan_patches.runtime.tensor_parallel import TensorParallelGrads
 from torchtitan_patches.runtime.plan_channel import PlanChannel
@@ -99,11 +104,15 @@ from torchtitan_patches.runtime.replica_groups import ReplicaGroups
 from torchtitan_patches.settings import PipeTuneSettings
 from torchtitan_patches.compat.cpu_device import use_cpu
 from torchtitan_patches.titan.dataloader import PipeTuneTitanDataLoader
+from torchtitan_patches.titan.metrics import StepWork, WorkMetricsProcessor
 from torchtitan_patches.titan.job_checks import check_table, refuse_unsupported, with_job_weights
 from torchtitan_patches.titan.model_parts import (choose_layout, local_encoder_chunks, master_weights_of, sample_job_batches, schedule_family,
                                                   split_for_layout)
 from torchtitan_patches.titan.model_spec import planning_model_config, stage_runtime
 from torchtitan_patches.compat.torch_compat import add_missing_torch_apis
+
+
+LEARNED_KEY = "pipetune_learned"
 
 
 @dataclass(frozen=True)
@@ -139,6 +148,7 @@ class RunOutcome:
     loss: float
     measured_s: float
     records: list[StepRecord]
+    work: StepWork
 
 
 class PipeTuneTrainer(Trainer):
@@ -168,6 +178,7 @@ class PipeTuneTrainer(Trainer):
                     + (f"; separated encoder, blocks per chunk {[hi - lo for lo, hi in self.layout.encoder_chunks]}, "
                        f"{self.layout.image_sub_batch} images per sub-microbatch" if self.layout.is_separated else ""))
         split_for_layout(config, self.layout)
+        config.metrics = WorkMetricsProcessor.upgrade(config.metrics)
         super().__init__(config)
         if len(self.model_parts) != self.chunks_per_rank:
             raise ValueError(f"PipeTuneTrainer planned {self.chunks_per_rank} backbone chunks per rank; TorchTitan's split gave "
@@ -195,6 +206,7 @@ class PipeTuneTrainer(Trainer):
         self.fsdp = FsdpStep(self.model_parts) if dims.dp_enabled else None
         self.tp_grads = TensorParallelGrads(self.model_parts, dims.tp, group=tp.get_group() if tp is not None else None)
         self.profiled = CostModel(self.table, self.layout)
+        self.flops = FlopsModel(self.planning_model)
         self.sizes_run: set[int] = set()  # micro-batch sizes this process has run (a size's first run is cold)
         if not isinstance(self.dataloader, PipeTuneTitanDataLoader):
             raise ValueError(f"PipeTuneTrainer needs dataloader = PipeTuneTitanDataLoader.Config, got {type(self.dataloader).__name__}")
@@ -296,7 +308,6 @@ class PipeTuneTrainer(Trainer):
                 batch = next(it)
             except StopIteration:
                 return
-            self.metrics_processor.ntokens_since_last_log += sum(mb.num_tokens for mb in batch.micro_batches)
             self.metrics_processor.data_loading_times.append(time.perf_counter() - t0)
             if batch.damaged_images:
                 logger.warning(f"pipetune: batch {batch.step} holds {batch.damaged_images} damaged images, kept as far as readable "
@@ -318,6 +329,7 @@ class PipeTuneTrainer(Trainer):
         own = next(o for o, run in zip(outcomes, runs) if not run.extra)
         if not math.isfinite(own.loss):  # TorchTitan's check, before the optimizer takes the step
             raise RuntimeError(f"Loss is not finite (loss={own.loss}) at step {self.step}. Stopping training.")
+        self.metrics_processor.add_work(own.work.scaled(1 / self.replicas))
         grad_norm = self.clip_gradients()
         self.checkpointer.maybe_wait_for_staging()
         self.optimizers.step()
@@ -345,7 +357,7 @@ class PipeTuneTrainer(Trainer):
         outcome = self._gather(run, res, cold=cold)
         if self.groups.is_lead:
             self._learn(run, outcome.records)
-            outcome = RunOutcome(outcome.loss, outcome.measured_s, self._collect(outcome.records))
+            outcome = RunOutcome(outcome.loss, outcome.measured_s, self._collect(outcome.records), outcome.work)
         if self.rank == 0:
             for record in outcome.records:
                 record.append_to(self.records_path)
@@ -374,19 +386,22 @@ class PipeTuneTrainer(Trainer):
         return run.plan if run.extra else self.source.decided[run.batch.step].plan.plan
 
     def _gather(self, run: Run, res: StepResult, *, cold: bool) -> "RunOutcome":
-        """The run's loss (summed over replicas) and time (its slowest replica's) on every rank, by
-        two all-reduces of one number; each replica's timings sent to its lead, which makes
+        """The run's loss and work (summed over replicas) and time (its slowest replica's) on every
+        rank, by two all-reduces; each replica's timings sent to its lead, which makes
         the replica's record, whose timeline is that of the replica's first pipeline (of its
         tensor-parallel ranks, which run the same actions). Times are from each rank's own step
         start (``StepResult``), so clocks of other nodes need not agree."""
         mine = Share(self.replica, self.stage, self.tp_rank, res.elapsed_s, res.loss, res.overhead_s, res.peak_bytes, res.host_syncs, res.timeline)
-        loss = torch.tensor([mine.loss if mine.loss is not None and self.tp_rank == 0 else 0.0], dtype=torch.float64)
+        work = StepWork.of(self.flops, run.batch.micro_batches) if self.groups.is_lead else StepWork()  # once per replica
+        sums = torch.tensor([mine.loss if mine.loss is not None and self.tp_rank == 0 else 0.0, work.model_flops, work.real_tokens,
+                             work.padding_tokens], dtype=torch.float64)
         measured = torch.tensor([res.elapsed_s], dtype=torch.float64)
-        dist.all_reduce(loss, group=self.control)
+        dist.all_reduce(sums, group=self.control)
         dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=self.control)
+        loss, total = float(sums[0]), StepWork(float(sums[1]), int(sums[2]), int(sums[3]))
         every: list[Share] | None = self.groups.to_lead(mine)
         if every is None:
-            return RunOutcome(float(loss.item()), float(measured.item()), [])
+            return RunOutcome(loss, float(measured.item()), [], total)
         plan = self._run_plan(run)
         ranks = sorted((g for g in every if g.tp_rank == 0), key=lambda g: g.stage)
         timeline = sorted((t for g in ranks for t in g.timeline), key=lambda t: (t.start, t.rank))
@@ -398,8 +413,9 @@ class PipeTuneTrainer(Trainer):
             loss=sum(g.loss for g in ranks if g.loss is not None), fallback=plan.fallback, layout=self.layout.layers_per_stage(),
             separated=self.layout.is_separated, plan=plan.to_json(), cold=cold, replica=self.replica,
             peak_bytes=[g.peak_bytes for g in ranks], predicted_peak_bytes=list(plan.peak_bytes), host_syncs=[g.host_syncs for g in ranks],
-            timeline=[[t.rank, str(t.action), t.start, t.end, t.precomputed] for t in timeline], **self.run_fields(run))
-        return RunOutcome(float(loss.item()), float(measured.item()), [record])
+            timeline=[[t.rank, str(t.action), t.start, t.end, t.precomputed] for t in timeline], model_flops=work.model_flops,
+            real_tokens=work.real_tokens, padding_tokens=work.padding_tokens, **self.run_fields(run))
+        return RunOutcome(loss, float(measured.item()), [record], total)
 
     def run_fields(self, run: Run) -> dict:
         """Record fields that describe how ``run`` ran (an extension point)."""
@@ -429,19 +445,56 @@ class PipeTuneTrainer(Trainer):
                 say(f"pipetune guard{f' (replica {self.replica})' if self.replicas > 1 else ''}: {before.value} -> {d.state.value} at step {self.step} (pipetune's measured advantage over "
                     f"the baseline, log ratio: {d.advantage:+.3f} +- {d.stderr:.3f})")
 
+    def train(self):
+        """TorchTitan's loop; a failure on any rank stops every rank, naming the lost rank and the
+        step (``runtime.job_stop``)."""
+        stop = job_stop.JobStop(lambda: self.step, grace_s=min(10.0, self.config.comm.train_timeout_seconds))
+        try:
+            super().train()
+        except Exception as e:
+            stopped = stop.failed(e)
+            if stopped is e:
+                raise
+            raise stopped from e
+
+    def _learned_on(self) -> dict:
+        """What a lead's learning measured: the latency table and the layout (not the data-parallel degree)."""
+        return {"table": hashlib.sha256(pickle.dumps(self.table)).hexdigest(), "layout": repr(self.layout),
+                "chunks_per_rank": self.chunks_per_rank, "split_backward": self.split_backward.value}
+
     def state_dict(self) -> dict:
-        learner = getattr(self, "learner", None)
-        return {**super().state_dict(), f"pipetune_rank_{self.rank}": pickle.dumps(learner.state_dict() if learner else None)}
+        """TorchTitan's, with every lead's learning by replica in one entry, alike on every rank
+        (one all-gather per checkpoint), so that a job of another degree can load it."""
+        if getattr(self, "groups", None) is None:  # TorchTitan's own set-up, before pipetune's
+            return super().state_dict()
+        mine = self.learner.state_dict() if self.learner is not None else None
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, (self.replica, mine) if self.groups.is_lead else None, group=self.control)
+        replicas = [state for _, state in sorted(x for x in every if x is not None)]
+        return {**super().state_dict(), LEARNED_KEY: pickle.dumps({"on": self._learned_on(), "replicas": replicas})}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Each lead takes its replica's learning, or with fewer replicas saved replica ``r mod
+        saved``'s; learning of another table or layout is dropped, with one line."""
         super().load_state_dict(state_dict)
-        key = f"pipetune_rank_{self.rank}"
-        if key not in state_dict:
-            raise ValueError(f"the checkpoint has no planner state for rank {self.rank} ({key}); it was not written by "
-                             "PipeTuneTrainer with this pipeline degree")
-        state = pickle.loads(state_dict[key])
-        if self.learner is not None and state is not None:
-            self._apply(self.learner.load_state_dict(state))
+        if LEARNED_KEY not in state_dict:  # e.g. a job that switches to pipetune from TorchTitan's stock trainer
+            if self.rank == 0:
+                logger.warning(f"pipetune: the checkpoint holds no learned state ({LEARNED_KEY}): calibration, per-mbs correction and "
+                               "guard start afresh")
+            return
+        saved = pickle.loads(state_dict[LEARNED_KEY])
+        now = self._learned_on()
+        if saved["on"] != now:
+            if self.rank == 0:
+                logger.warning("pipetune: learned state reset (calibration, per-mbs correction, guard): the checkpoint's was learnt on "
+                               f"another {', '.join(k for k in now if saved['on'].get(k) != now[k])}")
+            return
+        taken = self.replica % len(saved["replicas"])
+        if self.rank == 0 and len(saved["replicas"]) != self.replicas:
+            logger.info(f"pipetune: learned state of {len(saved['replicas'])} replicas carried over to {self.replicas}: replica r takes "
+                        f"replica r mod {len(saved['replicas'])}'s")
+        if self.learner is not None and saved["replicas"][taken] is not None:
+            self._apply(self.learner.load_state_dict(saved["replicas"][taken]))
 
     def close(self) -> None:
         if getattr(self, "async_planner", None) is not None:

@@ -95,14 +95,18 @@ class FlopsModel:
             fwd = fwd + self.head_per_token * lengths
         return (1.0 + BACKWARD_FACTOR) * fwd
 
+    def vit_forward(self, patches) -> np.ndarray:
+        """ViT forward FLOPs of each image of ``patches`` patches (attention within the image)."""
+        enc = self.model.encoder
+        p = np.asarray(patches, dtype=np.float64)
+        if enc is None:
+            return np.zeros_like(p)
+        patch_embed = 2.0 * p * enc.patch_dim * enc.dim
+        return patch_embed + enc.n_layers * (2.0 * p * enc.layer_params + 4.0 * enc.dim * p * p)
+
     def vit_forward_per_image(self) -> float:
         enc = self.model.encoder
-        if enc is None:
-            return 0.0
-        p = enc.patches_per_image
-        patch_embed = 2.0 * p * enc.patch_dim * enc.dim
-        layers = enc.n_layers * (2.0 * p * enc.layer_params + 4.0 * enc.dim * p * p)
-        return patch_embed + layers
+        return 0.0 if enc is None else float(self.vit_forward(enc.patches_per_image))
 
     def projector_forward_per_image(self) -> float:
         enc = self.model.encoder
@@ -117,3 +121,16 @@ class FlopsModel:
         factor = 1.0 + (BACKWARD_FACTOR if trained else 0.0)
         return factor * self.vit_forward_per_image() * np.asarray(num_images, dtype=np.float64)
 
+    def training_flops(self, lengths, image_patches=()) -> float:
+        """Model FLOPs of one training pass over documents of ``lengths`` tokens (their image
+        tokens included) whose images have ``image_patches`` patches each: backbone and head
+        forward + backward, the ViT's forward (+ backward when trained), the projector's forward +
+        backward (it is always trained). MFU's numerator: pass real documents only, since what
+        padding costs is not model FLOPs; recomputation is not counted (PaLM's MFU)."""
+        total = float(self.sequence_flops(lengths).sum())
+        enc, patches = self.model.encoder, np.asarray(image_patches, dtype=np.float64)
+        if enc is None or not patches.size:
+            return total
+        vit = (1.0 + (0.0 if enc.frozen else BACKWARD_FACTOR)) * self.vit_forward(patches).sum()
+        projector = (1.0 + BACKWARD_FACTOR) * 2.0 * self.model.projector_params * (patches / enc.merge**2).sum()
+        return total + float(vit + projector)

@@ -61,6 +61,10 @@ def _check_steps(ranks: list[list[dict]], records: list[StepRecord], replicas: i
         ids = [set(s for mb in b.micro_batches for s in mb.sample_ids.tolist()) for b in batches]
         assert sum(map(len, ids)) == len(set().union(*ids)) == 8  # a partition of the 8-sample global batch
         assert sum(mb.num_label_tokens for b in batches for mb in b.micro_batches) == batches[0].num_label_tokens
+        for d, b in enumerate(batches):  # each replica's record counts its share's tokens, padding apart
+            r = next(r for r in records if (r.step, r.replica) == (step + 1, d))
+            assert r.real_tokens + r.padding_tokens == sum(mb.num_tokens for mb in b.micro_batches) and r.model_flops > 0
+            assert r.padding_tokens < len(b.micro_batches) * max(1, len(at) // (2 * replicas))  # sequence-parallel rounding only
 
         loss = sum(r.loss for r in records if r.step == step + 1)
         exact = check_unsplit_step(at, batches, loss, shapes, lambda w, b, dtype: _reference(w, b, dtype, trained), step=step + 1,
@@ -171,7 +175,7 @@ def test_interleaved_zero_bubble_beside_data_or_tensor_parallelism(job, tmp_path
 def test_data_parallel_job_resumes_as_if_uninterrupted(job, tmp_path):
     """DP 2 x PP 2 reading real files (caption pairs and documents with images, raw text under the
     job's tokenizer) through a metadata index the command line built; checkpoints at steps 2 and 4
-    (FSDP-sharded weights and optimizer, each data-parallel rank's loader state, rank 0's learning);
+    (FSDP-sharded weights and optimizer, the loader's stream position, every lead's learning);
     restarted as if it had died before the step-4 checkpoint, it trains steps 3 and 4 exactly as
     the first run did, replica by replica."""
     import shutil

@@ -148,20 +148,27 @@ StepRecordLine = StepRecord(step=1, batch=0, mode="pipetune", mbs=1, micro_batch
 def test_torchtitans_stock_pipeline_trains_the_same_batches_to_the_same_losses(job, tmp_path):
     """The baseline of benchmarks/vs_torchtitan.py: TorchTitan's own trainer and 1F1B schedule
     (with the torch 2.13 shim) on fixed-shape rows of the same global batches (``pad_steps``, 8
-    rows of one sample at most) computes pipetune's losses from the same initial weights."""
+    rows of one sample at most) computes pipetune's losses from the same initial weights. Both log
+    the same work the same way (``titan.metrics``): the same model FLOPs and real tokens per step,
+    TorchTitan's throughput and MFU over them, padding only in the stock rows."""
     import json
 
     stock = tmp_path / "stock"
-    _torchrun(["-m", "torchtitan.train", "--module", "configs", "--config", "muse_glimmer_mm_stock", "--dump_folder", str(stock),
+    stock_log = _torchrun(["-m", "torchtitan.train", "--module", "configs", "--config", "muse_glimmer_mm_stock", "--dump_folder", str(stock),
                "--hf_assets_path", str(job / "fixture" / "tokenizer"), "--dataloader.dataset_path", str(job / "data"), "--dataloader.gbs", "8", "--training.seq_len", "512", "--debug.seed", "0",
                "--training.steps", "2", "--dataloader.pad_steps", "--dataloader.rows_per_step", "8", "--training.local_batch_size", "8"],
               timeout=100)
-    _torchrun(["-m", "torchtitan.train", *_args(job, tmp_path / "pipetune", "--training.steps", "2")], timeout=100)
-    theirs = [json.loads(line)["loss"] for line in (stock / "stock" / "steps.jsonl").read_text().splitlines()]
-    ours = [r.loss for r in sorted(StepRecord.read(tmp_path / "pipetune" / "pipetune" / "steps.jsonl"), key=lambda r: r.step)]
+    log = _torchrun(["-m", "torchtitan.train", *_args(job, tmp_path / "pipetune", "--training.steps", "2")], timeout=100)
+    theirs = [json.loads(line) for line in (stock / "stock" / "steps.jsonl").read_text().splitlines()]
+    ours = sorted(StepRecord.read(tmp_path / "pipetune" / "pipetune" / "steps.jsonl"), key=lambda r: r.step)
     assert len(theirs) == len(ours) == 2
-    assert theirs[0] == pytest.approx(ours[0], rel=1e-5)
-    assert theirs[1] == pytest.approx(ours[1], rel=1e-4)
+    assert theirs[0]["loss"] == pytest.approx(ours[0].loss, rel=1e-5)
+    assert theirs[1]["loss"] == pytest.approx(ours[1].loss, rel=1e-4)
+    for t, o in zip(theirs, ours):
+        assert t["real_tokens"] == o.real_tokens > 0 and t["model_flops"] == pytest.approx(o.model_flops, rel=1e-12)
+        assert o.padding_tokens == 0 and t["padding_tokens"] == 8 * 512 - t["real_tokens"]
+    for text in (stock_log, log):
+        assert text.count("tflops: ") >= 2 and "mfu: N/A" not in text
 
 
 def test_a_non_finite_loss_stops_the_job_before_the_optimizer_step(job, tmp_path):

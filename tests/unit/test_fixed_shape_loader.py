@@ -40,8 +40,8 @@ def _steps(loader, rows: int, count: int) -> list[list[tuple[dict, torch.Tensor]
 def test_streamed_steps_hold_fixed_shapes_and_count_their_real_tokens(datamix2_dir, tiny):
     loader = _loader(datamix2_dir, tiny, rows_per_step=3)
     steps = _steps(loader, 3, 6)
-    assert len(loader.real_tokens) == 6
-    for step, real in zip(steps, loader.real_tokens):
+    assert len(loader.work) == 6
+    for step, work in zip(steps, loader.work):
         n = 0
         for inputs, labels in step:
             assert inputs["input"].shape == labels.shape == inputs["positions"].shape == (1, SEQ)
@@ -54,7 +54,7 @@ def test_streamed_steps_hold_fixed_shapes_and_count_their_real_tokens(datamix2_d
             pad = inputs["input"] == PAD_TOKEN_ID
             assert (labels[pad] == IGNORE_INDEX).all()
             n += int((~pad).sum())
-        assert n == real
+        assert n == work.real_tokens and work.padding_tokens == 3 * SEQ - n
 
 
 def test_streamed_rows_hold_each_batch_of_pipetunes_stream_once_in_order(datamix2_dir, tiny):

@@ -10,7 +10,9 @@ the same tensors as long as the packing source is deterministic (the fixed packe
 planner is unless its time budget runs out, in which case it falls back to the balanced packing).
 A state also records the configuration that decides the stream (``fingerprint``) and the overlong
 totals so far; loading it into a loader of another configuration is refused, field by field,
-since the step number alone would then repeat or skip samples.
+since the step number alone would then repeat or skip samples. The data-parallel share is not part
+of the stream: a state resumes at another degree or rank (the share comes from the packing
+source), and only the overlong totals, which count the saved share's samples, restart at zero.
 """
 
 from __future__ import annotations
@@ -342,8 +344,6 @@ class PipeTuneDataLoader(StatefulDataLoader):
             "mbs": packing.mbs,
             "packing_seed": packing.seed,
             "image_sizing": repr(self.sizing),
-            "dp_rank": self.dp_rank,
-            "dp_size": self.dp_size,
         }
 
     def state_dict(self) -> dict:
@@ -351,23 +351,26 @@ class PipeTuneDataLoader(StatefulDataLoader):
             "loader": super().state_dict(),
             "next_step": self._next_step,
             "fingerprint": self.fingerprint(),
+            "share": [self.dp_rank, self.dp_size],
             "truncation": self.truncation.to_dict(),
         }
 
-    def load_state_dict(self, state: dict) -> None:
-        saved, now = state.get("fingerprint"), self.fingerprint()
+    def load_state_dict(self, state: dict, *, names: dict[str, str] | None = None) -> None:
+        """Resume at ``state``'s step; refused, naming each field that differs (as ``names`` calls
+        it, e.g. the job option), if the stream it was saved for is another."""
+        saved, now, names = state.get("fingerprint"), self.fingerprint(), names or {}
         if saved is None:
             raise ValueError(
                 "dataloader state has no record of the configuration it was saved for (an older pipetune wrote it); "
                 "start the data stream afresh instead of loading it"
             )
-        diff = [f"{k}: saved {saved.get(k)!r}, now {now[k]!r}" for k in now if saved.get(k) != now[k]]
+        diff = [f"{k}{f' ({names[k]})' if k in names else ''}: saved {saved.get(k)!r}, now {now[k]!r}" for k in now if saved.get(k) != now[k]]
         if diff:
             raise ValueError(
-                "dataloader state was saved for another configuration (" + "; ".join(diff) + "); resuming it would "
-                "repeat or skip samples. Resume with the configuration it was saved for, or start this one from step 0 "
-                "without loading the state"
+                f"dataloader state (next step {state['next_step']}) was saved for another configuration: " + "; ".join(diff)
+                + ". Resuming would repeat or skip samples: resume with the saved values, or start this one from step 0 without loading the state"
             )
         super().load_state_dict(state["loader"])
         self._next_step = int(state["next_step"])
-        self.truncation = OverlongTotals(**state["truncation"])
+        same_share = state.get("share") == [self.dp_rank, self.dp_size] and "truncation" in state
+        self.truncation = OverlongTotals(**state["truncation"]) if same_share else OverlongTotals(self.config.overlong)

@@ -18,9 +18,15 @@ Token ids come from the data set: pre-tokenized ``input_ids``, raw ``text`` thro
 tokenizer (``titan.tokenizer.text_tokenizer``: metadata look-ahead and content use the same one,
 with its BOS/EOS and its image and vision start/end ids), or
 synthetic ids for generated data. The tokenizer's vocabulary must fit the model's (checked at
-``bind``). With data parallelism every rank reads the whole global batch (``gbs`` samples) and
-yields its replica's share, as the plan channel says (``PipeTuneTrainer``); TorchTitan stores the
-state per data-parallel rank, and a state saved for another rank or degree is refused.
+``bind``). With data parallelism every rank yields its replica's share of the global batch
+(``gbs`` samples), as the plan channel says (``PipeTuneTrainer``).
+
+State: the position in the global stream, which no degree decides, in one entry that every rank
+writes alike (DCP keeps one copy; TorchTitan's own loaders store one per data-parallel rank and
+refuse another degree). A job of any data-parallel, pipeline or tensor degree resumes it at the
+saved step, each replica's share coming from the split as usual; another data set, seed, packing
+or ``gbs`` is refused, naming the job option. The overlong totals (of a replica's shares, which
+the trainer does not report) are not checkpointed: they restart with the job.
 """
 
 from __future__ import annotations
@@ -129,17 +135,20 @@ class PipeTuneTitanDataLoader(BaseDataLoader):
     def __iter__(self):
         return iter(self._bound())
 
-    def _key(self) -> str:
-        return f"pipetune_loader_dp_rank_{self.dp_rank}"
+    KEY = "pipetune_loader"
+    OPTIONS = {"data": "dataloader.dataset_path", "rows": "dataloader.dataset_path", "data_digest": "dataloader.dataset_path",
+               "gbs": "dataloader.gbs", "seed": "dataloader.seed", "max_seq_len": "training.seq_len", "overlong": "dataloader.overlong",
+               "image_sizing": "dataloader.min_pixels/max_pixels/keep_aspect, pipetune.image_grid"}
+    """The job option behind each field of the loader's fingerprint (the rest are not job options)."""
 
     def state_dict(self) -> dict:
-        # one pickled leaf per data-parallel rank, as TorchTitan's own loaders store theirs: DCP
-        # keeps it intact, and every rank of a replica holds the same one
-        return {self._key(): pickle.dumps(self._bound().state_dict())}
+        # one pickled leaf, alike on every rank: the stream position and what decides the stream
+        state = self._bound().state_dict()
+        return {self.KEY: pickle.dumps({k: v for k, v in state.items() if k not in ("share", "truncation")})}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        if self._key() not in state_dict:
-            raise ValueError(f"the checkpoint's dataloader state has no entry for data-parallel rank {self.dp_rank} ({self._key()}): "
-                             "it was not written by PipeTuneTitanDataLoader with this data-parallel degree; load a pipetune "
-                             "checkpoint of this degree, or start without loading the dataloader state")
-        self._bound().load_state_dict(pickle.loads(state_dict[self._key()]))
+        if self.KEY not in state_dict:
+            raise ValueError(f"the checkpoint holds no pipetune data position ({self.KEY}): another dataloader or an older pipetune "
+                             "wrote it. Resume with the loader that wrote it, or start the data stream at step 0 by not loading "
+                             "this state (--checkpoint.exclude_from_loading dataloader)")
+        self._bound().load_state_dict(pickle.loads(state_dict[self.KEY]), names=self.OPTIONS)

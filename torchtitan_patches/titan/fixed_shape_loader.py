@@ -21,8 +21,8 @@ Each micro-batch is TorchTitan's multimodal format: ``input``, per-document ``po
 which the trainer builds the document mask), ``pixel_values`` as padded patches ``(images,
 patches, patch_dim)`` with ``grid_thw`` (None without images) and ``special_tokens`` (the image id
 of the job's tokenizer, by which the model finds image positions); labels ``-100`` wherever
-nothing is predicted. ``real_tokens`` counts each step's tokens that are not
-padding. Tensors come from ``torchtitan_patches.data`` (pipetune's content path); ``StockTrainer``
+nothing is predicted. ``work`` holds each step's ``StepWork`` (model FLOPs of its real documents,
+their tokens, padding tokens). Tensors come from ``torchtitan_patches.data`` (pipetune's content path); ``StockTrainer``
 binds the loader to the model's planning shapes before the first step. Checkpoints hold the
 position in the stream of global batches, so only ``pad_steps`` jobs resume (a streamed step may
 end inside a batch).
@@ -41,10 +41,12 @@ from torchtitan.components.dataloader import BaseDataLoader
 from pipetune.config.model import ModelConfig
 from pipetune.data import Overlong
 from pipetune.data.batch import BatchMeta
+from pipetune.packing import FlopsModel
 from pipetune.packing import PackingConfig
 from torchtitan_patches.data.loader import DataLoaderConfig, PipeTuneDataLoader
 from torchtitan_patches.data.micro_batch import IGNORE_INDEX, PackedMicroBatch
 from torchtitan_patches.titan.dataloader import PipeTuneTitanDataLoader
+from torchtitan_patches.titan.metrics import StepWork
 from torchtitan_patches.titan.stages import collated_images
 from torchtitan_patches.titan.tokenizer import text_tokenizer
 
@@ -104,11 +106,12 @@ class FixedShapeDataLoader(BaseDataLoader):
         self.config, self.tokenizer, self.seq_len, self.rows_per_micro_batch = config, tokenizer, seq_len, local_batch_size
         self.inner: PipeTuneDataLoader | None = None
         self.model: ModelConfig | None = None
-        self.real_tokens: list[int] = []
+        self.flops: FlopsModel | None = None
+        self.work: list[StepWork] = []
 
     def bind(self, model: ModelConfig) -> PipeTuneDataLoader:
         """Build the wrapped loader for ``model``'s planning shapes (its encoder's patches)."""
-        self.model = model
+        self.model, self.flops = model, FlopsModel(model)
         self.inner = self.loader_config.build(model, packing_source=ScanAndPick(self.seq_len), tokenizer=text_tokenizer(self.tokenizer))
         return self.inner
 
@@ -130,7 +133,7 @@ class FixedShapeDataLoader(BaseDataLoader):
             queue += rows
             while len(queue) >= per_step:
                 step, queue = queue[:per_step], queue[per_step:]
-                self.real_tokens.append(sum(r["real"] for r in step))
+                self.work.append(sum((r["work"] for r in step), StepWork()))
                 for k in range(0, per_step, self.rows_per_micro_batch):
                     yield self._micro_batch(step[k:k + self.rows_per_micro_batch])
 
@@ -139,13 +142,15 @@ class FixedShapeDataLoader(BaseDataLoader):
         for ``None``)."""
         n = mb.num_tokens if mb is not None else 0
         pad = self.seq_len - n
+        work = StepWork.of(self.flops, [mb] if mb is not None else [])
         tokens, labels, positions = (torch.full((self.seq_len,), self._bound().store.tokenizer.pad), torch.full((self.seq_len,), IGNORE_INDEX),
                                      torch.cat([torch.zeros(n, dtype=torch.long), torch.arange(pad)]))
         images = None
         if mb is not None:
             tokens[:n], labels[:n], positions[:n] = mb.tokens, mb.labels, mb.positions
             images = mb if mb.num_images else None
-        return {"input": tokens, "labels": labels, "positions": positions, "images": images, "real": n}
+        return {"input": tokens, "labels": labels, "positions": positions, "images": images,
+                "work": StepWork(work.model_flops, work.real_tokens, work.padding_tokens + pad)}
 
     def _micro_batch(self, rows: list[dict]) -> tuple[dict, torch.Tensor]:
         images = [r["images"] for r in rows if r["images"] is not None]
