@@ -45,7 +45,7 @@ def search_prediction(out: Path):
     """The layout search exactly as the trainer runs it on this job's defaults (``auto`` picks the
     faster of ``split`` and ``separated``)."""
     from pipetune.cost import load_latency_table
-    from configs import config_registry
+    from pipetune_configs import config_registry
     from torchtitan_patches.titan.model_spec import planning_model_config
     from torchtitan_patches.titan.model_parts import layout_search, sample_job_batches
 

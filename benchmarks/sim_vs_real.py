@@ -1,8 +1,8 @@
 """Measured vs predicted pipeline time of real TorchTitan training on 2 gloo ranks (this CPU).
 
-What a user runs: TorchTitan's trainer (``torchrun -m torchtitan.train --module configs
+What a user runs: TorchTitan's trainer (``torchrun -m torchtitan.train --module pipetune_configs
 --config muse_glimmer_mm_testbed``, Muse Glimmer ``debugmodel_mm`` on the CPU testbed,
-``benchmarks/testbed``) with pipetune's plans, one job per planner mode (original, balanced, pipetune; pipetune with its
+``torchtitan_patches/testbed``) with pipetune's plans, one job per planner mode (original, balanced, pipetune; pipetune with its
 measured guard), through ``benchmarks/titan_jobs.py``.
 
 1. Profile the job's planning shapes on this CPU once (``profiling.prepare_job``).
@@ -75,11 +75,11 @@ from pipetune.packing import PackingConfig  # noqa: E402
 from pipetune.plan.plan import IterationPlan  # noqa: E402
 from pipetune.plan.replicas import ReplicaPlans  # noqa: E402
 from torchtitan_patches.data import DataLoaderConfig  # noqa: E402
-from benchmarks.testbed.learning import PairLearner, TestbedRecord  # noqa: E402
+from torchtitan_patches.testbed.learning import PairLearner, TestbedRecord  # noqa: E402
 from pipetune.calibrate.learner import call_overhead_s  # noqa: E402
 from pipetune.calibrate.online import MeasuredStep, fit_steps, held_out_times, simulate_plan  # noqa: E402
 from pipetune.calibrate.pairs import PairCalibrator  # noqa: E402
-from configs import config_registry  # noqa: E402
+from pipetune_configs import config_registry  # noqa: E402
 from torchtitan_patches.titan.model_spec import planning_model_config  # noqa: E402
 from pipetune.cost import CostModel, StageLayout, load_latency_table  # noqa: E402
 

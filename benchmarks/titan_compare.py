@@ -1,7 +1,7 @@
 """pipetune vs the original plan inside a TorchTitan job (the README's main job).
 
 For each mode (``original``: fixed micro-batch size, samples in arrival order; ``pipetune``) this
-launches TorchTitan's own trainer, ``torchrun -m torchtitan.train --module configs
+launches TorchTitan's own trainer, ``torchrun -m torchtitan.train --module pipetune_configs
 --config muse_glimmer_mm_testbed``, on 2 gloo ranks, with the same data, seed and initial weights.
 The two jobs alternate in ``--rounds`` rounds (original, pipetune, original, ...), so a drifting
 machine speed hits both alike. From the jobs' per-step records it prints, per mode, the mean

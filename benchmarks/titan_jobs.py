@@ -1,9 +1,9 @@
 """Launch a pipetune TorchTitan job the way a user does, and read its per-step records.
 
 Every benchmark that measures real training goes through TorchTitan's own entry point
-(``torchrun -m torchtitan.train --module torchtitan_patches.titan --config <fn>``) on 2 gloo
+(``torchrun -m torchtitan.train --module pipetune_configs --config <fn>``) on 2 gloo
 ranks, with job options given as TorchTitan command-line overrides, so what is timed is the
-trainer path a user runs, with the CPU testbed's config (``benchmarks/testbed``). ``prepare``
+trainer path a user runs, with the CPU testbed's config (``torchtitan_patches/testbed``). ``prepare``
 makes the data set and latency table once per config.
 """
 
@@ -21,10 +21,9 @@ import time
 from collections import deque
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # configs/ and benchmarks/testbed, as the jobs import them
+from torchtitan_patches.testbed.learning import TestbedRecord
 
-from benchmarks.testbed.learning import TestbedRecord  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def int_list(text: str) -> list[int]:
@@ -112,7 +111,7 @@ def run_job(dump: Path, overrides: dict[str, object], *, config: str = "muse_gli
     for key, value in overrides.items():
         args += [f"--{key}"] if value is True else [f"--{key}", str(value)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(_free_port()),
-           "-m", "torchtitan.train", "--module", "configs", "--config", config, "--dump_folder", str(dump), *args]
+           "-m", "torchtitan.train", "--module", "pipetune_configs", "--config", config, "--dump_folder", str(dump), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
     tail = _follow(proc, dump.name, overrides.get("training.steps"), timeout)

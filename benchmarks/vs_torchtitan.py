@@ -1,6 +1,6 @@
 """pipetune vs TorchTitan's stock pipeline at its best configuration, on the same job.
 
-Jobs through TorchTitan's own entry point (``torchrun -m torchtitan.train --module configs``), on
+Jobs through TorchTitan's own entry point (``torchrun -m torchtitan.train --module pipetune_configs``), on
 2 gloo ranks, same model (Muse Glimmer ``debugmodel_mm``), data stream, optimizer, seed and
 initial weights, at each sequence length of ``--seq-len`` (both trainers at that length, so both
 truncate alike):
@@ -48,7 +48,7 @@ STAGES = 2
 
 def _batches(out: Path, args, seq_len: int) -> list[int]:
     """Rows each global batch of the run packs into at ``seq_len`` (metadata only)."""
-    from configs import config_registry
+    from pipetune_configs import config_registry
     from pipetune.packing import PackingConfig
     from torchtitan_patches.data import DataLoaderConfig
     from torchtitan_patches.titan.fixed_shape_loader import rows_needed

@@ -1,6 +1,6 @@
-"""TorchTitan job configs that train with pipetune's plans (run from the repository root).
+"""TorchTitan job configs that train with pipetune's plans, installed as ``pipetune_configs`` (any directory).
 
-    torchrun --nproc-per-node 2 -m torchtitan.train --module configs --config muse_glimmer_mm \
+    torchrun --nproc-per-node 2 -m torchtitan.train --module pipetune_configs --config muse_glimmer_mm \
         --dataloader.dataset_path DATA --pipetune.latency_table TABLE
 
 Every function returns a ``PipeTuneTrainer.Config`` (the ``*_testbed`` ones a
@@ -12,7 +12,7 @@ field can be overridden on the command line as with TorchTitan's own configs
 * ``muse_glimmer_heavy_vit``: a trained ViT that costs more than its backbone (layouts matter);
 * ``muse_glimmer_mm_gpu``: a template for GPU jobs (NCCL, bf16, PP 4);
 * ``muse_glimmer_mm_testbed``, ``muse_glimmer_heavy_vit_testbed``: the same jobs on the 2-core CPU
-  testbed (``benchmarks/testbed``), which the main job and the benchmarks run;
+  testbed (``torchtitan_patches/testbed``), which the main job and the benchmarks run;
 * ``muse_glimmer_mm_stock``: the debug job on TorchTitan's stock pipeline (``StockTrainer``), the
   baseline pipetune is measured against;
 * ``qwen3_5_debug``: TorchTitan's Qwen3.5 ``debugmodel`` (with a small vocabulary), CPU or GPU.
@@ -30,7 +30,7 @@ from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 from torchtitan.config import ParallelismConfig, TrainingConfig
 
-from benchmarks.testbed.trainer import TestbedTrainer
+from torchtitan_patches.testbed.trainer import TestbedTrainer
 from torchtitan_patches.settings import PipeTuneSettings
 from torchtitan_patches.stock_trainer import StockTrainer
 from torchtitan_patches.titan.fixed_shape_loader import FixedShapeDataLoader
@@ -109,7 +109,7 @@ def muse_glimmer_mm_gpu() -> PipeTuneTrainer.Config:
     (``auto``). Give it your data set and a latency table profiled on your GPUs:
 
         python -m profiling.prepare_job --config muse_glimmer_mm_gpu --device cuda --no-data --out tables/h100
-        torchrun --nproc-per-node 4 -m torchtitan.train --module configs --config muse_glimmer_mm_gpu \\
+        torchrun --nproc-per-node 4 -m torchtitan.train --module pipetune_configs --config muse_glimmer_mm_gpu \\
             --dataloader.dataset_path /data/my_mix --pipetune.latency_table tables/h100/table.json
 
     Swap in your model's spec, batch size and optimizer as in any TorchTitan config. Not yet run on
@@ -152,7 +152,7 @@ def _testbed(config: PipeTuneTrainer.Config) -> TestbedTrainer.Config:
 
 def muse_glimmer_mm_testbed() -> TestbedTrainer.Config:
     """``muse_glimmer_mm`` on the 2-core CPU testbed (heap reserve, contention and per-call
-    overhead measured on twins; ``benchmarks/testbed``)."""
+    overhead measured on twins; ``torchtitan_patches/testbed``)."""
     return _testbed(muse_glimmer_mm())
 
 

@@ -40,8 +40,8 @@ from torchtitan_patches.titan.model_spec import planning_model_config
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m profiling.prepare_job", description=__doc__.split("\n\n")[0])
-    p.add_argument("--module", default="configs", help="package whose config_registry holds --config (as TorchTitan's; "
-                   "run from the repository root for pipetune's own)")
+    p.add_argument("--module", default="pipetune_configs", help="package whose config_registry holds --config (as TorchTitan's "
+                   "--module; pipetune's own ship with it)")
     p.add_argument("--config", default="muse_glimmer_mm", help="config function returning a PipeTuneTrainer.Config")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--no-data", action="store_true", help="only the latency table (the job trains on its own data set)")

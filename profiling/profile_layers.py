@@ -65,7 +65,7 @@ from tqdm import tqdm
 from pipetune.config.model import ModelConfig
 from pipetune.cost.latency_table import Curve, LatencyTable
 from pipetune.files import write_text_atomic
-from profiling.cpu_allocator import retain_freed_memory
+from torchtitan_patches.compat.cpu_allocator import retain_freed_memory
 from torchtitan_patches.model.blocks import decoder_layer_config
 from torchtitan_patches.model.packed_attention import PackedAttention, flash_attn_available, varlen_metadata
 from torchtitan_patches.model.vlm import Projector, VisionEncoder

@@ -18,7 +18,7 @@ from pipetune.calibrate.action_fit import Observation, Observed, Part
 from pipetune.cost.cost_model import MicroBatchShapes
 from pipetune.cost.stage_layout import StageLayout
 from pipetune.packing.config import PackingConfig
-from profiling.cpu_allocator import retain_freed_memory
+from torchtitan_patches.compat.cpu_allocator import retain_freed_memory
 from torchtitan_patches.data.loader import DataLoaderConfig
 from torchtitan_patches.data.micro_batch import PackedMicroBatch
 from torchtitan_patches.model.packed_attention import varlen_metadata

@@ -2,7 +2,7 @@
 
 Sections are TorchTitan ``Configurable.Config`` dataclasses, so every field is a command-line
 override as usual (``--pipetune.mode original``, ``--pipetune.guard.probe_every 8``). Defaults are
-the ones for GPU clusters; the CPU testbed's settings live in ``benchmarks/testbed``.
+the ones for GPU clusters; the CPU testbed's settings live in ``torchtitan_patches/testbed``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``PipeTuneTrainer``: TorchTitan's ``Trainer`` whose pipeline runs pipetune's per-step plans.
 
-What stays TorchTitan's: config parsing (``--module configs --config ...``), distributed set-up,
+What stays TorchTitan's: config parsing (``--module pipetune_configs --config ...``), distributed set-up,
 the model (built on meta from the job's ``ModelSpec``, split by its ``pipelining_fn``, each part
 through its ``parallelize_fn``, weights by ``init_weights``), the loss (``sum / label tokens``),
 gradient clipping, optimizer, LR schedule, checkpointing (DCP through ``CheckpointManager``),

@@ -8,7 +8,7 @@ own plans cannot pin either: its plans overlap alike, so kappa trades against th
 of one batch can: a plan and its *serial twin* (the same actions, no two ranks computing at once,
 ``IterationPlan.serialised``) differ by contention alone, and a serial run at the smallest and at
 the largest micro-batch size (a *size twin*) by the per-call overhead alone. GPUs, whose ranks do
-not share compute, need none of this; the testbed (``benchmarks/testbed``) switches it on.
+not share compute, need none of this; the testbed (``torchtitan_patches/testbed``) switches it on.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 import pytest
 
-from configs import config_registry
+from pipetune_configs import config_registry
 from pipetune.data import make_mix, write_dataset
 from pipetune.data.fixture import write_fixture
 from pipetune.data.mixes import parse_mix

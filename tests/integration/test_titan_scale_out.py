@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from configs import config_registry
+from pipetune_configs import config_registry
 from pipetune.plan.plan import IterationPlan
 from pipetune.records import StepRecord
 from titan_jobs import job_args, torchrun

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.testbed.learning import TestbedRecord
-from benchmarks.testbed.runs import Twin
+from torchtitan_patches.testbed.learning import TestbedRecord
+from torchtitan_patches.testbed.runs import Twin
 from titan_jobs import job_args as _args, torchrun as _torchrun
 from titan_reference import unsplit_step
-from configs import config_registry
+from pipetune_configs import config_registry
 from torchtitan_patches.titan.model_spec import planning_model_config
 from pipetune.plan.plan import IterationPlan
 from pipetune.plan.plan_source import load_replay
@@ -105,7 +105,7 @@ def test_step_one_gradients_equal_the_unsplit_model(job, tmp_path, monkeypatch, 
 
 
 def test_bad_job_settings_are_named(tmp_path):
-    from benchmarks.testbed.trainer import TestbedSettings
+    from torchtitan_patches.testbed.trainer import TestbedSettings
     from torchtitan_patches.settings import CalibrationSettings, GuardSettings, PipeTuneSettings
     from torchtitan_patches.titan.dataloader import PipeTuneTitanDataLoader
 
@@ -154,7 +154,7 @@ def test_torchtitans_stock_pipeline_trains_the_same_batches_to_the_same_losses(j
     import json
 
     stock = tmp_path / "stock"
-    stock_log = _torchrun(["-m", "torchtitan.train", "--module", "configs", "--config", "muse_glimmer_mm_stock", "--dump_folder", str(stock),
+    stock_log = _torchrun(["-m", "torchtitan.train", "--module", "pipetune_configs", "--config", "muse_glimmer_mm_stock", "--dump_folder", str(stock),
                "--hf_assets_path", str(job / "fixture" / "tokenizer"), "--dataloader.dataset_path", str(job / "data"), "--dataloader.gbs", "8", "--training.seq_len", "512", "--debug.seed", "0",
                "--training.steps", "2", "--dataloader.pad_steps", "--dataloader.rows_per_step", "8", "--training.local_batch_size", "8"],
               timeout=100)
@@ -286,7 +286,7 @@ def test_testbed_job_runs_twins_beside_its_steps_and_replays_side_by_side(job, t
 def _replaying_the_records_learns_what_the_job_learnt(job: Path, recs: list[TestbedRecord], *, window: int) -> None:
     """The benchmarks re-analyse a job by feeding its records to ``PairLearner``, the learner its
     trainer ran: every contention and per-call overhead the job recorded comes out again."""
-    from benchmarks.testbed.learning import PairLearner
+    from torchtitan_patches.testbed.learning import PairLearner
     from pipetune.calibrate.pairs import PairCalibrator
     from pipetune.cost import CostModel, StageLayout, load_latency_table
     from pipetune.data import Overlong

@@ -9,7 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def job_args(job: Path, dump: Path, *extra: str, module: str = "configs", config: str = "muse_glimmer_mm") -> list[str]:
+def job_args(job: Path, dump: Path, *extra: str, module: str = "pipetune_configs", config: str = "muse_glimmer_mm") -> list[str]:
     return ["--module", module, "--config", config, "--dump_folder", str(dump), "--hf_assets_path", str(job / "fixture" / "tokenizer"),
             "--dataloader.dataset_path", str(job / "data"), "--pipetune.latency_table", str(job / "table.json"),
             "--dataloader.gbs", "8", "--training.seq_len", "512", "--pipetune.calibration.online_window", "0", "--pipetune.budget_s", "60",

@@ -33,7 +33,7 @@ def unsplit_step(model, batch) -> float:
 def qwen3_5_unsplit_model(weights: dict | None, *, trained: bool, dtype: torch.dtype = torch.float32):
     """The ``qwen3_5_debug`` job's model, unsplit, with ``weights`` (else TorchTitan's init) in
     ``dtype``; its ViT trained or frozen (the merger trains either way, as under pipetune)."""
-    from configs import config_registry
+    from pipetune_configs import config_registry
 
     with torch.device("meta"):
         model = config_registry.qwen3_5_debug().model_spec.model.build()

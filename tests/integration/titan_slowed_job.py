@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 
 from pipetune.plan import Mode
-from configs import config_registry
+from pipetune_configs import config_registry
 from torchtitan_patches.trainer import PipeTuneTrainer
 
 

@@ -5,12 +5,12 @@ import sys
 
 import pytest
 
-from profiling.cpu_allocator import retain_freed_memory
+from torchtitan_patches.compat.cpu_allocator import retain_freed_memory
 
 # a fresh process per case: mallopt settings and the heap are per process
 _FAULTS = """
 import resource, sys, torch
-from profiling.cpu_allocator import retain_freed_memory
+from torchtitan_patches.compat.cpu_allocator import retain_freed_memory
 if not retain_freed_memory(int(sys.argv[1]) << 20):
     sys.exit(print(-1))  # not glibc
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

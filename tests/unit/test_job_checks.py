@@ -6,7 +6,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from configs import config_registry
+from pipetune_configs import config_registry
 from pipetune.cost import LatencyTable
 from pipetune.cost.latency_table import Curve
 from pipetune.plan.planner_config import SplitBackward

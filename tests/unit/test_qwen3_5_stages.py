@@ -231,7 +231,7 @@ def test_moe_flavours_are_refused():
 
 
 def test_qwen3_5_job_is_accepted_and_what_its_mapping_lacks_is_refused():
-    from configs import config_registry
+    from pipetune_configs import config_registry
     from torchtitan_patches.titan.job_checks import refuse_unsupported
 
     refuse_unsupported(config_registry.qwen3_5_debug())

@@ -5,7 +5,7 @@ once, while the same plan pipelined does."""
 import numpy as np
 import pytest
 
-from benchmarks.testbed.runs import Twin, first_run, has_size_twin, rotated, twin_of
+from torchtitan_patches.testbed.runs import Twin, first_run, has_size_twin, rotated, twin_of
 from pipetune.config import load_hardware, load_model_config
 from pipetune.cost import CostModel, StageLayout, analytical_table
 from pipetune.calibrate.online import simulate_plan
@@ -76,7 +76,7 @@ def test_a_serial_twin_never_computes_on_two_ranks_at_once(plans):
 
 
 def test_files_replayed_side_by_side_must_record_the_same_batches(tmp_path):
-    from benchmarks.testbed.trainer import load_side_by_side
+    from torchtitan_patches.testbed.trainer import load_side_by_side
     from pipetune.records import StepRecord
 
     def write(name, batches):

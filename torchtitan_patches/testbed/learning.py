@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from benchmarks.testbed.runs import Twin
+from torchtitan_patches.testbed.runs import Twin
 from pipetune.calibrate.learner import Learned, Learner
 from pipetune.calibrate.pairs import PairCalibrator
 from pipetune.data.batch import BatchMeta

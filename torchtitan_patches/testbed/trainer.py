@@ -15,15 +15,15 @@ import torch.distributed as dist
 from torchtitan.config import Configurable
 from torchtitan.tools.logging import logger
 
-from benchmarks.testbed.learning import PairLearner, TestbedRecord, twin_kind
-from benchmarks.testbed.runs import Twin, first_run, has_size_twin, rotated, twin_of
+from torchtitan_patches.testbed.learning import PairLearner, TestbedRecord, twin_kind
+from torchtitan_patches.testbed.runs import Twin, first_run, has_size_twin, rotated, twin_of
 from pipetune.calibrate.pairs import PairCalibrator
 from pipetune.data.batch import BatchMeta
 from pipetune.plan.plan import IterationPlan
 from pipetune.plan.plan_source import load_replay
 from pipetune.plan.replicas import ReplicaPlans
 from pipetune.records import StepKind
-from profiling.cpu_allocator import retain_freed_memory
+from torchtitan_patches.compat.cpu_allocator import retain_freed_memory
 from torchtitan_patches.settings import PipeTuneSettings
 from torchtitan_patches.titan.model_parts import replicas_of
 from torchtitan_patches.trainer import PipeTuneTrainer, Run
@@ -35,7 +35,7 @@ class TestbedSettings(Configurable):
     @dataclass(kw_only=True, slots=True)
     class Config(Configurable.Config):
         heap_reserve_gib: float = 1.5
-        """Heap each rank touches before training and keeps (``profiling.cpu_allocator``), so steps
+        """Heap each rank touches before training and keeps (``compat.cpu_allocator``), so steps
         do not pay page faults while the heap grows to the job's peak: those follow the run's
         history, not the plan, and would mislead the online calibration. Size it to the ranks' peak
         memory (TorchTitan's memory monitor logs peak resident memory on CPU). 0: off."""

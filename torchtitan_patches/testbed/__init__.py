@@ -1,6 +1,6 @@
 """The 2-core CPU testbed: what makes pipetune's predictions meet its measurements on a machine
 whose pipeline ranks share two CPU cores, switched on by the testbed job configs
-(``configs.config_registry.*_testbed``) that the benchmarks run. None of it is needed on GPUs.
+(``pipetune_configs.config_registry.*_testbed``) that the benchmarks run. None of it is needed on GPUs.
 
 * ``trainer``: ``TestbedTrainer``, a ``PipeTuneTrainer`` whose steps also run measurement runs
   (serial twins, size twins, tuned twins, side-by-side replays of other jobs' plans) and which
