@@ -121,7 +121,7 @@ def run_job(dump: Path, overrides: dict[str, object], *, config: str = "muse_gli
 
 
 PROGRESS_S = 20.0
-STEP_LINE = re.compile(r"pipetune step (\d+):|step:\s*(\d+)\s+loss:\s*(\S+)")  # pipetune's step line, or TorchTitan's metrics line
+STEP_LINE = re.compile(r"pipetune step (\d+):|step:\s*(\d+)\s+loss:")  # pipetune's step line, or TorchTitan's metrics line
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -130,7 +130,13 @@ def _follow(proc: subprocess.Popen, name: str, steps, timeout: float | None) -> 
     TorchTitan's step line, of any rank), and a heartbeat when no step came for ``PROGRESS_S``
     seconds; return the output's tail."""
     lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout] + [lines.put(None)], daemon=True).start()
+
+    def read() -> None:
+        for x in proc.stdout:
+            lines.put(x)
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
     tail, start, last, shown = deque(maxlen=200), time.monotonic(), time.monotonic(), 0
     print(f"  {name}: started", flush=True)
     while True:
@@ -149,8 +155,7 @@ def _follow(proc: subprocess.Popen, name: str, steps, timeout: float | None) -> 
         step = int(m.group(1) or m.group(2)) if m else 0
         if step > shown:
             shown, last = step, now
-            loss = f", loss {m.group(3)}" if m.group(3) else ""
-            print(f"  {name}: step {shown}{f'/{steps}' if steps else ''}{loss}, {now - start:.0f} s", flush=True)
+            print(f"  {name}: step {shown}{f'/{steps}' if steps else ''}, {now - start:.0f} s", flush=True)
         elif now - last >= PROGRESS_S:
             last = now
             print(f"  {name}: {'starting' if not shown else f'step {shown + 1}'}, {now - start:.0f} s", flush=True)

@@ -13,9 +13,9 @@ step's ``StepWork``, logs at each ``log`` call TorchTitan's own ``throughput(tps
 encoder and projector, forward and backward as trained, per document), plus ``padding(%)``.
 Both ``PipeTuneTrainer`` and ``StockTrainer`` hand it their steps' work, so their figures compare.
 
-Limits: MFU in TorchTitan's sense (PaLM's): recomputation is not counted (pipetune's trainer
-refuses activation checkpointing; a stock job that recomputes does more hardware FLOPs than
-logged). The peak is TorchTitan's table for the device; on a device it does not know (CPU) it
+Limits: MFU in TorchTitan's sense (PaLM's): recomputation is not counted, so a job with activation
+checkpointing does up to one more forward of each checkpointed layer than it logs (no hardware
+FLOPs utilisation is logged). The peak is TorchTitan's table for the device; on a device it does not know (CPU) it
 assumes an A100 unless ``metrics.peak_tflops`` is set, so CPU figures are for checking only.
 """
 
