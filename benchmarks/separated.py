@@ -1,7 +1,8 @@
 """Co-located (even and searched backbone split) vs separated layout (DIP), in simulation, and
 pipetune's per-batch search on the separated layout against the best static configuration there.
 
-For each preset and mix, ``--iters`` iterations (the same batches on every layout), all planned in
+For each preset and mix (PipeTune's DataMix2/3, and on an A100 the image-heavy tails: web documents
+with 3.3 images on average and up to 64, video clips of about 36 frames), ``--iters`` iterations (the same batches on every layout), all planned in
 ``pipetune`` mode; printed per row:
 
 * the partitioner's choices (images per sub-microbatch ``B``, encoder segments ``K``);
@@ -44,14 +45,14 @@ from pipetune.plan import PlannerConfig
 from pipetune.plan.compare import compare_modes
 from pipetune.plan.layout_search import compare_layouts
 from pipetune.plan.mode import Mode
-from pipetune.plan.segment_search import Budget, climb, exhaustive, scan
+from pipetune.plan.segment_search import Budget, climb, exhaustive, open_configuration, scan
 
-PRESETS = (  # model, hardware, recompute the trained encoder's activations
-    ("dip_5b_8b", "h100", True),
-    ("dip_5b_8b", "h100", False),
-    ("13b", "a100", False),
+PRESETS = (  # model, hardware, recompute the trained encoder's activations, mixes
+    ("dip_5b_8b", "h100", True, ("datamix3", "datamix2")),
+    ("dip_5b_8b", "h100", False, ("datamix3", "datamix2")),
+    ("13b", "a100", False, ("datamix3", "datamix2")),
+    ("dip_5b_8b", "a100", False, ("webdocs", "video")),  # image-heavy tails (pipetune.data.sources)
 )
-MIXES = ("datamix3", "datamix2")
 AUDIT_MAX_MB = 5
 
 
@@ -66,12 +67,12 @@ def audit(model, cost, data, *, gbs: int, max_seq_len: int, memory_bytes: float,
         plan = planner.plan(meta)
         configs = planner.configurations(meta, range(1, planner.max_mbs + 1), adaptive=True)
         for c in configs:
-            if not np.isfinite(c.base_s):
+            if not np.isfinite(open_configuration(c, limit).base_s):
                 continue
             if c.packing.num_micro_batches <= AUDIT_MAX_MB:
                 exhaustive(c, limit)
             else:
-                budget = Budget(4000, None)
+                budget = Budget(4000 * len(c.problem.acts), None)
                 scan(c, limit, budget)
                 climb(c, limit, budget, np.random.default_rng(step), 4000)
         best = min(c.best_s for c in configs)
@@ -86,18 +87,22 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=20_000)
     ap.add_argument("--gbs", type=int, default=128)
     ap.add_argument("--max-seq-len", type=int, default=8192)
+    ap.add_argument("--mixes", help="only the rows of these mixes (comma-separated), e.g. webdocs,video")
     ap.add_argument("--audit", type=int, default=0, metavar="N", help="split the gap into search and bound over N iterations")
     args = ap.parse_args()
     print(f"TP 4, PP 4, GBS {args.gbs}, max_seq_len {args.max_seq_len}, {args.iters} iterations (analytical estimates); "
           "times in s, search in ms")
     print(f"{'preset':28} {'mix':9} {'B':>3} {'K':>2} {'co-located':>10} {'separated':>9} {'cut':>6} | {'best static':>18} "
           f"{'pipetune':>8} {'cut':>6} {'gap LB static':>13} {'gap LB pipetune':>15} {'search p50/max':>14}")
-    for name, hw, recompute in PRESETS:
+    only = set(args.mixes.split(",")) if args.mixes else None
+    for name, hw, recompute, mixes in PRESETS:
+        if only is not None and not only & set(mixes):
+            continue
         model = load_model_config(name)
         h = load_hardware(hw)
         cost = CostModel(analytical_table(model, h, tp=4), StageLayout.even(model.backbone.n_layers, 4), recompute_encoder=recompute)
         label = f"{name} {hw}" + (" recompute-enc" if recompute else "")
-        for mix in MIXES:
+        for mix in (m for m in mixes if only is None or m in only):
             data = make_mix(mix, args.samples, 0)
             runs, part = compare_layouts(model, cost, data, gbs=args.gbs, max_seq_len=args.max_seq_len, memory_bytes=h.memory_bytes,
                                          iters=args.iters)

@@ -60,7 +60,7 @@ def add_data_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data", help="data set: a `pipetune data make` directory, .jsonl/.parquet file(s), webdataset .tar "
                                   "shards, a save_to_disk directory, a directory of such data sets, or an index of one "
                                   "(`pipetune data index`)")
-    g.add_argument("--mix", help="generate a mix in memory instead: datamix1|datamix2|datamix3 or weights mmc4:coyo:flan")
+    g.add_argument("--mix", help="generate a mix in memory instead: datamix1|datamix2|datamix3, webdocs, video or weights mmc4:coyo:flan")
     p.add_argument("--samples", type=positive_int, default=100_000, help="samples to generate with --mix")
     p.add_argument("--data-seed", type=non_negative_int, default=0, help="seed of the generated mix and of the batch order")
     p.add_argument("--tokenizer", metavar="PATH",

@@ -20,8 +20,10 @@ from pipetune.data.storage import check_new_dir
 def register(sub) -> None:
     p = sub.add_parser("data", help="generate data sets")
     dsub = p.add_subparsers(dest="data_cmd", required=True)
-    make = dsub.add_parser("make", help="generate a mix of COYO-, MMC4- and FLAN-like samples (PipeTune Table 1)")
-    make.add_argument("--mix", default="datamix2", help="datamix1|datamix2|datamix3 or weights mmc4:coyo:flan")
+    make = dsub.add_parser("make", help="generate a mix of COYO-, MMC4- and FLAN-like samples (PipeTune Table 1), "
+                                                 "or an image-heavy tail (web documents, video)")
+    make.add_argument("--mix", default="datamix2", help="datamix1|datamix2|datamix3, webdocs (3.3 images a document, up to 64), "
+                                                         "video (36 frames a sample, up to 64), or weights mmc4:coyo:flan")
     make.add_argument("--samples", type=positive_int, default=100_000, help="samples to write")
     make.add_argument("--seed", type=non_negative_int, default=0, help="generator seed (same seed, same data set)")
     make.add_argument("--out", required=True, help="output directory (new, or empty)")
@@ -61,7 +63,7 @@ def run_make(args) -> int:
         if sel.any():
             t, k = table.text_tokens[sel], table.num_images[sel]
             print(
-                f"  {name:5s} {sel.sum():7d} samples  text tokens mean {t.mean():8.2f} median {np.median(t):6.0f} "
+                f"  {name:6s} {sel.sum():7d} samples  text tokens mean {t.mean():8.2f} median {np.median(t):6.0f} "
                 f"max {t.max():6d}  images mean {k.mean():4.2f} median {np.median(k):2.0f} max {k.max():2d}"
             )
     return 0

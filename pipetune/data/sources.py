@@ -1,15 +1,21 @@
-"""Synthetic stand-ins for the three source corpora of PipeTune Table 1.
+"""Synthetic stand-ins for the three source corpora of PipeTune Table 1, and for two image-heavy
+tails the planners are also measured on (issue #62): interleaved web documents with a long tail of
+images per document, and video clips of tens of frames with short text.
 
 Text lengths are log-normal with the median and mean of Table 1 (mu = ln median,
 sigma^2 = 2 ln(mean / median)), rounded and clipped to [1, max]. MMC4 image counts are a rounded
 log-normal clipped to [1, 15], with (mu, sigma) = (1.21, 0.64) fitted numerically to median 3 and
-mean 4.08. Only metadata is generated; token ids and pixels are derived later from the sample id.
+mean 4.08. Web-document image counts are a rounded log-normal clipped to [1, 64] with (0.81, 0.87)
+(median 2, mean 3.3, p99 17); video frame counts one clipped to [1, 64] with (3.54, 0.30) (mean 36,
+median 34; 64 frames for about one clip in 70). Only metadata is generated; token ids and pixels are derived later from the sample id.
 
 | source | images / sample (mean, median, max) | text tokens (mean, median, max) |
 |--------|-------------------------------------|---------------------------------|
 | coyo   | 1, 1, 1                             | 17.24, 13, 1,523                |
 | mmc4   | 4.08, 3, 15                         | 408.94, 362, 16,470             |
 | flan   | none                                | 154.68, 52, 222,109             |
+| webdoc | 3.3, 2, 64 (p99 17)                 | 810, 520, 32,768 (p99 ~4.7k)     |
+| video  | 36, 34, 64 (frames, before the text) | 60, 40, 1,024                   |
 """
 
 from __future__ import annotations
@@ -49,6 +55,9 @@ SOURCES: dict[str, SourceSpec] = {
         images_interleaved=True,
     ),
     "flan": SourceSpec(name="flan", text_mean=154.68, text_median=52, text_max=222109, images_fixed=0),
+    "webdoc": SourceSpec(name="webdoc", text_mean=810, text_median=520, text_max=32768, images_lognormal=(0.81, 0.87), images_max=64,
+                         images_interleaved=True),
+    "video": SourceSpec(name="video", text_mean=60, text_median=40, text_max=1024, images_lognormal=(3.54, 0.30), images_max=64),
 }
 
 

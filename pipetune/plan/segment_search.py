@@ -12,16 +12,21 @@ placed apart.
 
 Search, per batch:
 
-1. every configuration's packing order at lead and lag 0 (its ``balanced`` plan), one greedy run each;
-2. a scan: in every configuration whose lower bound can still beat the best table so far, lowest
-   bound first, the packing order and both latency-sorted orders at every lead, each with the
+1. configurations opened (``open_configuration``), each scored in packing order at lead and lag 0
+   (its ``balanced`` plan), where their bound can beat the best table so far (the caller's order
+   and cap: ``SeparatedPlanner``);
+2. a scan: in every opened configuration whose lower bound can still beat the best table so far,
+   fastest first, the packing order and both latency-sorted orders at every lead, each with the
    largest lag (encoder backwards fill the backbone's gaps) and with ``lag = -lead`` (one priority
    per micro-batch and modality, as DIP); the previous batch's lead and lag first (a warm start);
 3. hill climbing in the configurations whose best is fastest after the scan (the previous batch's
    choice among them): random moves (one micro-batch moved to another position, two swapped, the
    lead or the lag changed by one), a move kept when its table is faster;
-4. it stops when the moves are done, or when ``evaluations`` greedy runs are spent
-   (deterministic), or past a wall-clock deadline (anytime: the best table so far).
+4. it stops when the moves are done, or when its greedy work is spent (``Budget``, counted in
+   scheduled actions: deterministic), or past a wall-clock deadline (anytime: the best table so far).
+
+A greedy run that cannot beat its configuration's best is cut short (``Problem.run_fitting``'s
+``within``).
 
 Why hill climbing and not DIP's MCTS: at GBS 128 a configuration holds 2-20 micro-batches, and one
 greedy run costs about 1 ms in Python, so a plan affords a few hundred runs; MCTS with random
@@ -51,7 +56,7 @@ from pipetune.cost.cost_model import CostModel, MicroBatchShapes
 from pipetune.cost.stage_layout import StageLayout
 from pipetune.packing.groups import Packing
 from pipetune.plan.interleave import Interleaved, Problem
-from pipetune.schedule.table import ScheduleTable
+from pipetune.schedule.table import Placement, ScheduleTable
 from pipetune.simulate.lower_bound import placement_lower_bound
 from pipetune.simulate.simulator import Latencies
 
@@ -66,9 +71,11 @@ class Configuration:
     image_sub_batch: int
     packing: Packing
     lat: Latencies
-    problem: Problem
-    lower_bound_s: float
-    base: Interleaved | None  # packing order, lead 0, lag 0
+    placement: Placement
+    parent: tuple[int, ...]  # each sub-microbatch's micro-batch
+    lower_bound_s: float = 0.0  # of any table over it: 0 until ``bound`` raises it
+    problem: Problem | None = None  # built by ``open_configuration``
+    base: Interleaved | None = None  # packing order, lead 0, lag 0
     best: Interleaved | None = None
     order: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     lead: int = 0
@@ -91,17 +98,29 @@ class Configuration:
         return tuple(self.order.tolist()), self.lead, self.lag
 
 
-def configuration(cost: CostModel, packing: Packing, shapes: MicroBatchShapes, mbs: int, limit: np.ndarray) -> Configuration:
-    """``packing`` under ``cost``'s layout (its ``image_sub_batch``), scored in packing order at lead and lag 0."""
+def configuration(cost: CostModel, packing: Packing, shapes: MicroBatchShapes, mbs: int) -> Configuration:
+    """``packing`` under ``cost``'s layout (its ``image_sub_batch``), not yet bounded (``bound``)
+    nor scored (``open_configuration``): a search does either only where it needs to, since on a
+    batch of thousands of images each costs tens of milliseconds."""
     costs = cost.stage_costs(shapes)
-    lat = Latencies.from_costs(costs)
     parent = tuple(costs.sub_batches.parent.tolist())
-    problem = Problem(cost.placement(), parent, lat, name=f"separated B={cost.layout.image_sub_batch}")
-    proto = ScheduleTable(placement=problem.placement, num_micro_batches=packing.num_micro_batches, ranks=(), sub_mb_parent=parent)
-    identity = np.arange(packing.num_micro_batches)
-    base = problem.run_fitting(problem.point_keys(identity, 0, 0), limit)
-    c = Configuration(mbs, cost.layout.image_sub_batch, packing, lat, problem, placement_lower_bound(proto, lat, limit), base)
-    c.best, c.order = base, identity
+    return Configuration(mbs, cost.layout.image_sub_batch, packing, Latencies.from_costs(costs), cost.placement(), parent,
+                         order=np.arange(packing.num_micro_batches))
+
+
+def bound(c: Configuration, limit: np.ndarray, *, enough: float = np.inf) -> float:
+    """Raise ``c.lower_bound_s`` to ``placement_lower_bound`` of its tables under ``limit``; with
+    ``enough``, to its first terms that reach it (still a bound). Returns the bound."""
+    proto = ScheduleTable(placement=c.placement, num_micro_batches=c.packing.num_micro_batches, ranks=(), sub_mb_parent=c.parent)
+    c.lower_bound_s = max(c.lower_bound_s, placement_lower_bound(proto, c.lat, limit, enough=enough))
+    return c.lower_bound_s
+
+
+def open_configuration(c: Configuration, limit: np.ndarray) -> Configuration:
+    """``c`` with its ``Problem``, scored in packing order at lead and lag 0 (its base), in place."""
+    if c.problem is None:
+        c.problem = Problem(c.placement, c.parent, c.lat, name=f"separated B={c.image_sub_batch}")
+        c.base = c.best = c.problem.run_fitting(c.problem.point_keys(c.order, 0, 0), limit)
     return c
 
 
@@ -114,24 +133,26 @@ def sub_batch_sizes(layout: StageLayout, adaptive: bool) -> tuple[int, ...]:
 
 
 class Budget:
-    """Greedy runs left, and a wall-clock deadline (``time.perf_counter()`` seconds, or None)."""
+    """Greedy work left, in scheduled actions (a run of a configuration is charged all its
+    actions, so the search's cost does not grow with a batch's images), and a wall-clock deadline
+    (``time.perf_counter()`` seconds, or None)."""
 
-    def __init__(self, evaluations: int, deadline: float | None):
-        self.left = evaluations
+    def __init__(self, actions: int, deadline: float | None):
+        self.left = actions
         self.deadline = deadline
 
-    def spend(self) -> bool:
-        """Take one run; False when none is left or the deadline has passed."""
+    def spend(self, actions: int) -> bool:
+        """Take one run of ``actions``; False when the work is spent or the deadline has passed."""
         if self.left <= 0 or (self.deadline is not None and time.perf_counter() > self.deadline):
             return False
-        self.left -= 1
+        self.left -= actions
         return True
 
 
 def scan(c: Configuration, limit: np.ndarray, budget: Budget, *, warm: tuple[int, int] | None = None) -> None:
     """Step 2 of the module doc on ``c``, in place (``warm``: the previous batch's lead and lag, tried first)."""
     m = c.packing.num_micro_batches
-    parent = np.asarray(c.problem.sub_mb_parent, np.int64)
+    parent = np.asarray(c.parent, np.int64)
     work = (c.lat.fwd + c.lat.bwd).sum(axis=1) + np.bincount(parent, weights=c.lat.encoder.sum(axis=1), minlength=m)
     longest = np.lexsort((np.arange(m), -work))
     lo, hi = c.lags
@@ -171,7 +192,7 @@ def _visit(c: Configuration, point: tuple, seen: set, budget: Budget, limit: np.
     """Try ``point`` unless already seen; False once the budget is spent (the caller stops)."""
     if point in seen:
         return True
-    if not budget.spend():
+    if not budget.spend(len(c.problem.acts)):
         return False
     seen.add(point)
     _try(c, *point, limit)
@@ -179,8 +200,8 @@ def _visit(c: Configuration, point: tuple, seen: set, budget: Budget, limit: np.
 
 
 def _try(c: Configuration, order: tuple, lead: int, lag: int, limit: np.ndarray) -> None:
-    """Run the greedy on one point; keep it in ``c`` when it is faster."""
-    g = c.problem.run_fitting(c.problem.point_keys(order, lead, lag), limit)
+    """Run the greedy on one point; keep it in ``c`` when it is faster (a run that cannot be is cut short)."""
+    g = c.problem.run_fitting(c.problem.point_keys(order, lead, lag), limit, within=c.best_s - 1e-12)
     if g is not None and g.makespan < c.best_s - 1e-12:
         c.best, c.order, c.lead, c.lag = g, np.asarray(order, np.int64), lead, lag
 
@@ -188,6 +209,7 @@ def _try(c: Configuration, order: tuple, lead: int, lag: int, limit: np.ndarray)
 def exhaustive(c: Configuration, limit: np.ndarray) -> None:
     """Every point of ``c`` (all orders, leads and lags), in place: the optimum of the search space,
     to measure the search against (``benchmarks/separated.py --audit``; m! x 4 x (m + 4) runs)."""
+    open_configuration(c, limit)
     lo, hi = c.lags
     for order in itertools.permutations(range(c.packing.num_micro_batches)):
         for lead in LEADS:

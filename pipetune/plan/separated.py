@@ -11,12 +11,18 @@ micro-batch size that fits, over the counts of micro-batches between two sizes' 
 micro-batches spread over up to ``P`` more of them, fewer than size ``k - 1`` packs: DIP's 5B + 8B
 without recomputation, DataMix3, size 2 packs a batch into 5 and size 1 into 10, and 6-8
 micro-batches of at most 2 rows are often faster than both), and over ``B`` and ``B / 2`` per
-batch (the plan carries its ``B``; the runtime pads each sub-microbatch to it). The search spends
-at most ``EVALUATIONS`` greedy runs per batch (``CLIMB`` hill-climbing moves in each of the ``TOP_CONFIGURATIONS`` best configurations), starts
-from the previous batch's choice, and past a ``deadline`` returns the best table found so far.
-The plan's lower bound is the smallest over every configuration it considered, so its gap says how
-far the plan is from anything that search space allows (memory enters the bound only through its
-memory and window terms).
+batch (the plan carries its ``B``; the runtime pads each sub-microbatch to it).
+
+The search's work is counted in greedy actions, so it does not grow with a batch's images (a
+video batch's configuration holds 2,000-4,700 actions, DataMix3's about 250): it opens a
+configuration (builds its greedy problem and scores its packing order) only while the
+configuration's lower bound can beat the best table so far and ``OPENING`` actions last; scans the
+opened ones fastest first and climbs (``CLIMB`` moves in each of the ``TOP_CONFIGURATIONS`` best)
+while ``ACTIONS`` scheduled actions last; starts from the previous batch's choice, and past a
+``deadline`` returns the best table found so far. The plan's lower bound is the smallest over
+every configuration of the space, opened or not, so its gap says how far the plan is from
+anything that search space allows (memory enters the bound only through its memory and window
+terms).
 """
 
 from __future__ import annotations
@@ -35,10 +41,11 @@ from pipetune.plan.interleave import Interleaved
 from pipetune.plan.mode import Mode
 from pipetune.plan.plan import IterationPlan, plan_from_table
 from pipetune.plan.planner import Planner, past
-from pipetune.plan.segment_search import Budget, Configuration, climb, configuration, scan, sub_batch_sizes
+from pipetune.plan.segment_search import Budget, Configuration, bound, climb, configuration, open_configuration, scan, sub_batch_sizes
 from pipetune.simulate.simulator import Latencies, simulate
 
-EVALUATIONS = 200
+ACTIONS = 40_000  # greedy actions a batch's scans and climbs may schedule: about 160 runs at DataMix3's 250 actions
+OPENING = 10_000  # actions of the configurations a batch may open: all it may on DataMix2/3 and web documents, 3 on video
 CLIMB = 40
 TOP_CONFIGURATIONS = 2
 
@@ -67,19 +74,19 @@ class SeparatedPlanner(Planner):
         """The packing order at lead 0 (the fixed-size modes' plan and the fallback)."""
         packing, shapes = self._packing(meta, mbs, packer)
         limit = self.budget - self.states
-        c = configuration(self.cost, packing, shapes, mbs, limit)
+        c = open_configuration(configuration(self.cost, packing, shapes, mbs), limit)
+        bound(c, limit)
         fits = c.base is not None
         best = c.base or c.problem.run(c.problem.point_keys(c.order, 0, 0))
         out = Candidate(mbs, packing, c.lat, None, best.makespan, c.lower_bound_s, fits)
         out.best_s, out.order, out.schedule = (best.makespan if fits else np.inf), c.order, best
         return out
 
-    def configurations(self, meta: BatchMeta, sizes, *, adaptive: bool, deadline: float | None = None) -> list[Configuration]:
-        """The search's configurations of one batch (``segment_search``), each scored at its base
-        point: every size's packing and, after a size, its batch spread over each count of
-        micro-batches between its own and the next smaller size's, at most ``P`` more than its own
-        (module doc). A packing seen before is left out, and past ``deadline`` no further packing
-        is added once one fits."""
+    def configurations(self, meta: BatchMeta, sizes, *, adaptive: bool, bounded: bool = True) -> list[Configuration]:
+        """The search's configurations of one batch (``segment_search``), not yet opened, with
+        their lower bounds when ``bounded``: every size's packing and, after a size, its batch
+        spread over each count of micro-batches between its own and the next smaller size's, at
+        most ``P`` more than its own (module doc). A packing seen before is left out."""
         limit = self.budget - self.states
         configs: list[Configuration] = []
         packings = set()
@@ -90,14 +97,14 @@ class SeparatedPlanner(Planner):
             more = range(counts[mbs] + 1, min(counts.get(mbs - 1, 0), counts[mbs] + self.num_ranks + 1))
             spread = (self._packing(meta, mbs, PackerKind.BALANCED, count) for count in more)
             for packing, shapes in chain([natural], spread):
-                if past(deadline) and any(np.isfinite(c.best_s) for c in configs):
-                    return configs
                 groups = tuple(map(tuple, packing.groups()))
                 if groups in packings:
                     continue
                 packings.add(groups)
                 for B in sub_batch_sizes(self.cost.layout, adaptive):
-                    configs.append(configuration(self._cost_for(B), packing, shapes, mbs, limit))
+                    configs.append(configuration(self._cost_for(B), packing, shapes, mbs))
+        for c in configs if bounded else ():
+            bound(c, limit)
         return configs
 
     def _plan(self, meta: BatchMeta, deadline: float | None) -> IterationPlan:
@@ -107,17 +114,33 @@ class SeparatedPlanner(Planner):
         t0 = time.perf_counter()
         sizes = range(1, self.max_mbs + 1) if mode is Mode.PIPETUNE else [self.fixed_mbs]
         limit = self.budget - self.states
-        configs = self.configurations(meta, sizes, adaptive=mode is Mode.PIPETUNE, deadline=deadline)
+        configs = self.configurations(meta, sizes, adaptive=mode is Mode.PIPETUNE, bounded=False)
         warm = self._warm
         first = lambda c: warm is not None and (c.mbs, c.image_sub_batch) == warm[:2]  # noqa: E731
-        budget = Budget(EVALUATIONS, deadline)
-        best = min(configs, key=self._score)
-        for c in sorted(configs, key=lambda c: c.lower_bound_s * self._factor(c.mbs)):
+        # Opened (problem built, packing order scored) only while the bound can beat the best so far
+        # (a configuration left unopened has a bound, so a base, no faster than it: any order is
+        # lossless) and ``OPENING`` actions last: the previous batch's choice first, then most
+        # micro-batches first (under a tight memory limit, fewer and larger ones wait for memory).
+        # Each bound is computed only as far as a decision needs (``enough``): whether it beats the
+        # best so far, and the smallest over all configurations, the plan's bound.
+        best, low, opening = None, np.inf, OPENING
+        for c in sorted(configs, key=lambda c: (not first(c), -c.packing.num_micro_batches)):
+            shut = opening <= 0 or best is not None and past(deadline) and np.isfinite(best.best_s)
+            beat = np.inf if best is None else self._score(best) / self._factor(c.mbs)
+            low = min(low, bound(c, limit, enough=low if shut else max(low, beat)))
+            if shut or c.lower_bound_s >= beat:
+                continue
+            open_configuration(c, limit)
+            opening -= len(c.problem.acts)
+            best = c if best is None else min(best, c, key=self._score)
+        budget = Budget(ACTIONS, deadline)
+        opened = sorted((c for c in configs if c.problem is not None), key=lambda c: (not first(c), self._score(c)))
+        for c in opened:
             if np.isfinite(c.base_s) and self._may_beat(c, best):
                 scan(c, limit, budget, warm=warm[2:] if first(c) else None)
                 best = min(best, c, key=self._score)
         rng = np.random.default_rng((self.config.seed, meta.step))
-        for c in sorted(configs, key=lambda c: (not first(c), self._score(c)))[:TOP_CONFIGURATIONS]:
+        for c in sorted(opened, key=lambda c: (not first(c), self._score(c)))[:TOP_CONFIGURATIONS]:
             if np.isfinite(c.best_s) and self._may_beat(c, best):
                 climb(c, limit, budget, rng, CLIMB)
                 best = min(best, c, key=self._score)
@@ -131,9 +154,8 @@ class SeparatedPlanner(Planner):
             best.best = best.problem.run(best.problem.point_keys(best.order, 0, 0))
         self.last_mbs = best.mbs
         self._warm = (best.mbs, best.image_sub_batch, best.lead, best.lag)
-        bound = min(c.lower_bound_s for c in configs)
         return self._table_plan(meta, best.packing, best.order, best.mbs, best.image_sub_batch, best.lat, best.best,
-                                time.perf_counter() - t0, lower_bound_s=bound)
+                                time.perf_counter() - t0, lower_bound_s=low)
 
     def _to_plan(self, meta: BatchMeta, c: Candidate, search_s: float, *, lower_bound_s: float, fallback: bool = False) -> IterationPlan:
         return self._table_plan(meta, c.packing, c.order, c.mbs, self.cost.layout.image_sub_batch, c.lat, c.schedule, search_s,

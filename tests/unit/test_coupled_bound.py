@@ -125,6 +125,7 @@ def test_on_dip_configurations_the_pair_term_raises_the_bound(monkeypatch):
     from pipetune.data.images import ImageSizing
     from pipetune.plan import PlannerConfig
     from pipetune.plan.layout_search import LayoutSearch, sample_batches
+    from pipetune.plan.segment_search import open_configuration
 
     model, h = load_model_config("dip_5b_8b"), load_hardware("h100")
     cost = CostModel(analytical_table(model, h, tp=4), StageLayout.even(model.backbone.n_layers, 4), recompute_encoder=True)
@@ -133,8 +134,8 @@ def test_on_dip_configurations_the_pair_term_raises_the_bound(monkeypatch):
     layout = LayoutSearch(model, cost, metas, max_seq_len=8192, memory_bytes=h.memory_bytes, seed=0).partition().layout
     planner = PlannerConfig(max_seq_len=8192, memory_bytes=h.memory_bytes).build(model, cost.with_layout(layout))
     meta = batch_meta(data, BatchStream(num_rows=len(data), gbs=128, seed=0), 0, images=ImageSizing.for_model(model), max_seq_len=8192)
-    configs = planner.configurations(meta, range(1, planner.max_mbs + 1), adaptive=True)
     limit = planner.budget - planner.states
+    configs = [open_configuration(c, limit) for c in planner.configurations(meta, range(1, planner.max_mbs + 1), adaptive=True)]
     new = [c.lower_bound_s for c in configs]
     monkeypatch.setattr(lower_bound, "coupled_bound", lambda *args: 0.0)
     protos = [ScheduleTable(placement=c.problem.placement, num_micro_batches=c.packing.num_micro_batches, ranks=(),

@@ -57,3 +57,22 @@ def test_interleaved_images_sit_inside_their_text():
 def test_bad_mix_names_are_rejected(spec):
     with pytest.raises(ValueError, match="unknown mix"):
         make_mix(spec, 10)
+
+
+def test_image_heavy_tails_hit_their_targets():
+    """``webdocs``: 3.3 images a document (median 2, p99 17, at most 64), text mean about 810 and
+    median about 520 tokens (p99 about 4.7k); ``video``: about 36 frames a sample, at most 64, text
+    about 60 tokens, frames before the text. (About 1 s.)"""
+    docs, video = make_mix("webdocs", 100_000, seed=1), make_mix("video", 20_000, seed=1)
+    k, t = docs.num_images, docs.text_tokens
+    assert docs.source_names == ("webdoc",) and abs(k.mean() - 3.3) <= 0.1 and np.median(k) == 2
+    assert 16 <= np.percentile(k, 99) <= 18 and k.max() == 64 and k.min() >= 1
+    assert abs(t.mean() - 810) <= 40 and abs(np.median(t) - 520) <= 20 and 4200 <= np.percentile(t, 99) <= 5200
+    f = video.num_images
+    assert abs(f.mean() - 36) <= 1 and f.max() == 64 and abs(video.text_tokens.mean() - 60) <= 5
+    assert all((video.offsets_of(i) == 0).all() for i in range(100))
+
+
+def test_a_mix_of_unknown_sources_is_refused():
+    with pytest.raises(ValueError, match="unknown source"):
+        make_mix({"webdoc": 1, "podcast": 1}, 10)
