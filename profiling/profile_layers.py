@@ -52,6 +52,7 @@ from __future__ import annotations
 import copy
 import json
 import platform
+import sys
 import warnings
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -358,18 +359,26 @@ def run_profile(model: ModelConfig, cfg: ProfileConfig, out: str | Path, *, prog
     msg, p2p_note = _message_cost(model, cfg, prof)  # first: a machine too busy to measure fails before the long part
     done = min((len(samples.get(f"{c}:{x}", [])) for c, x in tasks), default=0)
     warm = cfg.warmup if done == 0 else 1
-    with tqdm(total=warm + cfg.repeats - done, desc=f"profiling {model.name} ({len(tasks)} points, {warm} warm-up passes)",
-              disable=not progress, unit=" passes") as bar:
+    what = f"profiling {model.name} ({len(tasks)} points, {warm} warm-up passes)"
+    lines = progress and not sys.stderr.isatty()  # a log or a pipe: a line per pass, not a bar redrawn in place
+    total, count = warm + cfg.repeats - done, iter(range(1, warm + cfg.repeats - done + 1))
+    with tqdm(total=total, desc=what, disable=not progress or lines, unit=" passes") as bar:
+        def passed() -> None:
+            bar.update()
+            n = next(count)
+            if lines:
+                print(f"{what}: pass {n}/{total}", file=sys.stderr, flush=True)
+
         for _ in range(warm):
             for curve, x in tasks:
                 prof.measure(curve, x)
-            bar.update()
+            passed()
         for k in range(done, cfg.repeats):
             for i in np.random.default_rng((cfg.seed, k)).permutation(len(tasks)):
                 curve, x = tasks[i]
                 samples.setdefault(f"{curve}:{x}", []).append(list(prof.measure(curve, x)))
             write_text_atomic(partial, json.dumps({"header": header, "samples": samples}))
-            bar.update()
+            passed()
     points = {k: np.median(np.asarray(v[: cfg.repeats]), axis=0).tolist() for k, v in samples.items()}
 
     def series(curve: str, grid: list[int]) -> list[list[float]]:

@@ -10,6 +10,7 @@ export HF_DATASETS_DISABLE_PROGRESS_BARS=1 OMP_NUM_THREADS=1
 PT=.venv/bin/pipetune
 DATA=out/data/datamix2
 if [ ! -f "$DATA/pipetune.json" ]; then
+  echo "== generating DataMix2 (20,000 samples) =="
   "$PT" data make --mix datamix2 --samples 20000 --seed 0 --out "$DATA"
 fi
 echo "== packing report (tiny model, GBS 32, max_seq_len 512, mbs 4) =="
