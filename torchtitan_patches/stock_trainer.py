@@ -67,16 +67,19 @@ class StockTrainer(Trainer):
         self.dataloader.bind(model)
         self.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=config.comm.init_timeout_seconds))
         self.records_path = Path(config.dump_folder) / "stock" / "steps.jsonl"
-        self.steps_logged = 0  # the loader's steps whose work the metrics processor has
+        self.last_work = None  # the work of the step the loader cut last
 
     def pp_forward_backward_step(self, **kwargs) -> torch.Tensor:
         t0 = time.perf_counter()
         loss = super().pp_forward_backward_step(**kwargs)
         elapsed = time.perf_counter() - t0
-        work = self.dataloader.work[-1]  # the loader cut this step's rows before its first micro-batch
-        for new in self.dataloader.work[self.steps_logged:]:  # once per step, whatever the gradient accumulation
-            self.metrics_processor.add_work(new)
-        self.steps_logged = len(self.dataloader.work)
+        cut = self.dataloader.work  # steps the loader cut since the last call: this step's, once whatever the accumulation
+        if cut:
+            self.last_work = cut[-1]
+            for new in cut:
+                self.metrics_processor.add_work(new)
+            cut.clear()
+        work = self.last_work
         mine = torch.tensor([elapsed, float(loss.sum()) if self.pp_has_last_stage else 0.0], dtype=torch.float64)
         every = [torch.zeros_like(mine) for _ in range(dist.get_world_size(self.control))]
         dist.all_gather(every, mine, group=self.control)

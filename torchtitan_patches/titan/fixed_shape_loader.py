@@ -21,8 +21,8 @@ Each micro-batch is TorchTitan's multimodal format: ``input``, per-document ``po
 which the trainer builds the document mask), ``pixel_values`` as padded patches ``(images,
 patches, patch_dim)`` with ``grid_thw`` (None without images) and ``special_tokens`` (the image id
 of the job's tokenizer, by which the model finds image positions); labels ``-100`` wherever
-nothing is predicted. ``work`` holds each step's ``StepWork`` (model FLOPs of its real documents,
-their tokens, padding tokens). Tensors come from ``torchtitan_patches.data`` (pipetune's content path); ``StockTrainer``
+nothing is predicted. ``work`` holds the ``StepWork`` of each step cut (model FLOPs of its real
+documents, their tokens, padding tokens) until its reader clears it. Tensors come from ``torchtitan_patches.data`` (pipetune's content path); ``StockTrainer``
 binds the loader to the model's planning shapes before the first step. Checkpoints hold the
 position in the stream of global batches, so only ``pad_steps`` jobs resume (a streamed step may
 end inside a batch).
