@@ -79,6 +79,18 @@ def test_the_search_finds_the_best_point_of_small_configurations(heavy):  # noqa
     assert plan.predicted_s <= min(c.best_s for c in small) + 1e-9
 
 
+def _limited_case(rng):
+    """A random separated problem, a memory limit of 1-3x what its largest micro-batch needs, and
+    the priorities of a random search point: (problem, latencies, limit, keys)."""
+    from test_separated import one_micro_batch_needs
+
+    placement, parent, lat = random_case(rng)
+    m = lat.fwd.shape[0]
+    problem = Problem(placement, parent, lat)
+    limit = one_micro_batch_needs(placement, parent, lat) * rng.uniform(1.0, 3.0)
+    return problem, lat, limit, problem.point_keys(rng.permutation(m), int(rng.integers(0, 4)), int(rng.integers(-3, m + 1)))
+
+
 def test_the_greedy_without_admission_is_kept_only_when_it_fits():
     """``Problem.run_fitting``: the greedy without admission where its table's peak fits every
     rank's limit, else the greedy with admission; either way a valid table under the limit that the
@@ -86,16 +98,10 @@ def test_the_greedy_without_admission_is_kept_only_when_it_fits():
     when the uncapped table would exceed the limit. On some cases admission rejects a faster
     table that fits (what the wider space gains), and on some the table without admission does
     not fit (what admission is for)."""
-    from test_separated import one_micro_batch_needs
-
     rng = np.random.default_rng(38)
     faster = overflow = 0
     for t in range(300):
-        placement, parent, lat = random_case(rng)
-        m = lat.fwd.shape[0]
-        problem = Problem(placement, parent, lat)
-        limit = one_micro_batch_needs(placement, parent, lat) * rng.uniform(1.0, 3.0)
-        keys = problem.point_keys(rng.permutation(m), int(rng.integers(0, 4)), int(rng.integers(-3, m + 1)))
+        problem, lat, limit, keys = _limited_case(rng)
         free, admitted = problem.run(keys), problem.run(keys, limit)
         fits = bool((free.peak_bytes <= limit).all())
         capped = problem.run(keys, cap=limit)
@@ -186,16 +192,10 @@ def test_a_cut_greedy_run_rarely_hides_a_faster_table():
     which skips the greedy with admission: over random cases and limits, that hides a table faster
     than ``within`` in at most 5 % of the cases where one exists (measured: the skip in 3 of 600
     runs, hiding none of the 314 faster tables). (About 3 s.)"""
-    from test_separated import one_micro_batch_needs
-
     rng = np.random.default_rng(62)
     faster = hidden = skipped = 0
     for _ in range(300):
-        placement, parent, lat = random_case(rng)
-        m = lat.fwd.shape[0]
-        problem = Problem(placement, parent, lat)
-        limit = one_micro_batch_needs(placement, parent, lat) * rng.uniform(1.0, 3.0)
-        keys = problem.point_keys(rng.permutation(m), int(rng.integers(0, 4)), int(rng.integers(-3, m + 1)))
+        problem, _, limit, keys = _limited_case(rng)
         full = problem.run_fitting(keys, limit)
         for within in full.makespan * rng.uniform(0.9, 1.1, 2):
             g = problem.run_fitting(keys, limit, within=within)
