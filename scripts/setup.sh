@@ -11,7 +11,9 @@ fi
 stamp=.venv/.pipetune-installed
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
-  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[dev]"
+  # a line per package, so that a first install (a few minutes) shows progress
+  echo "installing torch 2.13.0 (CPU) and pipetune's dependencies into .venv"
+  .venv/bin/python -m pip install --progress-bar off --disable-pip-version-check "torch==2.13.0" | { grep --line-buffered -E "^(Collecting|Building|Installing|Successfully)" || true; }
+  .venv/bin/python -m pip install --progress-bar off --disable-pip-version-check -e ".[dev]" | { grep --line-buffered -E "^(Collecting|Building|Installing|Successfully)" || true; }
   echo "$want" > "$stamp"
 fi

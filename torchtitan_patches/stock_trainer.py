@@ -59,6 +59,7 @@ class StockTrainer(Trainer):
                              f"{config.training.local_batch_size}: TorchTitan's step pulls local_batch_size rows, the loader cuts steps of rows_per_step")
         config.metrics = WorkMetricsProcessor.upgrade(config.metrics)
         super().__init__(config)
+        self.metrics_processor.count_recompute(config.activation_checkpoint)
         encoder = getattr(self.model_parts[0], "vision_encoder", None)
         if config.freeze_vision_encoder and encoder is not None:
             encoder.requires_grad_(False)

@@ -13,9 +13,10 @@ metrics and logging. What is overridden, and why:
   ``pipelining_fn`` also returns is not used (nor TorchTitan 0.3.0's ``schedule.step(arg_mbs=)``,
   which torch 2.13 lacks).
 * ``batch_generator``: the dataloader yields one ``GlobalBatch`` per step.
-* ``state_dict``: adds each lead's learning (calibration window and anchors, per-mbs correction,
-  guard), by replica in one entry, so a resumed job, of this degree or another, plans as the
-  uninterrupted one would (where the table and layout are the same; otherwise it is reset).
+* Checkpoints gain each lead's learning (calibration window and anchors, per-mbs correction,
+  guard), by replica in one entry (``titan.checkpoint_entries``), so a resumed job, of this degree
+  or another, plans as the uninterrupted one would (where the table and layout are the same;
+  otherwise it is reset).
 * ``train``: a failure on any rank stops every rank, naming the lost rank (``runtime.job_stop``).
 
 A step: each data-parallel replica's lead rank (pipeline stage 0, TP rank 0; rank 0 with one
@@ -103,6 +104,7 @@ from torchtitan_patches.runtime.plan_channel import PlanChannel
 from torchtitan_patches.runtime.replica_groups import ReplicaGroups
 from torchtitan_patches.settings import PipeTuneSettings
 from torchtitan_patches.compat.cpu_device import use_cpu
+from torchtitan_patches.titan.checkpoint_entries import LEARNED_KEY, LearnedState, checked_load
 from torchtitan_patches.titan.dataloader import PipeTuneTitanDataLoader
 from torchtitan_patches.titan.metrics import StepWork, WorkMetricsProcessor
 from torchtitan_patches.titan.job_checks import check_table, refuse_unsupported, with_job_weights
@@ -110,9 +112,6 @@ from torchtitan_patches.titan.model_parts import (choose_layout, local_encoder_c
                                                   split_for_layout)
 from torchtitan_patches.titan.model_spec import planning_model_config, stage_runtime
 from torchtitan_patches.compat.torch_compat import add_missing_torch_apis
-
-
-LEARNED_KEY = "pipetune_learned"
 
 
 @dataclass(frozen=True)
@@ -207,6 +206,7 @@ class PipeTuneTrainer(Trainer):
         self.tp_grads = TensorParallelGrads(self.model_parts, dims.tp, group=tp.get_group() if tp is not None else None)
         self.profiled = CostModel(self.table, self.layout)
         self.flops = FlopsModel(self.planning_model)
+        self.metrics_processor.count_recompute(config.activation_checkpoint)
         self.sizes_run: set[int] = set()  # micro-batch sizes this process has run (a size's first run is cold)
         if not isinstance(self.dataloader, PipeTuneTitanDataLoader):
             raise ValueError(f"PipeTuneTrainer needs dataloader = PipeTuneTitanDataLoader.Config, got {type(self.dataloader).__name__}")
@@ -232,6 +232,9 @@ class PipeTuneTrainer(Trainer):
         self.channel = PlanChannel(self.source, replica=self.replica, replicas=self.replicas, links=self.groups)
         loader.packing_source = self.channel
         self.records_path = Path(config.dump_folder) / "pipetune" / "steps.jsonl"
+        if self.checkpointer.enable:
+            self.checkpointer.states[LEARNED_KEY] = LearnedState(self._save_learned, self._load_learned)
+            self.checkpointer.load = checked_load(self.checkpointer.load, self.checkpointer.folder)
 
     def _build_executor(self, pt: PipeTuneSettings.Config, pp: int) -> PlanExecutor:
         """This rank's backbone chunks (TorchTitan's parts of stages ``r, r + P, ...``, in that
@@ -393,12 +396,11 @@ class PipeTuneTrainer(Trainer):
         start (``StepResult``), so clocks of other nodes need not agree."""
         mine = Share(self.replica, self.stage, self.tp_rank, res.elapsed_s, res.loss, res.overhead_s, res.peak_bytes, res.host_syncs, res.timeline)
         work = StepWork.of(self.flops, run.batch.micro_batches) if self.groups.is_lead else StepWork()  # once per replica
-        sums = torch.tensor([mine.loss if mine.loss is not None and self.tp_rank == 0 else 0.0, work.model_flops, work.real_tokens,
-                             work.padding_tokens], dtype=torch.float64)
+        sums = torch.tensor([mine.loss if mine.loss is not None and self.tp_rank == 0 else 0.0, *work.as_list()], dtype=torch.float64)
         measured = torch.tensor([res.elapsed_s], dtype=torch.float64)
         dist.all_reduce(sums, group=self.control)
         dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=self.control)
-        loss, total = float(sums[0]), StepWork(float(sums[1]), int(sums[2]), int(sums[3]))
+        loss, total = float(sums[0]), StepWork.from_list(sums[1:].tolist())
         every: list[Share] | None = self.groups.to_lead(mine)
         if every is None:
             return RunOutcome(loss, float(measured.item()), [], total)
@@ -462,28 +464,19 @@ class PipeTuneTrainer(Trainer):
         return {"table": hashlib.sha256(pickle.dumps(self.table)).hexdigest(), "layout": repr(self.layout),
                 "chunks_per_rank": self.chunks_per_rank, "split_backward": self.split_backward.value}
 
-    def state_dict(self) -> dict:
-        """TorchTitan's, with every lead's learning by replica in one entry, alike on every rank
-        (one all-gather per checkpoint), so that a job of another degree can load it."""
-        if getattr(self, "groups", None) is None:  # TorchTitan's own set-up, before pipetune's
-            return super().state_dict()
+    def _save_learned(self) -> bytes:
+        """Every lead's learning by replica, alike on every rank (one all-gather per checkpoint), so
+        that a job of another degree can load it."""
         mine = self.learner.state_dict() if self.learner is not None else None
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, (self.replica, mine) if self.groups.is_lead else None, group=self.control)
         replicas = [state for _, state in sorted(x for x in every if x is not None)]
-        return {**super().state_dict(), LEARNED_KEY: pickle.dumps({"on": self._learned_on(), "replicas": replicas})}
+        return pickle.dumps({"on": self._learned_on(), "replicas": replicas})
 
-    def load_state_dict(self, state_dict: dict) -> None:
+    def _load_learned(self, state: bytes) -> None:
         """Each lead takes its replica's learning, or with fewer replicas saved replica ``r mod
         saved``'s; learning of another table or layout is dropped, with one line."""
-        super().load_state_dict(state_dict)
-        if LEARNED_KEY not in state_dict:  # e.g. a job that switches to pipetune from TorchTitan's stock trainer
-            if self.rank == 0:
-                logger.warning(f"pipetune: the checkpoint holds no learned state ({LEARNED_KEY}): calibration, per-mbs correction and "
-                               "guard start afresh")
-            return
-        saved = pickle.loads(state_dict[LEARNED_KEY])
-        now = self._learned_on()
+        saved, now = pickle.loads(state), self._learned_on()
         if saved["on"] != now:
             if self.rank == 0:
                 logger.warning("pipetune: learned state reset (calibration, per-mbs correction, guard): the checkpoint's was learnt on "

@@ -55,6 +55,7 @@ def register(sub) -> None:
 def run_make(args) -> int:
     weights = parse_mix(args.mix)
     check_new_dir(args.out)  # before the generation, which takes a while
+    print(f"generating {args.samples:,} samples ({args.mix}, seed {args.seed}) into {args.out}", flush=True)
     table = make_mix(weights, args.samples, args.seed)
     write_dataset(table, args.out, {"mix": args.mix, "weights": weights, "seed": args.seed, "samples": args.samples})
     print(f"wrote {len(table)} samples ({args.mix}) to {args.out}")

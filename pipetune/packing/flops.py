@@ -126,7 +126,8 @@ class FlopsModel:
         tokens included) whose images have ``image_patches`` patches each: backbone and head
         forward + backward, the ViT's forward (+ backward when trained), the projector's forward +
         backward (it is always trained). MFU's numerator: pass real documents only, since what
-        padding costs is not model FLOPs; recomputation is not counted (PaLM's MFU)."""
+        padding costs is not model FLOPs; recomputation is not counted (PaLM's MFU: see
+        ``block_forward_flops`` for what full activation checkpointing adds)."""
         total = float(self.sequence_flops(lengths).sum())
         enc, patches = self.model.encoder, np.asarray(image_patches, dtype=np.float64)
         if enc is None or not patches.size:
@@ -134,3 +135,16 @@ class FlopsModel:
         vit = (1.0 + (0.0 if enc.frozen else BACKWARD_FACTOR)) * self.vit_forward(patches).sum()
         projector = (1.0 + BACKWARD_FACTOR) * 2.0 * self.model.projector_params * (patches / enc.merge**2).sum()
         return total + float(vit + projector)
+
+    def block_forward_flops(self, lengths, image_patches=()) -> float:
+        """Forward FLOPs of the transformer blocks over documents of ``lengths`` tokens and images of
+        ``image_patches`` patches: every backbone layer and, when the ViT is trained, every ViT layer
+        (not the head, embeddings, patch embedding or projector). What full activation checkpointing
+        recomputes in the backward, so hardware FLOPs = ``training_flops`` + this (a frozen ViT runs
+        without autograd and is not recomputed)."""
+        lengths = np.asarray(lengths, dtype=np.float64)
+        total = float(self.sequence_flops(lengths, with_head=False).sum()) / (1.0 + BACKWARD_FACTOR)
+        enc, patches = self.model.encoder, np.asarray(image_patches, dtype=np.float64)
+        if enc is None or enc.frozen or not patches.size:
+            return total
+        return total + float((self.vit_forward(patches) - 2.0 * patches * enc.patch_dim * enc.dim).sum())

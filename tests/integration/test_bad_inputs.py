@@ -294,5 +294,64 @@ def test_plan_channel_mismatch_fails_on_every_rank_within_the_timeout(scenario, 
         assert "Traceback" not in out, f"rank {rank}:\n{out}"
 
 
+# ------------------------------------------- a failed step stops every rank (three gloo ranks)
+
+def _job_stop_worker(scenario: str, rank: int, port: int) -> None:
+    """One rank of a job whose step 4 fails on rank 1 (``failed``) or loses rank 2 (``lost``), the
+    others blocked in a collective; the job's store is the test process's, as torchrun's agent's is."""
+    import signal
+    import time
+
+    import torch.distributed as dist
+
+    from torchtitan_patches.runtime.job_stop import JobStop
+
+    store = dist.TCPStore("127.0.0.1", port, world_size=3, is_master=False, timeout=timedelta(seconds=JOB_TIMEOUT_S))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=3, timeout=timedelta(seconds=3 * JOB_TIMEOUT_S))
+    stop = JobStop(lambda: 4, grace_s=2.0)
+    try:
+        time.sleep(0.5)
+        if scenario == "failed" and rank == 1:
+            raise ValueError("row 17 of shard 3 has no text")
+        if scenario == "lost" and rank == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        dist.barrier()
+        print("OK", flush=True)
+    except Exception as e:
+        print(f"RAISED {stop.failed(e)}", flush=True)
+    os._exit(0)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("scenario, codes, messages", [
+    ("failed", [1, 0, 1], ["pipetune: step 4: rank 1 failed (ValueError: row 17 of shard 3 has no text); rank 0 stops",
+                           "RAISED row 17 of shard 3 has no text",
+                           "pipetune: step 4: rank 1 failed (ValueError: row 17 of shard 3 has no text); rank 2 stops"]),
+    ("lost", [0, 0, -9], ["RAISED pipetune: step 4: lost rank 2 (no report within 2 s); rank 0 stops",
+                          "RAISED pipetune: step 4: lost rank 2 (no report within 2 s); rank 1 stops", ""]),
+])
+def test_a_failed_step_stops_every_rank_naming_the_failed_or_lost_one(scenario, codes, messages):
+    """Where no rank is lost, the failing rank raises its own error and the blocked ones exit 1
+    naming it; where one is killed, the others name it within the grace."""
+    import torch.distributed as dist
+
+    port = _free_port()
+    store = dist.TCPStore("127.0.0.1", port, world_size=3, is_master=True, wait_for_workers=False)  # noqa: F841 (outlives the workers)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, __file__, f"stop_{scenario}", str(r), str(port)], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(3)]
+    try:
+        outs = [p.communicate(timeout=3 * JOB_TIMEOUT_S + 20)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        for q in procs:
+            q.kill()
+        pytest.fail(f"job stop scenario {scenario!r} hung")
+    for rank, (p, out, msg) in enumerate(zip(procs, outs, messages)):
+        assert p.returncode == codes[rank] and msg in out and "Traceback" not in out, f"rank {rank} ({p.returncode}):\n{out}"
+
+
 if __name__ == "__main__":
-    _channel_worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    if sys.argv[1].startswith("stop_"):
+        _job_stop_worker(sys.argv[1].removeprefix("stop_"), int(sys.argv[2]), int(sys.argv[3]))
+    else:
+        _channel_worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))

@@ -300,3 +300,34 @@ def test_a_batch_with_nothing_to_predict_is_an_error(tmp_path, tiny):
     cfg = DataLoaderConfig(data=tmp_path / "d.jsonl", gbs=4, max_seq_len=64, packing=PackingConfig(mbs=1, max_seq_len=64))
     with pytest.raises(ValueError, match=r"step 0: none of the batch's 4 samples has a token to predict .* loss would be 0/0"):
         next(iter(cfg.build(tiny)))
+
+
+def test_the_titan_loader_names_the_job_option_behind_each_refused_field(datamix2_dir, tiny, tmp_path):
+    """What a resumed TorchTitan job prints: each field that differs with the option to set back
+    (``PipeTuneTitanDataLoader.OPTIONS``); a state saved at data-parallel rank 1 of 2 loads at DP 1."""
+    import shutil
+
+    from torchtitan_patches.titan.dataloader import PipeTuneTitanDataLoader
+
+    def titan_loader(seq_len=512, dp=(0, 1), **kw):
+        config = PipeTuneTitanDataLoader.Config(**{"dataset_path": str(datamix2_dir), "gbs": 8, "num_workers": 0, **kw})
+        loader = config.build(seq_len=seq_len, dp_rank=dp[0], dp_world_size=dp[1])
+        loader.bind(tiny, packing_source=None)
+        return loader
+
+    saved = titan_loader(dp=(1, 2))
+    next(iter(saved))
+    state = saved.state_dict()
+    shutil.copytree(datamix2_dir, tmp_path / "copy")
+    for change, named in [({"seed": 1}, "seed (dataloader.seed): saved 0, now 1"), ({"gbs": 4}, "gbs (dataloader.gbs): saved 8, now 4"),
+                          ({"seq_len": 256}, "max_seq_len (training.seq_len): saved 512, now 256"),
+                          ({"dataset_path": str(tmp_path / "copy")}, "data (dataloader.dataset_path): saved"),
+                          ({"overlong": "reject"}, "overlong (dataloader.overlong): saved 'truncate', now 'reject'")]:
+        with pytest.raises(ValueError, match="saved for another configuration") as err:
+            titan_loader(**change).load_state_dict(state)
+        assert named in str(err.value), (change, str(err.value))
+    with pytest.raises(ValueError, match=r"dataloader.overlong='drop': use one of \['truncate', 'reject', 'error'\]"):
+        titan_loader(overlong="drop")
+    resumed = titan_loader()
+    resumed.load_state_dict(state)
+    assert next(iter(resumed)).step == 1  # the step after the saved one, at DP 1

@@ -8,6 +8,7 @@ import torch
 import torchtitan.components.metrics as titan_metrics
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
+from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
 from pipetune.config.model import BackboneConfig, EncoderConfig, ModelConfig
 from pipetune.packing import FlopsModel
@@ -29,6 +30,8 @@ def counted(fn):
 
 @pytest.mark.parametrize("lengths", [[100, 150, 50, 200], [511], [3, 7, 1, 64, 300]])
 def test_decoder_layer_flops_match_flop_counter(tiny, lengths):
+    """Forward and forward + backward; and under TorchTitan's full activation checkpointing, the
+    backward's extra FLOPs are one more forward of the block (what ``hfu(%)`` adds)."""
     torch.manual_seed(0)
     layer = decoder_layer_config(tiny.backbone, max_seq_len=1024, attention_backend="sdpa").build()
     layer.init_states()
@@ -37,9 +40,14 @@ def test_decoder_layer_flops_match_flop_counter(tiny, lengths):
     x = torch.randn(1, sum(lengths), tiny.backbone.dim, requires_grad=True)
     fwd, total = counted(lambda: layer(x, varlen_metadata(cu), pos))
     # FlopCounterMode counts SDPA densely (no causal discount), so compare the dense convention.
-    model = FlopsModel(tiny, causal=False).layer_forward(lengths).sum()
+    dense = FlopsModel(tiny, causal=False)
+    model = dense.layer_forward(lengths).sum()
     assert abs(fwd - model) <= 0.05 * fwd
     assert abs(total - 3 * model) <= 0.05 * total
+    checkpointed = FullAC(FullAC.Config())._wrap_block(layer)
+    _, recomputing = counted(lambda: checkpointed(x, varlen_metadata(cu), pos))
+    one_layer = dense.block_forward_flops(lengths) / tiny.backbone.n_layers
+    assert abs((recomputing - total) - one_layer) <= 0.05 * one_layer
 
 
 def test_vit_layer_flops_match_flop_counter(tiny):
@@ -91,7 +99,11 @@ def _hand_model(frozen: bool) -> ModelConfig:
 # document of 2 text + 4 image tokens, forward: 2*6*160 + 4*4*21 + 2*6*4*10 = 2736; trained: 8208.
 # its image: patch embedding 2*4*4*2 = 64, ViT layer 2*4*(4*2*2 + 2*2*4) + attention 4*2*4*4 = 384 -> forward 448;
 # projector 2 -> 4 -> 4 (24 weights) over 4 tokens: 2*4*24 = 192 forward, always trained: 576.
+# Blocks' forward (what full activation checkpointing recomputes): decoder layer over the text
+# document 2*3*160 + 4*4*6 = 1056, over the image document 2*6*160 + 4*4*21 = 2256; the ViT layer 384
+# when trained (a frozen ViT runs without autograd, so nothing of it is recomputed).
 TEXT, IMAGE_DOC, VIT, PROJECTOR = 3888, 8208, 448, 576
+BLOCKS_TEXT, BLOCKS_IMAGE_DOC, VIT_LAYER = 1056, 2256, 384
 
 
 @pytest.mark.parametrize("frozen, vit", [(True, VIT), (False, 3 * VIT)])
@@ -99,6 +111,8 @@ def test_training_flops_match_a_hand_count(frozen, vit):
     f = FlopsModel(_hand_model(frozen))
     assert f.training_flops([3]) == TEXT  # text only
     assert f.training_flops([3, 6], [4]) == TEXT + IMAGE_DOC + vit + PROJECTOR
+    assert f.block_forward_flops([3]) == BLOCKS_TEXT
+    assert f.block_forward_flops([3, 6], [4]) == BLOCKS_TEXT + BLOCKS_IMAGE_DOC + (0 if frozen else VIT_LAYER)
 
 
 def test_step_work_leaves_padding_out_and_mfu_is_model_flops_over_peak_time(monkeypatch):
@@ -111,21 +125,31 @@ def test_step_work_leaves_padding_out_and_mfu_is_model_flops_over_peak_time(monk
                           cu_seqlens=torch.tensor([0, 3, 9, 12]), pixel_values=torch.zeros(4, 4), image_token_index=torch.arange(5, 9),
                           sample_ids=torch.tensor([7, 8]), image_grids=((2, 2),))
     work = StepWork.of(f, [mb, mb])
-    assert work == StepWork(2 * (TEXT + IMAGE_DOC + VIT + PROJECTOR), 18, 6)
+    assert work == StepWork(2 * (TEXT + IMAGE_DOC + VIT + PROJECTOR), 18, 6, 2 * (BLOCKS_TEXT + BLOCKS_IMAGE_DOC))
     assert work.padding_share == 0.25
+    assert StepWork.from_list(work.as_list()) == work
 
     class Dims:
         non_data_parallel_size = 4  # pipeline x tensor parallel ranks per replica
 
-    logged = {}
-    processor = WorkMetricsProcessor.Config(peak_tflops=1e-9).build(parallel_dims=Dims())  # 1000 FLOP/s per device
-    processor.logger.log = lambda metrics, step: logged.update(metrics)
-    processor.add_work(work)
-    processor.time_last_log = time.perf_counter() - 100.0
-    processor.data_loading_times.append(0.0)
-    processor.log(1, 1.0, 1.0, 1.0)
+    def logged_by(activation_checkpoint) -> dict:
+        logged = {}
+        processor = WorkMetricsProcessor.Config(peak_tflops=1e-9).build(parallel_dims=Dims())  # 1000 FLOP/s per device
+        processor.count_recompute(activation_checkpoint)
+        processor.logger.log = lambda metrics, step: logged.update(metrics)
+        processor.add_work(work)
+        processor.time_last_log = time.perf_counter() - 100.0
+        processor.data_loading_times.append(0.0)
+        processor.log(1, 1.0, 1.0, 1.0)
+        assert processor.work == StepWork()  # the next log counts from zero
+        return logged
+
     seconds = 100.0  # since the last log, give or take the call's own time
+    logged = logged_by(None)
     assert logged["throughput(tps)"] == pytest.approx(18 / (seconds * 4), rel=1e-3)  # real tokens per second per device
     assert logged["mfu(%)"] == pytest.approx(100 * work.model_flops / (seconds * 4 * 1000), rel=1e-3)
     assert logged["padding(%)"] == 25.0
-    assert processor.work == StepWork()  # the next log counts from zero
+    assert "hfu(%)" not in logged and "hfu(%)" not in logged_by(SelectiveAC.Config())  # nothing recomputed / not known
+    full = logged_by(FullAC.Config())
+    assert full["mfu(%)"] == pytest.approx(logged["mfu(%)"], rel=1e-3)
+    assert full["hfu(%)"] == pytest.approx(100 * (work.model_flops + work.block_forward_flops) / (seconds * 4 * 1000), rel=1e-3)

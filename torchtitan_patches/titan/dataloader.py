@@ -57,7 +57,8 @@ class PipeTuneTitanDataLoader(BaseDataLoader):
         """Shuffling seed of the sample stream."""
 
         overlong: str = "truncate"
-        """Samples longer than ``training.seq_len``: truncate, drop or error (as ``pipetune pack``)."""
+        """Samples longer than ``training.seq_len``: ``truncate``, ``reject`` (leave out) or ``error``
+        (as ``pipetune pack --overlong``)."""
 
         num_workers: int = 2
         """Worker processes that decode images and build the tensors, off the training process
@@ -84,6 +85,8 @@ class PipeTuneTitanDataLoader(BaseDataLoader):
             """pipetune's loader settings for rows of up to ``seq_len`` tokens."""
             if not self.dataset_path:
                 raise ValueError("dataloader.dataset_path is empty: give the data set directory (e.g. from `pipetune data make`)")
+            if self.overlong not in {o.value for o in Overlong}:
+                raise ValueError(f"dataloader.overlong={self.overlong!r}: use one of {[o.value for o in Overlong]}")
             if self.bad_images not in {b.value for b in BadImages}:
                 raise ValueError(f"dataloader.bad_images={self.bad_images!r}: use one of {[b.value for b in BadImages]}")
             return DataLoaderConfig(data=self.dataset_path, gbs=self.gbs, max_seq_len=seq_len, seed=self.seed,
@@ -147,8 +150,4 @@ class PipeTuneTitanDataLoader(BaseDataLoader):
         return {self.KEY: pickle.dumps({k: v for k, v in state.items() if k not in ("share", "truncation")})}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        if self.KEY not in state_dict:
-            raise ValueError(f"the checkpoint holds no pipetune data position ({self.KEY}): another dataloader or an older pipetune "
-                             "wrote it. Resume with the loader that wrote it, or start the data stream at step 0 by not loading "
-                             "this state (--checkpoint.exclude_from_loading dataloader)")
         self._bound().load_state_dict(pickle.loads(state_dict[self.KEY]), names=self.OPTIONS)

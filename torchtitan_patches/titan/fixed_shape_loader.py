@@ -31,7 +31,7 @@ end inside a batch).
 from __future__ import annotations
 
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -150,7 +150,7 @@ class FixedShapeDataLoader(BaseDataLoader):
             tokens[:n], labels[:n], positions[:n] = mb.tokens, mb.labels, mb.positions
             images = mb if mb.num_images else None
         return {"input": tokens, "labels": labels, "positions": positions, "images": images,
-                "work": StepWork(work.model_flops, work.real_tokens, work.padding_tokens + pad)}
+                "work": replace(work, padding_tokens=work.padding_tokens + pad)}
 
     def _micro_batch(self, rows: list[dict]) -> tuple[dict, torch.Tensor]:
         images = [r["images"] for r in rows if r["images"] is not None]
