@@ -336,7 +336,7 @@ def test_a_failed_step_stops_every_rank_naming_the_failed_or_lost_one(scenario, 
     import torch.distributed as dist
 
     port = _free_port()
-    store = dist.TCPStore("127.0.0.1", port, world_size=3, is_master=True, wait_for_workers=False)  # noqa: F841 (outlives the workers)
+    store = dist.TCPStore("127.0.0.1", port, world_size=3, is_master=True, wait_for_workers=False)  # outlives the workers
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, __file__, f"stop_{scenario}", str(r), str(port)], env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(3)]
@@ -348,6 +348,7 @@ def test_a_failed_step_stops_every_rank_naming_the_failed_or_lost_one(scenario, 
         pytest.fail(f"job stop scenario {scenario!r} hung")
     for rank, (p, out, msg) in enumerate(zip(procs, outs, messages)):
         assert p.returncode == codes[rank] and msg in out and "Traceback" not in out, f"rank {rank} ({p.returncode}):\n{out}"
+    del store  # held until every worker ended
 
 
 if __name__ == "__main__":
