@@ -1,6 +1,6 @@
 """Data-parallel balance benchmark (simulation): each global batch split over DP pipeline replicas,
 round-robin (the data loader's split) vs the balanced split (busiest-rank LPT refined by estimated
-swaps, ``pipetune.plan.dp_balance``), every replica planned by the pipetune planner.
+swaps, ``pipetune.plan.data_parallel.dp_balance``), every replica planned by the pipetune planner.
 
 Per setting (``--settings``: DPxGBS, default DP 64 / 256 / 1024 at 64 samples a replica) and mix:
 the step's time (slowest replica, mean over ``--iters`` batches), slowest / mean replica, the
@@ -46,10 +46,10 @@ from pipetune.config import load_hardware, load_model_config
 from pipetune.cost import CostModel, StageLayout, analytical_table
 from pipetune.data import BatchStream, ImageSizing, make_mix
 from pipetune.data.batch import BatchReader, BatchTotals, id_checksum
-from pipetune.plan.dp_balance import ShareCost, compare_dp
+from pipetune.plan.data_parallel.dp_balance import ShareCost, compare_dp
 from pipetune.plan.mode import Mode
-from pipetune.plan.planner_config import PlannerConfig
-from pipetune.plan.replicas import ReplicaPlans, ReplicaShare, SharePlanner
+from pipetune.plan.layout.planner_config import PlannerConfig
+from pipetune.plan.data_parallel.replicas import ReplicaPlans, ReplicaShare, SharePlanner
 
 try:
     from threadpoolctl import threadpool_limits

@@ -57,7 +57,7 @@ from pipetune.config import load_model_config
 from pipetune.cost import CostModel, StageLayout
 from pipetune.data import make_mix, write_dataset
 from pipetune.packing import PackingConfig
-from pipetune.plan.planner_config import PlannerConfig
+from pipetune.plan.layout.planner_config import PlannerConfig
 from pipetune.schedule import onto_ranks
 from pipetune.schedule.table import Module, Op
 from pipetune.simulate.simulator import durations

@@ -18,9 +18,9 @@ import json
 from pipetune.config import load_hardware, load_model_config
 from pipetune.cost import CostModel, StageLayout, analytical_table
 from pipetune.data import make_mix
-from pipetune.plan.compare import compare_modes
-from pipetune.plan.layout_search import LayoutSearch, sample_batches
-from pipetune.plan.planner_config import SplitBackward
+from pipetune.plan.layout.compare import compare_modes
+from pipetune.plan.layout.layout_search import LayoutSearch, sample_batches
+from pipetune.plan.layout.planner_config import SplitBackward
 
 
 def run_one(name: str, mix: str, args) -> dict:

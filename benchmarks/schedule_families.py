@@ -3,7 +3,7 @@ TP 4, GBS 128, max_seq_len 8192) at PP 4 and PP 8 on DataMix1/2/3.
 
 Spaces compared, each planned per iteration by pipetune and, as the baseline, by the best static
 configuration of the same space (one packer, micro-batch size and, where the space has it,
-backward split, chosen once for the run over the same iterations; ``pipetune.plan.compare``):
+backward split, chosen once for the run over the same iterations; ``pipetune.plan.layout.compare``):
 
 * ``1F1B``: one chunk per rank, whole backwards (the space before #39);
 * ``+ZB``: the planner chooses per iteration between 1F1B and its zero-bubble twin (ZB-H1);
@@ -33,7 +33,7 @@ import numpy as np
 from pipetune.config import load_hardware, load_model_config
 from pipetune.cost import CostModel, StageLayout, analytical_table
 from pipetune.data import make_mix
-from pipetune.plan.compare import compare_modes
+from pipetune.plan.layout.compare import compare_modes
 from pipetune.plan.mode import Mode
 
 

@@ -29,7 +29,7 @@ from pipetune.config import load_hardware, load_model_config
 from pipetune.cost import CostModel, StageLayout, analytical_table
 from pipetune.cost.variability import Spread, Variability
 from pipetune.data import BatchStream, batch_meta, make_mix
-from pipetune.plan import PlannerConfig
+from pipetune.plan.layout.planner_config import PlannerConfig
 from pipetune.simulate.jitter import expected_time
 
 DRAWS = (0, 8, 16)

@@ -9,7 +9,7 @@ with 3.3 images on average and up to 64, video clips of about 36 frames), ``--it
 * mean predicted iteration time of the best co-located layout and of the separated one, and the
   separated layout's cut against it;
 * on the separated layout: the best static configuration (one packer and micro-batch size for the
-  whole run, packing order, the partitioner's ``B``; ``pipetune.plan.compare``), pipetune's cut
+  whole run, packing order, the partitioner's ``B``; ``pipetune.plan.layout.compare``), pipetune's cut
   against it, the mean gap of each to its own lower bound (``placement_lower_bound`` with the
   memory term; pipetune's is the smallest over every configuration its search considered);
 * pipetune's search time per iteration on the separated layout, p50 / max (one thread).
@@ -41,11 +41,11 @@ from pipetune.config import load_hardware, load_model_config
 from pipetune.cost import CostModel, StageLayout, analytical_table
 from pipetune.data import BatchStream, batch_meta, make_mix
 from pipetune.data.images import ImageSizing
-from pipetune.plan import PlannerConfig
-from pipetune.plan.compare import compare_modes
-from pipetune.plan.layout_search import compare_layouts
+from pipetune.plan.layout.planner_config import PlannerConfig
+from pipetune.plan.layout.compare import compare_modes
+from pipetune.plan.layout.layout_search import compare_layouts
 from pipetune.plan.mode import Mode
-from pipetune.plan.segment_search import Budget, climb, exhaustive, open_configuration, scan
+from pipetune.plan.separated.segment_search import Budget, climb, exhaustive, open_configuration, scan
 
 PRESETS = (  # model, hardware, recompute the trained encoder's activations, mixes
     ("dip_5b_8b", "h100", True, ("datamix3", "datamix2")),

@@ -73,10 +73,10 @@ os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 from pipetune.data import Overlong  # noqa: E402
 from pipetune.packing import PackingConfig  # noqa: E402
 from pipetune.plan.plan import IterationPlan  # noqa: E402
-from pipetune.plan.replicas import ReplicaPlans  # noqa: E402
+from pipetune.plan.data_parallel.replicas import ReplicaPlans  # noqa: E402
 from torchtitan_patches.data import DataLoaderConfig  # noqa: E402
 from torchtitan_patches.testbed.learning import PairLearner, TestbedRecord  # noqa: E402
-from pipetune.calibrate.learner import call_overhead_s  # noqa: E402
+from pipetune.serve.learner import call_overhead_s  # noqa: E402
 from pipetune.calibrate.online import MeasuredStep, fit_steps, held_out_times, simulate_plan  # noqa: E402
 from pipetune.calibrate.pairs import PairCalibrator  # noqa: E402
 from pipetune_configs import config_registry  # noqa: E402

@@ -13,7 +13,7 @@ same samples reach the same weights, only the summation order differs). The firs
 
 ``--dp 2`` runs each job data-parallel, DP 2 x PP 2 on 4 gloo ranks (FSDP; ``original`` splits
 each global batch round-robin as TorchTitan's loader does, the other modes with pipetune's
-balanced split, ``pipetune.plan.dp_balance``), with ``muse_glimmer_mm`` rather than the
+balanced split, ``pipetune.plan.data_parallel.dp_balance``), with ``muse_glimmer_mm`` rather than the
 2-rank CPU testbed: a step's time is its slowest replica's. Four ranks share two cores there, so
 its times include that contention.
 

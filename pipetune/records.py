@@ -22,7 +22,7 @@ R = TypeVar("R", bound="StepRecord")
 
 
 class StepKind(str, Enum):
-    """Why a step ran its plan (``pipetune.plan.plan_source``)."""
+    """Why a step ran its plan (``pipetune.serve.plan_source``)."""
 
     TUNED = "tuned"
     BASELINE = "baseline"

@@ -13,7 +13,7 @@ import sys
 from pipetune.config import load_hardware, load_model_config
 from pipetune.cost import CostModel, StageLayout, analytical_table
 from pipetune.data import make_mix
-from pipetune.plan.compare import compare_modes
+from pipetune.plan.layout.compare import compare_modes
 
 PAPER = {  # seconds per iteration, PipeTune Table 2
     "datamix1": {"original": 15.35, "balanced": 10.52, "reorder": 10.34, "pipetune": 9.10},

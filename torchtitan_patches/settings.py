@@ -12,12 +12,12 @@ from dataclasses import dataclass, field
 from torchtitan.config import Configurable
 
 from pipetune.calibrate.correction import FamilyCorrection
-from pipetune.calibrate.learner import Learner
+from pipetune.serve.learner import Learner
 from pipetune.calibrate.online import OnlineCalibrator
 from pipetune.cost import CostModel
 from pipetune.plan import Mode
-from pipetune.plan.guard import Guard, GuardConfig
-from pipetune.plan.planner_config import SplitBackward
+from pipetune.serve.guard import Guard, GuardConfig
+from pipetune.plan.layout.planner_config import SplitBackward
 
 __all__ = ["CalibrationSettings", "GuardSettings", "PipeTuneSettings", "ReplaySettings"]
 
@@ -54,7 +54,7 @@ class CalibrationSettings(Configurable):
 
 
 class GuardSettings(Configurable):
-    """The measured guard (``pipetune.plan.guard``): pipetune's plans run only while measured
+    """The measured guard (``pipetune.serve.guard``): pipetune's plans run only while measured
     faster than the best fixed configuration."""
 
     @dataclass(kw_only=True, slots=True)
@@ -176,7 +176,7 @@ class PipeTuneSettings(Configurable):
             return self.guard.enable and self.tuning and not self.replay.path
 
         def learner(self, profiled: CostModel) -> Learner:
-            """A replica lead's learning for this job (``pipetune.calibrate.learner``)."""
+            """A replica lead's learning for this job (``pipetune.serve.learner``)."""
             calibrator = self.calibration.calibrator(profiled, jitter_draws=self.jitter_draws)
             correction = FamilyCorrection() if calibrator is not None and self.tuning else None
             return Learner(profiled, calibrator=calibrator, correction=correction, guard=self.guard.guard() if self.guarded else None)

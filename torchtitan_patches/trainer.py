@@ -25,11 +25,11 @@ cycle, the planner planning ``plan_ahead`` batches ahead in its own process, the
 baseline, or the planner's fallback when that process fails) and sends it to the replica's ranks
 (``runtime.plan_channel``); every rank runs its replica's plan on its pipeline (``runs``: one
 run; a subclass may add measurement runs); the lead learns from its replica's run
-(``pipetune.calibrate.learner``: online refit, per-mbs correction, guard), and rank 0 appends one
+(``pipetune.serve.learner``: online refit, per-mbs correction, guard), and rank 0 appends one
 ``StepRecord`` per replica to ``<dump_folder>/pipetune/steps.jsonl``.
 
 Data parallelism (FSDP, or HSDP with a replicate degree; ``runtime.data_parallel``): every lead
-splits the global batch over the replicas (``pipetune.plan.dp_balance``: deterministic, priced by
+splits the global batch over the replicas (``pipetune.plan.data_parallel.dp_balance``: deterministic, priced by
 the profiled table, so every lead gets the same split; the leads check that their plans
 partition the batch) and plans its own share, in parallel with the others
 (``runtime.replica_groups``); every replica runs its own plan on its pipeline (TorchTitan's ``pp``
@@ -81,17 +81,18 @@ from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
-from pipetune.calibrate.learner import Learned, Learner
+from pipetune.serve.learner import Learned, Learner
 from pipetune.cost import CostModel, load_latency_table
 from pipetune.packing import FlopsModel
-from pipetune.plan import Mode, PlannerConfig
-from pipetune.plan.async_planner import AsyncPlanner
-from pipetune.plan.compare import best_static_planner
-from pipetune.plan.dp_balance import ShareCost
-from pipetune.plan.guard import GuardState
+from pipetune.plan import Mode
+from pipetune.plan.layout.planner_config import PlannerConfig
+from pipetune.serve.async_planner import AsyncPlanner
+from pipetune.plan.layout.compare import best_static_planner
+from pipetune.plan.data_parallel.dp_balance import ShareCost
+from pipetune.serve.guard import GuardState
 from pipetune.plan.plan import IterationPlan
-from pipetune.plan.plan_source import PlanSource, load_replay
-from pipetune.plan.replicas import ReplicaShare, SharePlanner
+from pipetune.serve.plan_source import PlanSource, load_replay
+from pipetune.plan.data_parallel.replicas import ReplicaShare, SharePlanner
 from pipetune.records import StepKind, StepRecord
 from pipetune.simulate import TimedAction
 from torchtitan_patches.data.micro_batch import GlobalBatch
@@ -273,7 +274,7 @@ class PipeTuneTrainer(Trainer):
         """A lead's planners: the job's mode, the calibration cycle, and the guard's baseline. Every
         planner predicts the same kind of time (expected under jitter, or deterministic), so the
         per-mbs correction and the guard compare like with like. With data parallelism each plans
-        this replica's share of the job's split: the balanced one (``pipetune.plan.dp_balance``,
+        this replica's share of the job's split: the balanced one (``pipetune.plan.data_parallel.dp_balance``,
         priced by the profiled table, which every lead holds alike; mode ``original`` keeps
         TorchTitan's round-robin). The job's planner splits and plans ahead in its own process
         (``AsyncPlanner``), so ``self.planners`` holds the ``AsyncPlanner``, through which model

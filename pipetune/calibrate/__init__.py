@@ -1,4 +1,3 @@
 """Calibration of the latency table from measured steps: the per-action fit (``action_fit``), the
 online window refit anchored by calibration steps (``online``), the per-mbs correction
-(``correction``), what rank 0 learns after each step (``learner``), and the CPU testbed's
-pair-based fits (``pairs``)."""
+(``correction``) and the CPU testbed's pair-based fits (``pairs``)."""

@@ -1,4 +1,4 @@
-"""``pipetune layout``: propose a stage layout for a job before training (see ``pipetune.plan.layout_search``)."""
+"""``pipetune layout``: propose a stage layout for a job before training (see ``pipetune.plan.layout.layout_search``)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pipetune.cli.common import (
 
 from pipetune.config import load_hardware
 from pipetune.cost import CostModel, StageLayout
-from pipetune.plan.planner_config import SplitBackward
+from pipetune.plan.layout.planner_config import SplitBackward
 
 
 def add_layout_args(p, *, default: str) -> None:
@@ -42,7 +42,7 @@ def cost_and_layout_from_args(args, model, data):
     itself: it compares it with the co-located layouts), and the search result (``None`` unless
     ``auto``, which picks the faster of the best co-located split and the separated layout; with
     virtual stages or split backward, which the separated layout does not run, the best split)."""
-    from pipetune.plan.layout_search import LayoutSearch, sample_batches
+    from pipetune.plan.layout.layout_search import LayoutSearch, sample_batches
 
     base = cost_model_from_args(args, model)
     cost = CostModel(base.table, base.layout, recompute_encoder=args.recompute_encoder)

@@ -14,8 +14,8 @@ from pipetune.cli.common import (
     table_from_args,
 )
 from pipetune.cli.layout_cmd import add_layout_args, cost_and_layout_from_args, memory_from_args
-from pipetune.plan.compare import compare_modes
-from pipetune.plan.planner_config import SplitBackward
+from pipetune.plan.layout.compare import compare_modes
+from pipetune.plan.layout.planner_config import SplitBackward
 
 
 def gap(x: float) -> str:
@@ -104,9 +104,9 @@ def run(args) -> int:
 
 
 def _data_parallel(args, model, cost, data, memory) -> dict:
-    from pipetune.plan.dp_balance import compare_dp
+    from pipetune.plan.data_parallel.dp_balance import compare_dp
     from pipetune.plan.mode import Mode
-    from pipetune.plan.planner_config import PlannerConfig
+    from pipetune.plan.layout.planner_config import PlannerConfig
 
     if args.gbs % args.dp:
         raise ValueError(f"--gbs {args.gbs} is not a multiple of --dp {args.dp}")
@@ -121,7 +121,7 @@ def _separated(args, model, data) -> int:
     import numpy as np
 
     from pipetune.cost import CostModel
-    from pipetune.plan.layout_search import compare_layouts
+    from pipetune.plan.layout.layout_search import compare_layouts
 
     if args.dp > 1:
         raise ValueError("--layout separated compares layouts on one pipeline; leave out --dp")

@@ -1,7 +1,7 @@
 """GPU memory per pipeline stage: model states plus in-flight activations, and the largest mbs that fits.
 
 A trained ViT's activations are data-dependent (images per micro-batch) and are checked on every
-candidate plan's simulated peak (``pipetune.plan.planner``), not in the worst case below.
+candidate plan's simulated peak (``pipetune.plan.search.planner``), not in the worst case below.
 
 Model states per rank (no ZeRO; tensor parallelism splits everything ``tp`` ways): every trained
 parameter costs ``TRAINED_BYTES_PER_PARAM`` = 16 bytes (BF16 weight and gradient, FP32 master weight

@@ -73,7 +73,7 @@ class StageLayout:
             return cls.even(n_layers, num_stages, chunks_per_rank=chunks_per_rank)
         if spec == "separated":
             raise ValueError("the separated layout's chunks and sub-microbatch size come from the partitioner "
-                             "(pipetune.plan.layout_search.LayoutSearch.partition), not from a layer list")
+                             "(pipetune.plan.layout.layout_search.LayoutSearch.partition), not from a layer list")
         try:
             sizes = [int(x) for x in spec.split(",")]
         except ValueError:

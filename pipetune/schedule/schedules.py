@@ -7,7 +7,7 @@ forward ``E0F{j}`` sits immediately before ``0F{j}`` and, when the encoder is tr
 backward ``E0B{j}`` immediately after ``0B{j}``. ``place_encoders`` moves encoder forwards earlier
 (pre-computation). Generated tables are valid by construction (the tests check it);
 ``ScheduleTable.validate`` and ``compile_schedule`` check any table, generated or not. The
-separated layout's tables come from ``pipetune.plan.interleave``.
+separated layout's tables come from ``pipetune.plan.separated.interleave``.
 
 Virtual stages and split backward (``list_scheduled``): TorchTitan's ``Interleaved1F1B`` (``V``
 backbone chunks per rank) and zero-bubble tables (every backward split into ``I`` and ``W``, the

@@ -194,7 +194,7 @@ def _channel_worker(scenario: str, rank: int, port: int) -> None:
     from pipetune.data import BatchStream, ImageSizing, make_mix
     from pipetune.data.batch import BatchReader
     from pipetune.plan.plan import PlanError, build_plan
-    from pipetune.plan.replicas import ReplicaShare
+    from pipetune.plan.data_parallel.replicas import ReplicaShare
     from torchtitan_patches.runtime.plan_channel import PlanChannel
     from torchtitan_patches.runtime.replica_groups import ReplicaGroups
 

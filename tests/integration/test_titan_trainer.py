@@ -15,7 +15,7 @@ from titan_reference import unsplit_step
 from pipetune_configs import config_registry
 from torchtitan_patches.titan.model_spec import planning_model_config
 from pipetune.plan.plan import IterationPlan
-from pipetune.plan.plan_source import load_replay
+from pipetune.serve.plan_source import load_replay
 from pipetune.records import StepKind, StepRecord
 
 pytestmark = pytest.mark.timeout(170)
@@ -291,7 +291,7 @@ def _replaying_the_records_learns_what_the_job_learnt(job: Path, recs: list[Test
     from pipetune.cost import CostModel, StageLayout, load_latency_table
     from pipetune.data import Overlong
     from pipetune.packing import PackingConfig
-    from pipetune.plan.replicas import ReplicaPlans
+    from pipetune.plan.data_parallel.replicas import ReplicaPlans
     from torchtitan_patches.data import DataLoaderConfig
 
     config = config_registry.muse_glimmer_mm()

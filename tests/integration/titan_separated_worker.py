@@ -5,7 +5,7 @@ tests/test_titan_separated.py, not by pytest).
 usage: python titan_separated_worker.py DATA_DIR OUT_DIR OPTIONS_JSON  (RANK, WORLD_SIZE, MASTER_PORT in env)
 Options: ``trained`` (train the ViT), ``sub_batch`` (B), ``seed`` (of the random plan order),
 ``search`` (run the separated planner's plan instead: its micro-batch size, ``B``, order, lead and
-lag, found by ``pipetune.plan.segment_search`` on an analytical H100 table of this model).
+lag, found by ``pipetune.plan.separated.segment_search`` on an analytical H100 table of this model).
 
 Both ranks build the whole model from one seed (the reference), then split it with the trainer's
 ``layout_fqns`` and TorchTitan's own splitter, cut each part's ``vision_encoder`` to the rank's
@@ -34,7 +34,7 @@ from torchtitan.distributed.pipeline_parallel import _split_module
 
 from pipetune.config import load_hardware
 from pipetune.cost import CostModel, StageLayout, analytical_table
-from pipetune.plan import PlannerConfig
+from pipetune.plan.layout.planner_config import PlannerConfig
 from pipetune.packing import PackingConfig
 from torchtitan_patches.data import DataLoaderConfig
 from torchtitan_patches.runtime.executor import ImageShapes, PlanExecutor

@@ -11,14 +11,15 @@ import pytest
 
 from pipetune.calibrate import action_fit
 from pipetune.calibrate.action_fit import INPUT_GRAD_FITTED, Design, Observation, Part, calibrate_design
-from pipetune.calibrate.learner import Learner
+from pipetune.serve.learner import Learner
 from pipetune.calibrate.online import MeasuredStep, OnlineCalibrator, fit_steps, simulate_plan, timeline_observations
 from pipetune.config import load_hardware, load_model_config
 from pipetune.cost import CostModel, StageLayout, analytical_table, load_latency_table
 from pipetune.cost.latency_table import table_from_dict
 from pipetune.data import BatchStream, batch_meta, make_mix
-from pipetune.plan import Mode, PlannerConfig
-from pipetune.plan.replicas import ReplicaPlans
+from pipetune.plan import Mode
+from pipetune.plan.layout.planner_config import PlannerConfig
+from pipetune.plan.data_parallel.replicas import ReplicaPlans
 from pipetune.records import StepKind, StepRecord
 from pipetune.schedule.table import Op
 from image_sizing import square_images

@@ -11,7 +11,7 @@ from pipetune.cost import CostModel, StageLayout, analytical_table
 from pipetune.calibrate.action_fit import OVERHEAD_GRID, Design, calibrate_design
 from pipetune.cost.latency_table import LatencyTableError, table_from_dict
 from pipetune.data import batch_meta, make_mix
-from pipetune.plan import PlannerConfig
+from pipetune.plan.layout.planner_config import PlannerConfig
 from pipetune.simulate import Latencies, TimedAction, compile_schedule, evaluate, simulate
 from pipetune.simulate.contention import concurrent_time, overlap_with_others
 from pipetune.calibrate.online import MeasuredStep, OnlineCalibrator, fit_steps, simulate_plan, with_overhead

@@ -13,7 +13,7 @@ from test_separated import one_micro_batch_needs, random_case
 
 import pipetune.simulate.lower_bound as lower_bound
 from pipetune.packing.sub_batches import SubBatches
-from pipetune.plan.interleave import Problem
+from pipetune.plan.separated.interleave import Problem
 from pipetune.schedule import Placement, Schedule, ScheduleTable
 from pipetune.simulate import Latencies, simulate
 from pipetune.simulate.lower_bound import coupled_bound, heads_and_tails, placement_lower_bound
@@ -123,9 +123,9 @@ def test_on_dip_configurations_the_pair_term_raises_the_bound(monkeypatch):
     from pipetune.cost import CostModel, StageLayout, analytical_table
     from pipetune.data import BatchStream, batch_meta, make_mix
     from pipetune.data.images import ImageSizing
-    from pipetune.plan import PlannerConfig
-    from pipetune.plan.layout_search import LayoutSearch, sample_batches
-    from pipetune.plan.segment_search import open_configuration
+    from pipetune.plan.layout.planner_config import PlannerConfig
+    from pipetune.plan.layout.layout_search import LayoutSearch, sample_batches
+    from pipetune.plan.separated.segment_search import open_configuration
 
     model, h = load_model_config("dip_5b_8b"), load_hardware("h100")
     cost = CostModel(analytical_table(model, h, tp=4), StageLayout.even(model.backbone.n_layers, 4), recompute_encoder=True)

@@ -13,11 +13,11 @@ from pipetune.data import make_mix
 from pipetune.data.batch import batch_meta
 from pipetune.data.images import ImageSizing
 from pipetune.data.stream import BatchStream
-from pipetune.plan.dp_balance import ShareCost, compare_dp, even_split, lpt_split, plan_split, replica_meta, split_batch
+from pipetune.plan.data_parallel.dp_balance import ShareCost, compare_dp, even_split, lpt_split, plan_split, replica_meta, split_batch
 from pipetune.plan.mode import Mode
-from pipetune.plan.planner_config import PlannerConfig
+from pipetune.plan.layout.planner_config import PlannerConfig
 from pipetune.data.batch import BatchReader, id_checksum
-from pipetune.plan.replicas import ReplicaShare, SharePlanner
+from pipetune.plan.data_parallel.replicas import ReplicaShare, SharePlanner
 
 MODEL = load_model_config("7b")
 COST = CostModel(analytical_table(MODEL, load_hardware("a100"), tp=4), StageLayout.even(32, 4))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pipetune.calibrate.correction import FamilyCorrection
-from pipetune.plan.guard import Guard, GuardConfig, GuardState, PlanKind
+from pipetune.serve.guard import Guard, GuardConfig, GuardState, PlanKind
 from pipetune.data.images import ImageSizing
 
 
@@ -132,7 +132,8 @@ def test_the_planner_compares_sizes_through_the_correction(tiny, datamix2_dir):
     from pipetune.data.batch import batch_meta
     from pipetune.data.storage import open_dataset
     from pipetune.data.stream import BatchStream
-    from pipetune.plan import Mode, PlannerConfig
+    from pipetune.plan import Mode
+    from pipetune.plan.layout.planner_config import PlannerConfig
 
     data = open_dataset(datamix2_dir).table
     cost = CostModel(analytical_table(tiny, load_hardware("h100"), tp=1), StageLayout.even(tiny.backbone.n_layers, 2))

@@ -25,7 +25,7 @@ from recorded_stream import RecordedStream
 from pipetune.config import load_hardware, load_model_config
 from pipetune.cost import CostModel, StageLayout, analytical_table
 from pipetune.data import batch_meta, make_mix
-from pipetune.plan import PlannerConfig
+from pipetune.plan.layout.planner_config import PlannerConfig
 from pipetune.plan.plan import build_plan
 from pipetune.schedule import Action, Module, Op, Placement, ScheduleTable
 from pipetune.schedule.lowering import Compute, Message, Post, lower_all

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pipetune.cost.variability import Spread, Variability
-from pipetune.plan.precompute import move_encoders_into_gaps
+from pipetune.plan.search.precompute import move_encoders_into_gaps
 from pipetune.schedule import one_f_one_b
 from pipetune.simulate import Latencies, compile_schedule, evaluate
 from pipetune.simulate.jitter import draw_makespans, expected_makespan, jitter

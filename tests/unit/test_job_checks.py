@@ -9,7 +9,7 @@ import pytest
 from pipetune_configs import config_registry
 from pipetune.cost import LatencyTable
 from pipetune.cost.latency_table import Curve
-from pipetune.plan.planner_config import SplitBackward
+from pipetune.plan.layout.planner_config import SplitBackward
 from torchtitan_patches.titan.job_checks import check_table, refuse_unsupported
 from torchtitan_patches.titan.model_parts import schedule_family
 

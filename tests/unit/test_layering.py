@@ -1,6 +1,7 @@
 """Layers point one way: the planning core stays free of torch (planning never touches the
 training process's CUDA state), the runtime never reaches up into the profiler, and the planning
-core's modules import each other without a circle (a circle only loads in one order)."""
+core's modules import each other without a circle (a circle only loads in one order) and only
+from their own floor or the floors below (the data flow, ``FLOORS``)."""
 
 import ast
 import pkgutil
@@ -64,6 +65,30 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
         if m not in state and (found := walk(m)):
             return found
     return None
+
+
+FLOORS = ("pipetune", "config", "files", "data", "packing", "schedule", "cost", "simulate", "records", "plan", "plan.search",
+          "plan.separated", "plan.layout", "plan.data_parallel", "calibrate", "serve", "cli", "__main__")
+"""The planning core's floors, lowest first: samples -> packing -> cost -> simulate -> plan (the
+plan IR, then the search, DIP's separated layout, which layout and planner a job runs, the
+data-parallel split) -> calibrate -> serving plans to a running job -> the command line."""
+
+
+def _floor(module: str) -> str:
+    parts = module.split(".")[1:]
+    if not parts:
+        return "pipetune"
+    return ".".join(parts[:2]) if ".".join(parts[:2]) in FLOORS else parts[0]
+
+
+def test_planning_core_imports_only_its_own_floor_or_below():
+    modules = _modules("pipetune")
+    unplaced = sorted({_floor(m) for m in modules} - set(FLOORS))
+    assert not unplaced, f"give these folders a floor in FLOORS: {unplaced}"
+    up = sorted(f"{name} -> {dep}" for name, path in modules.items() for dep in _imports(path)
+                if dep in modules and FLOORS.index(_floor(dep)) > FLOORS.index(_floor(name)))
+    assert len(modules) > 10
+    assert not up, "imports that point up the data flow: " + "; ".join(up)
 
 
 def test_planning_core_never_imports_torch():

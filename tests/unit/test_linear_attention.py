@@ -17,7 +17,7 @@ from pipetune.cost import CostModel, MicroBatchShapes, StageLayout, analytical_t
 from pipetune.cost.latency_table import Curve, LatencyTable
 from pipetune.data.samples import SampleTable
 from pipetune.packing.flops import FlopsModel
-from pipetune.plan.layout_search import LayoutSearch, sample_batches
+from pipetune.plan.layout.layout_search import LayoutSearch, sample_batches
 
 SHAPES = dict(n_key_heads=16, n_value_heads=32, key_head_dim=128, value_head_dim=128)
 

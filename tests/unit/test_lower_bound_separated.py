@@ -8,7 +8,7 @@ from random_schedules import random_separated_table
 from test_separated import one_micro_batch_needs, random_case
 
 from pipetune.cost.cost_model import rank_work
-from pipetune.plan.interleave import Problem
+from pipetune.plan.separated.interleave import Problem
 from pipetune.schedule import Placement, Schedule, ScheduleTable
 from pipetune.simulate import Latencies, simulate
 from pipetune.simulate.lower_bound import heads_and_tails, makespan_lower_bound, memory_bound, placement_lower_bound, window_bound

@@ -278,13 +278,13 @@ def test_a_thousand_random_plans_run_on_a_strict_in_order_transport():
 
 def test_the_separated_search_s_tables_run_on_a_strict_in_order_transport():
     """Every plan the separated layout's search returns is a dual-queue greedy table for some
-    micro-batch order and encoder lead, under a memory limit (``pipetune.plan.segment_search``):
+    micro-batch order and encoder lead, under a memory limit (``pipetune.plan.separated.segment_search``):
     300 of them (2-5 ranks, 1-3 encoder segments, frozen and trained encoders, random orders, leads
     0-3 and limits from one micro-batch's need up) on all three transport models, 0 failures."""
     from test_separated import one_micro_batch_needs, random_case
 
-    from pipetune.plan.interleave import Problem
-    from pipetune.plan.segment_search import LEADS
+    from pipetune.plan.separated.interleave import Problem
+    from pipetune.plan.separated.segment_search import LEADS
 
     rng = np.random.default_rng(38)
     for _ in range(300):

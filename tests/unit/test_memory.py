@@ -11,7 +11,7 @@ from pipetune.data.batch import batch_meta
 from pipetune.data.stream import BatchStream
 from pipetune.packing.flops import FlopsModel
 from pipetune.plan.mode import Mode
-from pipetune.plan.planner_config import PlannerConfig
+from pipetune.plan.layout.planner_config import PlannerConfig
 from pipetune.data.images import ImageSizing
 
 

@@ -11,12 +11,13 @@ from pipetune.cost import CostModel, StageLayout, analytical_table
 from pipetune.calibrate.action_fit import Observed, Part
 from pipetune.cost.latency_table import CURVES, Curve
 from pipetune.data import BatchStream, batch_meta, make_mix
-from pipetune.plan import Mode, PlannerConfig
-from pipetune.plan.guard import Guard
+from pipetune.plan import Mode
+from pipetune.plan.layout.planner_config import PlannerConfig
+from pipetune.serve.guard import Guard
 from pipetune.calibrate.online import MeasuredStep, OnlineCalibrator, fit_steps, held_out_times, simulate_plan, timeline_observations
-from pipetune.plan.plan_source import PlanSource, StepKind
-from pipetune.plan.async_planner import AsyncPlanner
-from pipetune.plan.replicas import ReplicaShare, SharePlanner
+from pipetune.serve.plan_source import PlanSource, StepKind
+from pipetune.serve.async_planner import AsyncPlanner
+from pipetune.plan.data_parallel.replicas import ReplicaShare, SharePlanner
 from image_sizing import square_images
 from pipetune.data.images import ImageSizing
 

@@ -10,11 +10,12 @@ from pipetune.config import load_hardware, load_model_config
 from pipetune.cost import CostModel, MicroBatchShapes, StageLayout, analytical_table
 from pipetune.data import BatchStream, batch_meta, make_mix
 from pipetune.packing import PackingConfig
-from pipetune.plan import IterationPlan, Mode, PlanError, PlannerConfig
-from pipetune.plan.async_planner import AsyncPlanner
-from pipetune.plan.dp_balance import ShareCost
-from pipetune.plan.plan_source import PlanSource
-from pipetune.plan.replicas import ReplicaShare, SharePlanner
+from pipetune.plan import IterationPlan, Mode, PlanError
+from pipetune.plan.layout.planner_config import PlannerConfig
+from pipetune.serve.async_planner import AsyncPlanner
+from pipetune.plan.data_parallel.dp_balance import ShareCost
+from pipetune.serve.plan_source import PlanSource
+from pipetune.plan.data_parallel.replicas import ReplicaShare, SharePlanner
 from pipetune.schedule import Schedule, one_f_one_b
 from pipetune.simulate import Latencies, simulate
 from image_sizing import square_images
@@ -320,7 +321,7 @@ def test_best_static_is_never_slower_than_a_fixed_mbs_mode_it_covers():
     from pipetune.config import load_hardware, load_model_config
     from pipetune.cost import CostModel, StageLayout, analytical_table
     from pipetune.data import make_mix
-    from pipetune.plan.compare import compare_modes
+    from pipetune.plan.layout.compare import compare_modes
 
     model = load_model_config("3b")
     cost = CostModel(analytical_table(model, load_hardware("a100"), tp=2), StageLayout.even(model.backbone.n_layers, 4))
@@ -360,8 +361,8 @@ def test_the_best_static_configuration_may_fix_a_micro_batch_count(setup13b):
     layout, every size with every count up to four rounds of the ranks, on interleaved layouts every
     size with each count torch's ``Interleaved1F1B`` runs; a fixed count packs at least that many
     micro-batches."""
-    from pipetune.plan.compare import StaticKey, static_planners
-    from pipetune.plan.planner_config import SplitBackward
+    from pipetune.plan.layout.compare import StaticKey, static_planners
+    from pipetune.plan.layout.planner_config import SplitBackward
 
     model, cost = setup13b
     static = static_planners(model, cost, max_seq_len=8192, memory_bytes=A100.memory_bytes)

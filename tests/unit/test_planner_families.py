@@ -8,8 +8,9 @@ from pipetune.config import load_hardware, load_model_config
 from pipetune.cost import CostModel, StageLayout, analytical_table
 from pipetune.cost.memory import model_state_bytes
 from pipetune.data import batch_meta, make_mix
-from pipetune.plan import IterationPlan, PlannerConfig
-from pipetune.plan.compare import compare_modes
+from pipetune.plan import IterationPlan
+from pipetune.plan.layout.planner_config import PlannerConfig
+from pipetune.plan.layout.compare import compare_modes
 from pipetune.schedule.lowering import lower_all
 from pipetune.schedule.table import Op, Placement
 from pipetune.simulate import simulate
@@ -115,7 +116,7 @@ def test_leaving_the_last_ranks_weight_gradients_to_their_end_speeds_up_batches_
     """DataMix1 at PP 8, V = 2 (no more micro-batches than ranks): the variants whose last ranks run
     their ``W`` after their input gradients make some plans faster and none slower, and each plan
     is the table it simulated (memory included)."""
-    from pipetune.plan import planner as planner_module
+    from pipetune.plan.search import planner as planner_module
 
     model, cost = costs(V=2, pp=8)
     config = PlannerConfig(max_seq_len=8192, memory_bytes=A100.memory_bytes, split_backward="auto")
@@ -137,7 +138,7 @@ def test_interleaved_plans_also_pack_into_whole_rounds_of_the_ranks(monkeypatch)
     faster than either, so the planner tries it. The plan without that step is never faster, each
     plan is the table it simulated (memory included), and the bound still lies below the plan
     (the counts between sizes 2 and 1 that are not whole rounds left out: the next test)."""
-    from pipetune.plan.planner import Planner
+    from pipetune.plan.search.planner import Planner
 
     model, cost = costs(V=2, pp=8)
     config = PlannerConfig(max_seq_len=8192, memory_bytes=A100.memory_bytes, split_backward="auto")
@@ -163,7 +164,7 @@ def test_interleaved_plans_also_spread_size_2_over_the_counts_below_size_1s(monk
     whole rounds into 16; 20-21 micro-batches of size 2, screened on unit times, are faster than all
     of them on every batch. The plans without that step are slower; every plan simulates to its
     prediction within memory, holds every sample once, and its bound counts the screened packings'."""
-    from pipetune.plan.planner import Planner
+    from pipetune.plan.search.planner import Planner
 
     model, cost = costs(V=2, pp=8)
     config = PlannerConfig(max_seq_len=8192, memory_bytes=A100.memory_bytes, split_backward="auto")
@@ -186,7 +187,7 @@ def test_skipping_time_weighted_tables_that_cannot_beat_the_plan_so_far_changes_
     """The planner passes ``within`` (its best plan so far) to ``list_scheduled``: on DataMix1 at
     PP 8, V = 2 it skips some time-weighted tables, and the plans are the same as when every table
     is built and simulated."""
-    from pipetune.plan import planner as planner_module
+    from pipetune.plan.search import planner as planner_module
     from pipetune.schedule.schedules import list_scheduled
 
     model, cost = costs(V=2, pp=8)

@@ -14,7 +14,7 @@ from pipetune.cost.variability import Spread, Variability
 from pipetune.data import BatchStream, batch_meta, make_mix
 from pipetune.data.batch import BatchMeta
 from pipetune.data.samples import OverlongReport, SampleTable
-from pipetune.plan import PlannerConfig
+from pipetune.plan.layout.planner_config import PlannerConfig
 from pipetune.simulate import Latencies, simulate
 from pipetune.simulate.jitter import expected_time
 from image_sizing import square_images

@@ -11,9 +11,9 @@ from pipetune.data import make_mix, write_dataset
 from pipetune.data.index import build_index
 from pipetune.packing import PackingConfig
 from pipetune.plan.mode import Mode
-from pipetune.plan.planner_config import PlannerConfig
-from pipetune.plan.dp_balance import ShareCost
-from pipetune.plan.replicas import ReplicaPlans, ReplicaShare, SharePlanner
+from pipetune.plan.layout.planner_config import PlannerConfig
+from pipetune.plan.data_parallel.dp_balance import ShareCost
+from pipetune.plan.data_parallel.replicas import ReplicaPlans, ReplicaShare, SharePlanner
 from torchtitan_patches.data import DataLoaderConfig
 
 SEQ, GBS, STEPS, ROWS, DP = 2048, 8, 200, 60, 2

@@ -13,10 +13,11 @@ from pipetune.cost.cost_model import MicroBatchShapes
 from pipetune.cost.latency_table import Curve
 from pipetune.data import BatchStream, batch_meta, make_mix
 from pipetune.packing.sub_batches import SubBatches
-from pipetune.plan import IterationPlan, PlannerConfig
-from pipetune.plan.interleave import Problem
-from pipetune.plan.partitioner import image_sub_batch_size, partition
-from pipetune.plan.separated import SeparatedPlanner
+from pipetune.plan import IterationPlan
+from pipetune.plan.layout.planner_config import PlannerConfig
+from pipetune.plan.separated.interleave import Problem
+from pipetune.plan.separated.partitioner import image_sub_batch_size, partition
+from pipetune.plan.separated.separated_planner import SeparatedPlanner
 from pipetune.schedule import Placement, ScheduleTable
 from pipetune.schedule.table import Buffer
 from pipetune.schedule.lowering import lower_all

@@ -1,4 +1,4 @@
-"""The separated layout's joint search (``pipetune.plan.segment_search`` via ``SeparatedPlanner``):
+"""The separated layout's joint search (``pipetune.plan.separated.segment_search`` via ``SeparatedPlanner``):
 its plans are valid, fit every rank's memory, simulate to their prediction, never lose to the
 balanced plan, sit above their lower bound, lower onto in-order transports, and are deterministic;
 past a deadline the search still returns a valid plan (its best so far)."""
@@ -9,9 +9,10 @@ from test_lowering_fifo import check
 from test_separated import H100, heavy, random_case  # noqa: F401  (the fixture)
 
 from recorded_stream import RecordedStream
-from pipetune.plan import IterationPlan, PlannerConfig
-from pipetune.plan.interleave import Problem
-from pipetune.plan.segment_search import exhaustive, sub_batch_sizes
+from pipetune.plan import IterationPlan
+from pipetune.plan.layout.planner_config import PlannerConfig
+from pipetune.plan.separated.interleave import Problem
+from pipetune.plan.separated.segment_search import exhaustive, sub_batch_sizes
 from pipetune.simulate import simulate
 
 
@@ -130,7 +131,7 @@ def test_the_search_spreads_a_size_over_the_counts_between_two_sizes(monkeypatch
     from pipetune.config import load_model_config
     from pipetune.data import batch_meta, make_mix
     from pipetune.data.images import ImageSizing
-    from pipetune.plan.separated import SeparatedPlanner
+    from pipetune.plan.separated.separated_planner import SeparatedPlanner
 
     model = load_model_config("dip_5b_8b")
     layout = StageLayout.even(model.backbone.n_layers, 4).separated(model.encoder.n_layers, 1, 20)
@@ -163,7 +164,7 @@ def test_on_an_image_heavy_tail_the_pruned_search_loses_nothing_it_prunes():
     from pipetune.cost import CostModel, StageLayout, analytical_table
     from pipetune.data import batch_meta, make_mix
     from pipetune.data.images import ImageSizing
-    from pipetune.plan.segment_search import open_configuration
+    from pipetune.plan.separated.segment_search import open_configuration
 
     model, a100 = load_model_config("dip_5b_8b"), load_hardware("a100")
     layout = StageLayout.even(model.backbone.n_layers, 4).separated(model.encoder.n_layers, 1, 16)

@@ -10,7 +10,8 @@ from pipetune.config import load_hardware, load_model_config
 from pipetune.cost import CostModel, StageLayout, analytical_table
 from pipetune.calibrate.online import simulate_plan
 from pipetune.data import BatchStream, batch_meta, make_mix
-from pipetune.plan import Mode, PlannerConfig
+from pipetune.plan import Mode
+from pipetune.plan.layout.planner_config import PlannerConfig
 from pipetune.simulate.contention import concurrent_time
 from image_sizing import square_images
 

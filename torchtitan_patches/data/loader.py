@@ -188,7 +188,7 @@ class DataLoaderConfig:
     (``pipetune.data.image_files``).
     Limits: one global batch per step. With ``dp_size > 1`` every data-parallel rank reads the
     same global batch and yields the share its packing source names (the planner's split, see
-    ``pipetune.plan.replicas``); the loss normaliser stays the global batch's label tokens.
+    ``pipetune.plan.data_parallel.replicas``); the loss normaliser stays the global batch's label tokens.
     """
 
     data: str | Path

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from pipetune.data.batch import CHECKSUM_BITS, BatchMeta, BatchReader, BatchTotals, id_checksum
 from pipetune.plan.plan import IterationPlan, PlanError
-from pipetune.plan.replicas import ReplicaPlans, SharePlan
+from pipetune.plan.data_parallel.replicas import ReplicaPlans, SharePlan
 from torchtitan_patches.runtime.executor import PlanMismatchError
 from torchtitan_patches.runtime.replica_groups import ReplicaGroups
 

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from torchtitan_patches.testbed.runs import Twin
-from pipetune.calibrate.learner import Learned, Learner
+from pipetune.serve.learner import Learned, Learner
 from pipetune.calibrate.pairs import PairCalibrator
 from pipetune.data.batch import BatchMeta
-from pipetune.plan.replicas import ReplicaPlans
+from pipetune.plan.data_parallel.replicas import ReplicaPlans
 from pipetune.records import StepKind, StepRecord
 
 

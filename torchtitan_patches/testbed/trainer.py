@@ -20,8 +20,8 @@ from torchtitan_patches.testbed.runs import Twin, first_run, has_size_twin, rota
 from pipetune.calibrate.pairs import PairCalibrator
 from pipetune.data.batch import BatchMeta
 from pipetune.plan.plan import IterationPlan
-from pipetune.plan.plan_source import load_replay
-from pipetune.plan.replicas import ReplicaPlans
+from pipetune.serve.plan_source import load_replay
+from pipetune.plan.data_parallel.replicas import ReplicaPlans
 from pipetune.records import StepKind
 from torchtitan_patches.compat.cpu_allocator import retain_freed_memory
 from torchtitan_patches.settings import PipeTuneSettings

@@ -34,7 +34,7 @@ import dataclasses
 
 from torchtitan.tools.logging import logger
 
-from pipetune.plan.planner_config import SplitBackward
+from pipetune.plan.layout.planner_config import SplitBackward
 from torchtitan_patches.titan.model_parts import INTERLEAVED_SCHEDULES, dtype_name, replicas_of, schedule_family
 
 __all__ = ["PLANNED_MODELS", "check_table", "refuse_unsupported", "with_job_weights"]

@@ -33,8 +33,8 @@ from pipetune.config.model import ModelConfig
 from pipetune.cost import CostModel, LatencyTable, StageLayout
 from pipetune.data.batch import BatchMeta
 from pipetune.data.storage import open_dataset
-from pipetune.plan.layout_search import LayoutSearch, sample_batches
-from pipetune.plan.planner_config import SplitBackward
+from pipetune.plan.layout.layout_search import LayoutSearch, sample_batches
+from pipetune.plan.layout.planner_config import SplitBackward
 from pipetune.schedule.table import Placement
 from torchtitan_patches.compat.muse_glimmer_tp import convert_first_block_input
 from torchtitan_patches.runtime.data_parallel import shard_part

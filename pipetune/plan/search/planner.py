@@ -80,11 +80,11 @@ from pipetune.cost.cost_model import CostModel, MicroBatchShapes
 from pipetune.cost.memory import max_micro_batch_size, model_state_bytes
 from pipetune.data.batch import BatchMeta
 from pipetune.packing.config import PackerKind, PackingConfig
-from pipetune.plan.candidate import Candidate
+from pipetune.plan.search.candidate import Candidate
 from pipetune.plan.mode import Mode
-from pipetune.plan.ordering import candidate_orders
+from pipetune.plan.search.ordering import candidate_orders
 from pipetune.plan.plan import IterationPlan, plan_from_table
-from pipetune.plan.precompute import move_encoders_into_gaps
+from pipetune.plan.search.precompute import move_encoders_into_gaps
 from pipetune.schedule.schedules import in_order, list_scheduled, place_encoders
 from pipetune.simulate.dag import CompiledSchedule, compile_schedule
 from pipetune.simulate.jitter import JitteredLatencies, expected_makespan, jitter
@@ -92,7 +92,7 @@ from pipetune.simulate.lower_bound import makespan_lower_bound, placement_lower_
 from pipetune.simulate.simulator import Latencies, evaluate, split_times
 
 if TYPE_CHECKING:
-    from pipetune.plan.planner_config import PlannerConfig
+    from pipetune.plan.layout.planner_config import PlannerConfig
 
 log = logging.getLogger(__name__)
 PRECOMPUTE_OVERFLOWS = np.array([0.0, 0.5])

@@ -5,14 +5,17 @@ without either reaching into the other's module."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pipetune.packing.groups import Packing
-from pipetune.plan.interleave import Interleaved
 from pipetune.simulate.dag import CompiledSchedule
 from pipetune.simulate.jitter import JitteredLatencies
 from pipetune.simulate.simulator import Latencies
+
+if TYPE_CHECKING:  # the separated planner's table; the search does not depend on it
+    from pipetune.plan.separated.interleave import Interleaved
 
 
 @dataclass

@@ -1,5 +1,5 @@
-"""``AsyncPlanner``'s planner process: ``python -m pipetune.plan.plan_worker`` (see
-``pipetune.plan.async_planner`` for why a process).
+"""``AsyncPlanner``'s planner process: ``python -m pipetune.serve.plan_worker`` (see
+``pipetune.serve.async_planner`` for why a process).
 
 It imports the planning core only, never torch. Pickles on stdin: first the planner and the
 function that reads a batch's metadata, then one request at a time, ``(updates, step,

@@ -10,7 +10,7 @@ Which plan a step runs, in order of precedence:
    micro-batch size, so the online calibration has seen each size's per-call costs before the
    planner compares sizes by them. They train like any other step.
 3. Otherwise the job's planner (``AsyncPlanner``, planning ahead), unless the measured guard
-   (``pipetune.plan.guard``, pipetune mode only) asks for the baseline: the best fixed
+   (``pipetune.serve.guard``, pipetune mode only) asks for the baseline: the best fixed
    configuration (packer and micro-batch size chosen once on sampled batches), which is also
    planned for every batch so that the guard compares both predictions on the same batch. When
    the job's planner fails (its process died or stopped answering), the step runs the
@@ -39,11 +39,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipetune.data.batch import BatchMeta
-from pipetune.plan.async_planner import AsyncPlanner
-from pipetune.plan.guard import Guard, PlanKind
+from pipetune.serve.async_planner import AsyncPlanner
+from pipetune.serve.guard import Guard, PlanKind
 from pipetune.plan.plan import IterationPlan, PlanError
-from pipetune.plan.planner import Planner
-from pipetune.plan.replicas import ReplicaPlans, ReplicaShare, SharePlan
+from pipetune.plan.search.planner import Planner
+from pipetune.plan.data_parallel.replicas import ReplicaPlans, ReplicaShare, SharePlan
 from pipetune.calibrate.online import simulate_plan
 from pipetune.cost import CostModel
 from pipetune.records import StepKind, StepRecord

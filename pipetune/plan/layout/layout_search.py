@@ -45,10 +45,10 @@ from pipetune.data.batch import BatchMeta, batch_meta
 from pipetune.data.samples import SampleTable
 from pipetune.data.stream import BatchStream
 from pipetune.packing.config import PackerKind, PackingConfig
-from pipetune.plan.compare import ModeSummary, compare_modes
+from pipetune.plan.layout.compare import ModeSummary, compare_modes
 from pipetune.plan.mode import Mode
-from pipetune.plan.partitioner import Partition, partition
-from pipetune.plan.planner_config import PlannerConfig, SplitBackward
+from pipetune.plan.separated.partitioner import Partition, partition
+from pipetune.plan.layout.planner_config import PlannerConfig, SplitBackward
 from pipetune.schedule.schedules import Schedule
 from pipetune.schedule.table import Placement
 
@@ -184,7 +184,7 @@ class LayoutSearch:
     def search(self, *, max_moves: int | None = None, separated: bool = False) -> LayoutSearchResult:
         """The best co-located split (module doc); with ``separated`` (a model with an encoder, one
         chunk per rank, whole backwards), also the partitioner's separated layout
-        (``pipetune.plan.partitioner``), and the faster of the two."""
+        (``pipetune.plan.separated.partitioner``), and the faster of the two."""
         if separated and (self.chunks_per_rank > 1 or self.planner_config.split_backward is not SplitBackward.OFF):
             raise ValueError("the separated layout runs one chunk per rank with whole backwards: search it without virtual stages "
                              "or split backward")

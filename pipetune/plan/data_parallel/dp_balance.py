@@ -4,7 +4,7 @@ which gates the step, is as fast as possible, at a cost that does not grow with 
 TorchTitan's data loader deals samples round-robin, blind to their cost, so one replica can draw
 the interleaved documents with many images while another draws text. ``split_batch(...,
 balanced=True)`` makes the global decision only; every replica then plans its own share
-(``pipetune.plan.replicas.SharePlanner``, on the replica's own ranks in a job):
+(``pipetune.plan.data_parallel.replicas.SharePlanner``, on the replica's own ranks in a job):
 
 1. ``ShareCost``: the busy seconds each sample adds to each rank of a pipeline when packed, from
    the latency table (attention per document; token-linear parts and the encoder at the per-token

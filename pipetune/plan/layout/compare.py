@@ -34,8 +34,8 @@ from pipetune.data.batch import BatchMeta, batch_meta
 from pipetune.data.samples import Overlong, SampleTable
 from pipetune.data.stream import BatchStream
 from pipetune.plan.mode import Mode
-from pipetune.plan.planner import Planner
-from pipetune.plan.planner_config import PlannerConfig, SplitBackward
+from pipetune.plan.search.planner import Planner
+from pipetune.plan.layout.planner_config import PlannerConfig, SplitBackward
 
 STATIC_ROUNDS = 4  # fixed micro-batch counts up to this many rounds of the ranks (module doc)
 

@@ -13,7 +13,7 @@ of the step it is running with ``pop(step)``.
 A process, not a thread: rank 0 is the busiest rank (stage 0 and the vision encoder), and a
 planning thread's numpy search, many small calls, holds the GIL between them and delays the
 kernel launches of rank 0's training thread. The process runs ``python -m
-pipetune.plan.plan_worker``, which imports the planning core only: multiprocessing's spawn and
+pipetune.serve.plan_worker``, which imports the planning core only: multiprocessing's spawn and
 forkserver would re-import the trainer's ``__main__`` (``torchtitan.train``, so torch), and fork is
 unsafe in a process with threads (torch's).
 
@@ -46,12 +46,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from pipetune.data.batch import BatchMeta
-from pipetune.plan import plan_worker
+from pipetune.serve import plan_worker
 from pipetune.plan.plan import IterationPlan, PlanError
-from pipetune.plan.planner import Planner
+from pipetune.plan.search.planner import Planner
 
 if TYPE_CHECKING:
-    from pipetune.plan.replicas import SharePlanner
+    from pipetune.plan.data_parallel.replicas import SharePlanner
 
 REAP_S = 10.0  # to collect a process that ended or was killed
 

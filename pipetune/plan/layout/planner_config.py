@@ -1,6 +1,6 @@
 """The planner's settings, and ``PlannerConfig.build``, which picks the planner for a cost model's
-layout. Kept apart from both planners so that ``pipetune.plan.separated`` can subclass ``Planner``
-without ``pipetune.plan.planner`` importing it back."""
+layout. Kept apart from both planners so that ``pipetune.plan.separated.separated_planner`` can subclass ``Planner``
+without ``pipetune.plan.search.planner`` importing it back."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from enum import StrEnum
 from pipetune.config.model import ModelConfig
 from pipetune.cost.cost_model import CostModel
 from pipetune.plan.mode import Mode
-from pipetune.plan.planner import Planner
-from pipetune.plan.separated import SeparatedPlanner
+from pipetune.plan.search.planner import Planner
+from pipetune.plan.separated.separated_planner import SeparatedPlanner
 from pipetune.schedule.schedules import Schedule
 
 

@@ -2,10 +2,10 @@
 
 Fixed-size modes (``original``, ``balanced``) mean what they mean for ``Planner``: one packing at
 one micro-batch size, its micro-batches in packing order, scheduled by the dual-queue greedy
-(``pipetune.plan.interleave``) under each rank's memory (budget minus the rank's model states, so
+(``pipetune.plan.separated.interleave``) under each rank's memory (budget minus the rank's model states, so
 every table fits), at the layout's image sub-microbatch size ``B``.
 
-``reorder`` and ``pipetune`` run the joint search of ``pipetune.plan.segment_search``: ``reorder``
+``reorder`` and ``pipetune`` run the joint search of ``pipetune.plan.separated.segment_search``: ``reorder``
 over orders and encoder leads and lags at the fixed size and ``B``; ``pipetune`` also over every
 micro-batch size that fits, over the counts of micro-batches between two sizes' (size ``k``'s
 micro-batches spread over up to ``P`` more of them, fewer than size ``k - 1`` packs: DIP's 5B + 8B
@@ -36,12 +36,12 @@ import numpy as np
 from pipetune.cost.cost_model import CostModel, MicroBatchShapes
 from pipetune.data.batch import BatchMeta
 from pipetune.packing.config import PackerKind, PackingConfig
-from pipetune.plan.candidate import Candidate
-from pipetune.plan.interleave import Interleaved
+from pipetune.plan.search.candidate import Candidate
+from pipetune.plan.separated.interleave import Interleaved
 from pipetune.plan.mode import Mode
 from pipetune.plan.plan import IterationPlan, plan_from_table
-from pipetune.plan.planner import Planner, past
-from pipetune.plan.segment_search import Budget, Configuration, bound, climb, configuration, open_configuration, scan, sub_batch_sizes
+from pipetune.plan.search.planner import Planner, past
+from pipetune.plan.separated.segment_search import Budget, Configuration, bound, climb, configuration, open_configuration, scan, sub_batch_sizes
 from pipetune.simulate.simulator import Latencies, simulate
 
 ACTIONS = 40_000  # greedy actions a batch's scans and climbs may schedule: about 160 runs at DataMix3's 250 actions

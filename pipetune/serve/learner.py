@@ -15,9 +15,9 @@ from pipetune.calibrate.online import MeasuredStep, OnlineCalibrator
 from pipetune.cost.cost_model import CostModel
 from pipetune.cost.latency_table import LatencyTable
 from pipetune.data.batch import BatchMeta
-from pipetune.plan.guard import Decision, Guard, GuardState, PlanKind
+from pipetune.serve.guard import Decision, Guard, GuardState, PlanKind
 from pipetune.plan.plan import IterationPlan
-from pipetune.plan.replicas import ReplicaPlans
+from pipetune.plan.data_parallel.replicas import ReplicaPlans
 from pipetune.records import StepKind, StepRecord
 
 

@@ -1,7 +1,7 @@
 """Plans of data-parallel pipeline replicas, each made where the replica runs (torch-free).
 
 With data parallelism each global batch is split over the ``D`` replicas
-(``pipetune.plan.dp_balance``), each replica's share gets its own plan (micro-batch size, count,
+(``pipetune.plan.data_parallel.dp_balance``), each replica's share gets its own plan (micro-batch size, count,
 order, encoder placement), and the step lasts as long as its slowest replica. The split is the
 only global decision and it is cheap and deterministic, so every replica computes it itself and
 plans its own share (``SharePlanner``), in parallel with every other replica: planning time on a
@@ -18,9 +18,9 @@ import json
 from dataclasses import dataclass
 
 from pipetune.data.batch import BatchMeta
-from pipetune.plan.dp_balance import ShareCost, Split, replica_meta, split_batch
+from pipetune.plan.data_parallel.dp_balance import ShareCost, Split, replica_meta, split_batch
 from pipetune.plan.plan import IterationPlan, PlanError
-from pipetune.plan.planner import Planner
+from pipetune.plan.search.planner import Planner
 
 FORMAT = "pipetune.replica_plans"
 

@@ -1,6 +1,6 @@
 """Joint per-iteration search on the separated layout (DIP): micro-batch size, image
 sub-microbatch size, micro-batch order and the encoder's lead and lag, each candidate scored by the
-dual-queue greedy (``pipetune.plan.interleave``) under each rank's memory limit.
+dual-queue greedy (``pipetune.plan.separated.interleave``) under each rank's memory limit.
 
 A *configuration* is one micro-batch size and one image sub-microbatch size ``B``: its balanced
 packing, its latencies, the greedy's ``Problem`` and the lower bound of any table over it
@@ -55,7 +55,7 @@ import numpy as np
 from pipetune.cost.cost_model import CostModel, MicroBatchShapes
 from pipetune.cost.stage_layout import StageLayout
 from pipetune.packing.groups import Packing
-from pipetune.plan.interleave import Interleaved, Problem
+from pipetune.plan.separated.interleave import Interleaved, Problem
 from pipetune.schedule.table import Placement, ScheduleTable
 from pipetune.simulate.lower_bound import placement_lower_bound
 from pipetune.simulate.simulator import Latencies
