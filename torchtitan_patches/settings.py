@@ -17,7 +17,7 @@ from pipetune.calibrate.online import OnlineCalibrator
 from pipetune.cost import CostModel
 from pipetune.plan import Mode
 from pipetune.serve.guard import Guard, GuardConfig
-from pipetune.plan.layout.planner_config import SplitBackward
+from pipetune.plan.layout.planner_config import SplitBackward, check_jitter_draws, separated_excluded
 
 __all__ = ["CalibrationSettings", "GuardSettings", "PipeTuneSettings", "ReplaySettings"]
 
@@ -160,11 +160,10 @@ class PipeTuneSettings(Configurable):
             _at_least("", self, 0, "plan_ahead", "max_mbs", "mbs", "image_grid")
             if self.budget_s <= 0 or self.memory_gib <= 0:
                 raise ValueError("pipetune.budget_s and pipetune.memory_gib must be positive")
-            if self.jitter_draws == 1 or self.jitter_draws < 0:
-                raise ValueError(f"pipetune.jitter_draws must be 0 (deterministic) or >= 2, got {self.jitter_draws}")
-            if self.jitter_draws and self.layout == "separated":
-                raise ValueError("pipetune.jitter_draws: the separated layout's planner scores deterministic times only; "
-                                 "set jitter_draws 0 or a co-located layout")
+            check_jitter_draws(self.jitter_draws, "pipetune.jitter_draws")
+            excluded = separated_excluded(split_backward=self.split_backward, jitter_draws=self.jitter_draws) if self.layout == "separated" else []
+            if excluded:
+                raise ValueError(f"pipetune.layout separated does not run {' and '.join(excluded)}: set those off or a co-located layout")
 
         @property
         def tuning(self) -> bool:

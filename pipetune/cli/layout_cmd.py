@@ -17,7 +17,7 @@ from pipetune.cli.common import (
 
 from pipetune.config import load_hardware
 from pipetune.cost import CostModel, StageLayout
-from pipetune.plan.layout.planner_config import SplitBackward
+from pipetune.plan.layout.planner_config import SplitBackward, separated_excluded
 
 
 def add_layout_args(p, *, default: str) -> None:
@@ -59,7 +59,7 @@ def cost_and_layout_from_args(args, model, data):
     split = SplitBackward(args.split_backward)
     search = LayoutSearch(model, cost, sample, max_seq_len=args.max_seq_len, memory_bytes=memory_from_args(args),
                           split_backward=split, seed=args.data_seed)
-    result = search.search(separated=model.encoder is not None and V == 1 and split is SplitBackward.OFF)
+    result = search.search(separated=not separated_excluded(encoder=model.encoder is not None, chunks_per_rank=V, split_backward=split))
     return cost.with_layout(result.best.layout), result
 
 

@@ -70,8 +70,29 @@ def test_interleaved_search_moves_layers_off_chunk_zero_and_keeps_its_chunks():
     assert (r.best.peak_bytes <= ls.budget).all() and len(r.best.peak_bytes) == 2
     whole = _search("dip_5b_8b", 2, 4, "datamix3", 80, recompute=True, chunks_per_rank=2)
     assert r.best.iter_s <= whole.score(r.best.layout).iter_s
-    with pytest.raises(ValueError, match="one chunk per rank with whole backwards"):
+    with pytest.raises(ValueError, match="the separated layout does not run 2 chunks per rank and split backward"):
         ls.search(separated=True)
+
+
+def test_one_rule_says_what_keeps_a_job_off_the_separated_layout():
+    """``auto`` (command line and trainer), ``PlannerConfig.build``, the trainer's settings and
+    TorchTitan job checks all ask ``separated_excluded``."""
+    from pipetune.plan.layout.planner_config import PlannerConfig, separated_excluded
+    from torchtitan_patches.settings import PipeTuneSettings
+
+    assert separated_excluded() == [] and separated_excluded(split_backward="off", jitter_draws=0) == []
+    assert separated_excluded(encoder=False, chunks_per_rank=2, split_backward="auto", jitter_draws=4) == [
+        "a model without a vision encoder", "2 chunks per rank", "split backward",
+        "jitter_draws (the separated layout's planner scores deterministic times only)"]
+    model = load_model_config("tiny")
+    cost = CostModel(analytical_table(model, load_hardware("a100"), max_tokens=256, max_images=2),
+                     StageLayout.even(model.backbone.n_layers, 2).separated(model.encoder.n_layers, 1, 1))
+    config = PlannerConfig(max_seq_len=256, memory_bytes=2**34)
+    assert type(config.build(model, cost)).__name__ == "SeparatedPlanner"
+    with pytest.raises(ValueError, match="the separated layout does not run split backward: plan a co-located layout"):
+        PlannerConfig(max_seq_len=256, memory_bytes=2**34, split_backward="auto").build(model, cost)
+    with pytest.raises(ValueError, match="pipetune.layout separated does not run split backward"):
+        PipeTuneSettings.Config(layout="separated", split_backward="on")
 
 
 def test_layout_cli_searches_the_chunks_of_virtual_stages(capsys):

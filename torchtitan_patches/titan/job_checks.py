@@ -34,7 +34,7 @@ import dataclasses
 
 from torchtitan.tools.logging import logger
 
-from pipetune.plan.layout.planner_config import SplitBackward
+from pipetune.plan.layout.planner_config import SplitBackward, separated_excluded
 from torchtitan_patches.titan.model_parts import INTERLEAVED_SCHEDULES, dtype_name, replicas_of, schedule_family
 
 __all__ = ["PLANNED_MODELS", "check_table", "refuse_unsupported", "with_job_weights"]
@@ -160,14 +160,12 @@ def _families(config) -> None:
         raise ValueError("pipetune.split_backward auto: InterleavedZeroBubble always splits backwards: use Interleaved1F1B to "
                          "let the planner choose per iteration, or leave pipetune.split_backward off")
     chunks, split = schedule_family(config)
-    if chunks == 1 and split is SplitBackward.OFF:
-        return
-    setting = (f"parallelism.pipeline_parallel_schedule {par.pipeline_parallel_schedule}" if chunks > 1
-               else f"pipetune.split_backward {split.value}")
-    what = " and ".join(([f"{chunks} chunks per rank"] if chunks > 1 else []) + (["split backward"] if split is not SplitBackward.OFF else []))
-    if pt.layout == "separated":
-        raise ValueError(f"pipetune.layout separated: {what} ({setting}) run on co-located layouts: use --pipetune.layout auto "
-                         "(the searched co-located split), even or layer counts (one per chunk)")
+    excluded = separated_excluded(chunks_per_rank=chunks, split_backward=split) if pt.layout == "separated" else []
+    if excluded:
+        setting = (f"parallelism.pipeline_parallel_schedule {par.pipeline_parallel_schedule}" if chunks > 1
+                   else f"pipetune.split_backward {split.value}")
+        raise ValueError(f"pipetune.layout separated: {' and '.join(excluded)} ({setting}) run on co-located layouts: use "
+                         "--pipetune.layout auto (the searched co-located split), even or layer counts (one per chunk)")
 
 
 def _accumulation(config) -> None:

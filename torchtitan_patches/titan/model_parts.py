@@ -34,7 +34,7 @@ from pipetune.cost import CostModel, LatencyTable, StageLayout
 from pipetune.data.batch import BatchMeta
 from pipetune.data.storage import open_dataset
 from pipetune.plan.layout.layout_search import LayoutSearch, sample_batches
-from pipetune.plan.layout.planner_config import SplitBackward
+from pipetune.plan.layout.planner_config import SplitBackward, separated_excluded
 from pipetune.schedule.table import Placement
 from torchtitan_patches.compat.muse_glimmer_tp import convert_first_block_input
 from torchtitan_patches.runtime.data_parallel import shard_part
@@ -182,8 +182,9 @@ def choose_layout(config, model: ModelConfig, table: LatencyTable, sample) -> St
     search = layout_search(config, model, table, sample())
     if layout == "separated":
         return search.partition().layout
-    one_chunk_whole = chunks_per_rank == 1 and split is SplitBackward.OFF
-    return search.search(separated=model.encoder is not None and not config.pipetune.jitter_draws and one_chunk_whole).best.layout
+    excluded = separated_excluded(encoder=model.encoder is not None, chunks_per_rank=chunks_per_rank, split_backward=split,
+                                  jitter_draws=config.pipetune.jitter_draws)
+    return search.search(separated=not excluded).best.layout
 
 
 def _shard_degree(config) -> int:

@@ -48,7 +48,7 @@ from pipetune.packing.config import PackerKind, PackingConfig
 from pipetune.plan.layout.compare import ModeSummary, compare_modes
 from pipetune.plan.mode import Mode
 from pipetune.plan.separated.partitioner import Partition, partition
-from pipetune.plan.layout.planner_config import PlannerConfig, SplitBackward
+from pipetune.plan.layout.planner_config import PlannerConfig, SplitBackward, separated_excluded
 from pipetune.schedule.schedules import Schedule
 from pipetune.schedule.table import Placement
 
@@ -185,9 +185,10 @@ class LayoutSearch:
         """The best co-located split (module doc); with ``separated`` (a model with an encoder, one
         chunk per rank, whole backwards), also the partitioner's separated layout
         (``pipetune.plan.separated.partitioner``), and the faster of the two."""
-        if separated and (self.chunks_per_rank > 1 or self.planner_config.split_backward is not SplitBackward.OFF):
-            raise ValueError("the separated layout runs one chunk per rank with whole backwards: search it without virtual stages "
-                             "or split backward")
+        excluded = separated_excluded(chunks_per_rank=self.chunks_per_rank, split_backward=self.planner_config.split_backward,
+                                      jitter_draws=self.planner_config.jitter_draws) if separated else []
+        if excluded:
+            raise ValueError(f"the separated layout does not run {' and '.join(excluded)}: search the co-located split only")
         t0 = time.perf_counter()
         even = self.score(self.even)
         split = min((self.score(self.balanced_start()), even), key=lambda s: s.iter_s)

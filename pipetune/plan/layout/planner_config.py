@@ -30,6 +30,24 @@ class SplitBackward(StrEnum):
         return {SplitBackward.OFF: (False,), SplitBackward.ON: (True,), SplitBackward.AUTO: (False, True)}[self]
 
 
+def check_jitter_draws(draws: int, name: str = "jitter_draws") -> None:
+    if draws == 1 or draws < 0:
+        raise ValueError(f"{name} must be 0 (deterministic) or >= 2, got {draws}")
+
+
+def separated_excluded(*, encoder: bool = True, chunks_per_rank: int = 1, split_backward: SplitBackward | str = SplitBackward.OFF,
+                       jitter_draws: int = 0) -> list[str]:
+    """What keeps a job off DIP's separated layout (empty: it may run it): the layout needs a vision
+    encoder, and its planner runs one chunk per rank with whole backwards and scores deterministic
+    times. The one rule behind ``auto`` (command line and trainer) and every refusal of ``separated``."""
+    return [why for why, applies in (
+        ("a model without a vision encoder", not encoder),
+        (f"{chunks_per_rank} chunks per rank", chunks_per_rank > 1),
+        ("split backward", SplitBackward(split_backward) is not SplitBackward.OFF),
+        ("jitter_draws (the separated layout's planner scores deterministic times only)", bool(jitter_draws)),
+    ) if applies]
+
+
 @dataclass(frozen=True, kw_only=True)
 class PlannerConfig:
     """Search settings. ``memory_bytes`` is one GPU's memory (``reserve`` of it is kept free);
@@ -80,15 +98,13 @@ class PlannerConfig:
             raise ValueError(f"min_micro_batches must be >= 1, got {self.min_micro_batches}")
         if self.min_micro_batches > 1 and self.mode is Mode.ORIGINAL:
             raise ValueError(f"min_micro_batches={self.min_micro_batches} needs the balanced packer: mode original packs first-fit")
-        if self.jitter_draws == 1 or self.jitter_draws < 0:
-            raise ValueError(f"jitter_draws must be 0 (deterministic) or >= 2, got {self.jitter_draws}")
+        check_jitter_draws(self.jitter_draws)
 
     def build(self, model: ModelConfig, cost: CostModel) -> Planner:
         """The planner for ``cost``'s layout: co-located (``Planner``) or separated (``SeparatedPlanner``)."""
         if cost.layout.is_separated:
-            if self.jitter_draws:
-                raise ValueError("jitter_draws: the separated layout's planner scores deterministic times only; use jitter_draws=0")
-            if self.split_backward is not SplitBackward.OFF:
-                raise ValueError("split_backward: the separated layout's tables keep whole backwards; use split_backward=off")
+            excluded = separated_excluded(encoder=model.encoder is not None, split_backward=self.split_backward, jitter_draws=self.jitter_draws)
+            if excluded:
+                raise ValueError(f"the separated layout does not run {' and '.join(excluded)}: plan a co-located layout, or without them")
             return SeparatedPlanner(self, model, cost)
         return Planner(self, model, cost)
