@@ -17,7 +17,7 @@ from pipetune.calibrate.online import OnlineCalibrator
 from pipetune.cost import CostModel
 from pipetune.plan import Mode
 from pipetune.serve.guard import Guard, GuardConfig
-from pipetune.plan.layout.planner_config import SplitBackward, check_jitter_draws, separated_excluded
+from pipetune.plan.layout.planner_config import PlannerConfig, SplitBackward, check_jitter_draws, separated_excluded
 
 __all__ = ["CalibrationSettings", "GuardSettings", "PipeTuneSettings", "ReplaySettings"]
 
@@ -173,6 +173,11 @@ class PipeTuneSettings(Configurable):
         def guarded(self) -> bool:
             """Whether the guard runs: pipetune mode, planning (not replaying), guard enabled."""
             return self.guard.enable and self.tuning and not self.replay.path
+
+        def planner_config(self, mode: Mode, *, seq_len: int, seed: int, split_backward: SplitBackward, mbs: int | None = None) -> PlannerConfig:
+            """The planner settings of this job's planners (``mbs`` None: the largest that fits)."""
+            return PlannerConfig(mode=mode, max_seq_len=seq_len, memory_bytes=self.memory_gib * 2**30, max_mbs=self.max_mbs, mbs=mbs,
+                                 seed=seed, jitter_draws=self.jitter_draws, split_backward=split_backward)
 
         def learner(self, profiled: CostModel) -> Learner:
             """A replica lead's learning for this job (``pipetune.serve.learner``)."""

@@ -1,65 +1,30 @@
 """``PipeTuneTrainer``: TorchTitan's ``Trainer`` whose pipeline runs pipetune's per-step plans.
 
-What stays TorchTitan's: config parsing (``--module pipetune_configs --config ...``), distributed set-up,
-the model (built on meta from the job's ``ModelSpec``, split by its ``pipelining_fn``, each part
-through its ``parallelize_fn``, weights by ``init_weights``), the loss (``sum / label tokens``),
-gradient clipping, optimizer, LR schedule, checkpointing (DCP through ``CheckpointManager``),
-metrics and logging. What is overridden, and why:
+TorchTitan keeps config parsing, distributed set-up, the model (meta init, ``pipelining_fn``
+split, ``parallelize_fn`` per part, ``init_weights``), the loss, the optimizer and LR schedule,
+DCP checkpointing, metrics and logging. Overridden, and why:
 
-* ``train_step``: the stock step pulls a fixed number of equal micro-batches and calls a torch
-  ``PipelineSchedule``, whose shapes are inferred once; pipetune's steps have their own
-  micro-batch count, lengths, order and encoder placement, so the step runs the plan through
-  ``PlanExecutor`` (order-safe on NCCL) on the parts TorchTitan built. The torch schedule that
-  ``pipelining_fn`` also returns is not used (nor TorchTitan 0.3.0's ``schedule.step(arg_mbs=)``,
-  which torch 2.13 lacks).
-* ``batch_generator``: the dataloader yields one ``GlobalBatch`` per step.
-* Checkpoints gain each lead's learning (calibration window and anchors, per-mbs correction,
-  guard), by replica in one entry (``titan.checkpoint_entries``), so a resumed job, of this degree
-  or another, plans as the uninterrupted one would (where the table and layout are the same;
-  otherwise it is reset).
+* ``train_step``: the stock step calls a torch ``PipelineSchedule`` over equal micro-batches whose
+  shapes are inferred once; pipetune's steps have their own micro-batch count, lengths, order and
+  encoder placement, so each runs its plan through ``PlanExecutor`` (order-safe on NCCL) on the
+  parts TorchTitan built. Interleaved schedules give ``V`` parts per rank (chunk ``c`` on rank
+  ``c mod P``), run as one plan's chunks; ``InterleavedZeroBubble`` splits every backward.
+* ``batch_generator``: one ``GlobalBatch`` per step. ``clip_gradients``: the whole model's norm.
 * ``train``: a failure on any rank stops every rank, naming the lost rank (``runtime.job_stop``).
+* Checkpoints gain each replica lead's learning, by replica (``titan.checkpoint_entries``).
 
-A step: each data-parallel replica's lead rank (pipeline stage 0, TP rank 0; rank 0 with one
-replica) has a ``PlanSource`` that gives its replica's plan of the batch (replayed, calibration
-cycle, the planner planning ``plan_ahead`` batches ahead in its own process, the guard's
-baseline, or the planner's fallback when that process fails) and sends it to the replica's ranks
-(``runtime.plan_channel``); every rank runs its replica's plan on its pipeline (``runs``: one
-run; a subclass may add measurement runs); the lead learns from its replica's run
-(``pipetune.serve.learner``: online refit, per-mbs correction, guard), and rank 0 appends one
-``StepRecord`` per replica to ``<dump_folder>/pipetune/steps.jsonl``.
-
-Data parallelism (FSDP, or HSDP with a replicate degree; ``runtime.data_parallel``): every lead
-splits the global batch over the replicas (``pipetune.plan.data_parallel.dp_balance``: deterministic, priced by
-the profiled table, so every lead gets the same split; the leads check that their plans
-partition the batch) and plans its own share, in parallel with the others
-(``runtime.replica_groups``); every replica runs its own plan on its pipeline (TorchTitan's ``pp``
-mesh), FSDP gathers and reduces once per step, and the loss is normalised by the global batch's
-label tokens. Times are taken per rank from its own step start, so ranks on other nodes need no
-common clock.
-
-Tensor parallelism is the model's own TP plan on each stage: every TP rank of a replica runs the
-same plan on its own pipeline (TorchTitan's ``pp`` mesh at its TP coordinate); with sequence
-parallelism micro-batches are padded to a multiple of the TP degree and each pipeline carries its
-share of the sequence. Gradients of parameters every TP rank holds whole are summed over TP
-(``runtime.tensor_parallel``) and the clipping norm is the whole model's (``runtime.grad_norm``).
-
-Schedules: TorchTitan's ``1F1B`` (and ``GPipe``) give one backbone chunk per rank;
-``Interleaved1F1B`` gives ``V`` chunks per rank (TorchTitan's stages per rank, ``V x P`` parts from
-its ``pipelining_fn`` split, chunk ``c`` on rank ``c mod P``), whose parts the executor runs as
-chunks of one plan; ``InterleavedZeroBubble`` the same with every backbone backward split into
-input and weight gradients (``pipetune.split_backward``: off, on, or auto, chosen per iteration).
-
-Virtual stages and split backward run beside data and tensor parallelism as they run alone:
-FSDP gathers and reduces every part of the rank once per step (``FsdpStep``), and TP's own
-backward collectives run inside the ``I`` actions of both TP ranks alike. So does DIP's separated
-layout: every rank's encoder chunks are TP- and FSDP-sharded as stage 0's are
-(``titan.model_parts.for_pipetune``), and ``FsdpStep`` gathers and reduces them whether or not
-its replica's share has images.
+A step: each data-parallel replica's lead (stage 0, TP rank 0) has a ``PlanSource`` (the planner
+planning ``plan_ahead`` batches ahead in its own process, calibration cycle, guard baseline,
+replay, fallback) and sends its replica's plan to the replica's ranks (``runtime.plan_channel``);
+every rank runs it; the lead learns from the run (``pipetune.serve.learner``) and rank 0 appends
+one ``StepRecord`` per replica to ``<dump_folder>/pipetune/steps.jsonl``. With FSDP / HSDP every
+lead plans its share of the job's deterministic split and FSDP gathers and reduces once per step
+(``runtime.data_parallel``); TP is the model's own plan on each stage. docs/design.md (Trainer,
+Scale-out) says how, and what is tested.
 
 Limits: no context parallelism (``titan.job_checks`` refuses it and the rest at config time).
-Compute in ``training.mixed_precision_param`` (with FSDP its mixed-precision policy casts the
-weights, without it float32 weights under autocast, whose per-forward weight copies the planner
-counts: ``titan.job_checks.with_job_weights``). The executor has run on one GPU
+Compute is in ``training.mixed_precision_param`` (FSDP's policy casts the weights; without FSDP,
+float32 weights under autocast, whose copies the planner counts). The executor has run on one GPU
 (``benchmarks/gpu_check.py``); this trainer has not yet run on GPUs.
 """
 
@@ -85,7 +50,6 @@ from pipetune.serve.learner import Learned, Learner
 from pipetune.cost import CostModel, load_latency_table
 from pipetune.packing import FlopsModel
 from pipetune.plan import Mode
-from pipetune.plan.layout.planner_config import PlannerConfig
 from pipetune.serve.async_planner import AsyncPlanner
 from pipetune.plan.layout.compare import best_static_planner
 from pipetune.plan.data_parallel.dp_balance import ShareCost
@@ -94,7 +58,6 @@ from pipetune.plan.plan import IterationPlan
 from pipetune.serve.plan_source import PlanSource, load_replay
 from pipetune.plan.data_parallel.replicas import ReplicaShare, SharePlanner
 from pipetune.records import StepKind, StepRecord
-from pipetune.simulate import TimedAction
 from torchtitan_patches.data.micro_batch import GlobalBatch
 from torchtitan_patches.runtime.data_parallel import FsdpStep
 from torchtitan_patches.runtime.executor import ImageShapes, PlanExecutor, StepResult
@@ -108,47 +71,12 @@ from torchtitan_patches.compat.cpu_device import use_cpu
 from torchtitan_patches.titan.checkpoint_entries import LEARNED_KEY, LearnedState, checked_load
 from torchtitan_patches.titan.dataloader import PipeTuneTitanDataLoader
 from torchtitan_patches.titan.metrics import StepWork, WorkMetricsProcessor
+from torchtitan_patches.titan.run_outcome import Run, RunOutcome, Share, collect_records, log_step, replica_record
 from torchtitan_patches.titan.job_checks import check_table, refuse_unsupported, with_job_weights
 from torchtitan_patches.titan.model_parts import (choose_layout, local_encoder_chunks, master_weights_of, sample_job_batches, schedule_family,
                                                   split_for_layout)
 from torchtitan_patches.titan.model_spec import planning_model_config, stage_runtime
 from torchtitan_patches.compat.torch_compat import add_missing_torch_apis
-
-
-@dataclass(frozen=True)
-class Run:
-    """One execution of a plan in a step: the step's own (``extra=False``), or a run an extension
-    adds beside it. Every run starts from the step's weights; the last run's gradients train."""
-
-    batch: GlobalBatch
-    plan: IterationPlan
-    extra: bool = False
-
-
-@dataclass(frozen=True)
-class Share:
-    """What one rank reports of a run (its times are from its own step start)."""
-
-    replica: int
-    stage: int
-    tp_rank: int
-    elapsed_s: float
-    loss: float | None
-    overhead_s: float
-    peak_bytes: float | None
-    host_syncs: int | None
-    timeline: list[TimedAction]
-
-
-@dataclass(frozen=True)
-class RunOutcome:
-    """A run as every rank knows it: the loss over all replicas, the time of the slowest, and the
-    records: on a lead its replica's, on rank 0 every replica's."""
-
-    loss: float
-    measured_s: float
-    records: list[StepRecord]
-    work: StepWork
 
 
 class PipeTuneTrainer(Trainer):
@@ -217,6 +145,12 @@ class PipeTuneTrainer(Trainer):
             row, why = loader.store.skipped[0]
             logger.warning(f"pipetune: left out {len(loader.store.skipped)} samples without text or (dataloader.bad_images=skip) "
                            f"with unreadable images, e.g. row {row}: {why}")
+        self._build_planning(config, loader)
+        self.records_path = Path(config.dump_folder) / "pipetune" / "steps.jsonl"
+
+    def _build_planning(self, config: Config, loader) -> None:
+        """Each replica lead's learner and plan source (a lead that cannot build them stops every
+        rank), the plan channel, and the checkpoint's learned-state entry."""
         self.source = self.learner = self.async_planner = None
         error = None
         if self.groups.is_lead:  # each replica's lead plans; a planner one cannot build stops every rank
@@ -232,9 +166,11 @@ class PipeTuneTrainer(Trainer):
             raise ValueError(f"pipetune: rank {failed[0][0]} cannot plan this job: {failed[0][1]}")
         self.channel = PlanChannel(self.source, replica=self.replica, replicas=self.replicas, links=self.groups)
         loader.packing_source = self.channel
-        self.records_path = Path(config.dump_folder) / "pipetune" / "steps.jsonl"
         if self.checkpointer.enable:
-            self.checkpointer.states[LEARNED_KEY] = LearnedState(self._save_learned, self._load_learned)
+            on = {"table": hashlib.sha256(pickle.dumps(self.table)).hexdigest(), "layout": repr(self.layout),
+                  "chunks_per_rank": self.chunks_per_rank, "split_backward": self.split_backward.value}  # not the data-parallel degree
+            self.checkpointer.states[LEARNED_KEY] = LearnedState(self.learner, on=on, replica=self.replica, replicas=self.replicas,
+                                                                 group=self.control, apply=self._apply)
             self.checkpointer.load = checked_load(self.checkpointer.load, self.checkpointer.folder)
 
     def _build_executor(self, pt: PipeTuneSettings.Config, pp: int) -> PlanExecutor:
@@ -280,18 +216,16 @@ class PipeTuneTrainer(Trainer):
         (``AsyncPlanner``), so ``self.planners`` holds the ``AsyncPlanner``, through which model
         updates reach that process."""
         pt, seq, seed = config.pipetune, config.training.seq_len, config.debug.seed or 0
-        memory = pt.memory_gib * 2**30
 
-        def planner(mode: Mode, mbs: int | None, max_mbs: int = pt.max_mbs):
-            return PlannerConfig(mode=mode, max_seq_len=seq, memory_bytes=memory, max_mbs=max_mbs, mbs=mbs, seed=seed,
-                                 jitter_draws=pt.jitter_draws, split_backward=self.split_backward).build(self.planning_model, self.profiled)
+        def planner(mode: Mode, mbs: int | None):
+            return pt.planner_config(mode, seq_len=seq, seed=seed, split_backward=self.split_backward, mbs=mbs).build(self.planning_model, self.profiled)
 
         balanced = Mode(pt.mode) is not Mode.ORIGINAL and self.replicas > 1
         share = ReplicaShare(self.replicas, self.replica, ShareCost(self.profiled, packed_tokens=seq) if balanced else None)
         tuned = SharePlanner(planner(Mode(pt.mode), pt.mbs or None), share)
         calibration = [planner(Mode.BALANCED, k) for k in range(1, tuned.max_mbs + 1)] if pt.calibration.steps else []
-        baseline = best_static_planner(self.planning_model, self.profiled, self._sample(config), max_seq_len=seq, memory_bytes=memory,
-                                       seed=seed, max_mbs=pt.max_mbs, jitter_draws=pt.jitter_draws,
+        baseline = best_static_planner(self.planning_model, self.profiled, self._sample(config), max_seq_len=seq,
+                                       memory_bytes=pt.memory_gib * 2**30, seed=seed, max_mbs=pt.max_mbs, jitter_draws=pt.jitter_draws,
                                        split_backward=self.split_backward) if pt.guarded else None
         if baseline is not None and self.rank == 0:
             fewest = baseline.config.min_micro_batches
@@ -361,29 +295,12 @@ class PipeTuneTrainer(Trainer):
         outcome = self._gather(run, res, cold=cold)
         if self.groups.is_lead:
             self._learn(run, outcome.records)
-            outcome = RunOutcome(outcome.loss, outcome.measured_s, self._collect(outcome.records), outcome.work)
+            outcome = RunOutcome(outcome.loss, outcome.measured_s, collect_records(outcome.records, self.groups, self.rank), outcome.work)
         if self.rank == 0:
             for record in outcome.records:
                 record.append_to(self.records_path)
-            r = max(outcome.records, key=lambda r: r.measured_s)
-            fell_back = [x for x in outcome.records if x.fallback]
-            logger.info(f"pipetune step {self.step}: {r.kind.value if r.kind else '?'} plan ({run.plan.mode}), "
-                        + (f"{self.replicas} replicas, slowest {r.replica}: " if self.replicas > 1 else "")
-                        + f"mbs {r.mbs}, {r.micro_batches} micro-batches, {r.precomputed_encoders} encoders "
-                        f"pre-computed, predicted {r.predicted_s * 1e3:.1f} ms, measured {r.measured_s * 1e3:.1f} ms"
-                        + (f"; guard {r.guard}" if r.guard else ""))
-            if fell_back:
-                logger.warning(f"pipetune step {self.step}: fallback plans on replica" + ("s " if len(fell_back) > 1 else " ")
-                               + "; ".join(f"{x.replica} ({x.fallback_reason or 'no reason given'})" for x in fell_back))
+            log_step(self.step, outcome.records, run.plan, self.replicas)
         return outcome
-
-    def _collect(self, records: list[StepRecord]) -> list[StepRecord]:
-        """A lead's records of a run, handed to rank 0: there every replica's, by replica; elsewhere its own."""
-        if self.groups.leads is None:  # one replica: rank 0 leads it
-            return records
-        every = [None] * len(self.groups.lead_ranks) if self.rank == 0 else None
-        dist.gather_object(records, every, dst=0, group=self.groups.leads)
-        return sorted((r for rs in every for r in rs), key=lambda r: r.replica) if self.rank == 0 else records
 
     def _run_plan(self, run: Run) -> IterationPlan:
         """A lead: the plan its replica ran in ``run`` (an extension's extra run: its one plan)."""
@@ -391,10 +308,8 @@ class PipeTuneTrainer(Trainer):
 
     def _gather(self, run: Run, res: StepResult, *, cold: bool) -> "RunOutcome":
         """The run's loss and work (summed over replicas) and time (its slowest replica's) on every
-        rank, by two all-reduces; each replica's timings sent to its lead, which makes
-        the replica's record, whose timeline is that of the replica's first pipeline (of its
-        tensor-parallel ranks, which run the same actions). Times are from each rank's own step
-        start (``StepResult``), so clocks of other nodes need not agree."""
+        rank, by two all-reduces; each replica's shares sent to its lead, which makes the replica's
+        record (``titan.run_outcome``)."""
         mine = Share(self.replica, self.stage, self.tp_rank, res.elapsed_s, res.loss, res.overhead_s, res.peak_bytes, res.host_syncs, res.timeline)
         work = StepWork.of(self.flops, run.batch.micro_batches) if self.groups.is_lead else StepWork()  # once per replica
         sums = torch.tensor([mine.loss if mine.loss is not None and self.tp_rank == 0 else 0.0, *work.as_list()], dtype=torch.float64)
@@ -405,19 +320,9 @@ class PipeTuneTrainer(Trainer):
         every: list[Share] | None = self.groups.to_lead(mine)
         if every is None:
             return RunOutcome(loss, float(measured.item()), [], total)
-        plan = self._run_plan(run)
-        ranks = sorted((g for g in every if g.tp_rank == 0), key=lambda g: g.stage)
-        timeline = sorted((t for g in ranks for t in g.timeline), key=lambda t: (t.start, t.rank))
-        record = self.record_class(
-            step=self.step, batch=run.batch.step, mode=plan.mode, mbs=plan.mbs, micro_batches=plan.num_micro_batches,
-            order=list(plan.order), samples=[list(mb) for mb in plan.micro_batches],
-            precomputed_encoders=sum(t.precomputed for t in timeline), predicted_s=plan.predicted_s,
-            measured_s=max(g.elapsed_s for g in every), plan_setup_s=max(g.overhead_s for g in every),
-            loss=sum(g.loss for g in ranks if g.loss is not None), fallback=plan.fallback, layout=self.layout.layers_per_stage(),
-            separated=self.layout.is_separated, plan=plan.to_json(), cold=cold, replica=self.replica,
-            peak_bytes=[g.peak_bytes for g in ranks], predicted_peak_bytes=list(plan.peak_bytes), host_syncs=[g.host_syncs for g in ranks],
-            timeline=[[t.rank, str(t.action), t.start, t.end, t.precomputed] for t in timeline], model_flops=work.model_flops,
-            real_tokens=work.real_tokens, padding_tokens=work.padding_tokens, **self.run_fields(run))
+        record = replica_record(self.record_class, every, self._run_plan(run), work, step=self.step, batch=run.batch.step, cold=cold,
+                                replica=self.replica, layout=self.layout.layers_per_stage(), separated=self.layout.is_separated,
+                                **self.run_fields(run))
         return RunOutcome(loss, float(measured.item()), [record], total)
 
     def run_fields(self, run: Run) -> dict:
@@ -459,36 +364,6 @@ class PipeTuneTrainer(Trainer):
             if stopped is e:
                 raise
             raise stopped from e
-
-    def _learned_on(self) -> dict:
-        """What a lead's learning measured: the latency table and the layout (not the data-parallel degree)."""
-        return {"table": hashlib.sha256(pickle.dumps(self.table)).hexdigest(), "layout": repr(self.layout),
-                "chunks_per_rank": self.chunks_per_rank, "split_backward": self.split_backward.value}
-
-    def _save_learned(self) -> bytes:
-        """Every lead's learning by replica, alike on every rank (one all-gather per checkpoint), so
-        that a job of another degree can load it."""
-        mine = self.learner.state_dict() if self.learner is not None else None
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, (self.replica, mine) if self.groups.is_lead else None, group=self.control)
-        replicas = [state for _, state in sorted(x for x in every if x is not None)]
-        return pickle.dumps({"on": self._learned_on(), "replicas": replicas})
-
-    def _load_learned(self, state: bytes) -> None:
-        """Each lead takes its replica's learning, or with fewer replicas saved replica ``r mod
-        saved``'s; learning of another table or layout is dropped, with one line."""
-        saved, now = pickle.loads(state), self._learned_on()
-        if saved["on"] != now:
-            if self.rank == 0:
-                logger.warning("pipetune: learned state reset (calibration, per-mbs correction, guard): the checkpoint's was learnt on "
-                               f"another {', '.join(k for k in now if saved['on'].get(k) != now[k])}")
-            return
-        taken = self.replica % len(saved["replicas"])
-        if self.rank == 0 and len(saved["replicas"]) != self.replicas:
-            logger.info(f"pipetune: learned state of {len(saved['replicas'])} replicas carried over to {self.replicas}: replica r takes "
-                        f"replica r mod {len(saved['replicas'])}'s")
-        if self.learner is not None and saved["replicas"][taken] is not None:
-            self._apply(self.learner.load_state_dict(saved["replicas"][taken]))
 
     def close(self) -> None:
         if getattr(self, "async_planner", None) is not None:

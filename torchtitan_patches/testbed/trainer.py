@@ -26,7 +26,8 @@ from pipetune.records import StepKind
 from torchtitan_patches.compat.cpu_allocator import retain_freed_memory
 from torchtitan_patches.settings import PipeTuneSettings
 from torchtitan_patches.titan.model_parts import replicas_of
-from torchtitan_patches.trainer import PipeTuneTrainer, Run
+from torchtitan_patches.titan.run_outcome import Run
+from torchtitan_patches.trainer import PipeTuneTrainer
 
 
 class TestbedSettings(Configurable):

@@ -15,12 +15,16 @@ and which ``exclude_from_loading`` starts it afresh; ``checked_load`` applies it
 from __future__ import annotations
 
 import functools
+import pickle
 import re
 from typing import Callable
 
+import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
+from torchtitan.tools.logging import logger
 
+from pipetune.serve.learner import Learned, Learner
 from torchtitan_patches.titan.dataloader import PipeTuneTitanDataLoader
 
 LEARNED_KEY = "pipetune_learned"
@@ -33,16 +37,36 @@ _AFRESH = {
 
 
 class LearnedState(Stateful):
-    """The learned-state entry: ``save()`` gives its bytes (alike on every rank), ``load(bytes)`` takes them."""
+    """The learned-state entry: every replica lead's learning (``Learner.state_dict``) by replica,
+    with what it was learnt on (``on``: latency table and layout, not the data-parallel degree),
+    alike on every rank (one all-gather over ``group`` per checkpoint), so that a job of another
+    degree can load it. On load each lead takes its replica's, or with fewer replicas saved
+    replica ``r mod saved``'s, and hands it to ``apply``; learning of another table or layout is
+    dropped, with one line."""
 
-    def __init__(self, save: Callable[[], bytes], load: Callable[[bytes], None]):
-        self._save, self._load = save, load
+    def __init__(self, learner: Learner | None, *, on: dict, replica: int, replicas: int, group, apply: Callable[[Learned], None]):
+        self.learner, self.on, self.replica, self.replicas, self.group, self.apply = learner, on, replica, replicas, group, apply
 
     def state_dict(self) -> dict:
-        return {"state": self._save()}
+        mine = self.learner.state_dict() if self.learner is not None else None
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, (self.replica, mine) if self.learner is not None else None, group=self.group)
+        replicas = [state for _, state in sorted(x for x in every if x is not None)]
+        return {"state": pickle.dumps({"on": self.on, "replicas": replicas})}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self._load(state_dict["state"])
+        saved, rank0 = pickle.loads(state_dict["state"]), dist.get_rank() == 0
+        if saved["on"] != self.on:
+            if rank0:
+                logger.warning("pipetune: learned state reset (calibration, per-mbs correction, guard): the checkpoint's was learnt on "
+                               f"another {', '.join(k for k in self.on if saved['on'].get(k) != self.on[k])}")
+            return
+        if rank0 and len(saved["replicas"]) != self.replicas:
+            logger.info(f"pipetune: learned state of {len(saved['replicas'])} replicas carried over to {self.replicas}: replica r takes "
+                        f"replica r mod {len(saved['replicas'])}'s")
+        taken = saved["replicas"][self.replica % len(saved["replicas"])]
+        if self.learner is not None and taken is not None:
+            self.apply(self.learner.load_state_dict(taken))
 
 
 def explain_missing_entry(error: BaseException, checkpoint: str = "the checkpoint") -> ValueError | None:
