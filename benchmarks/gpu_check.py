@@ -63,7 +63,7 @@ from pipetune.schedule.table import Module, Op
 from pipetune.simulate.simulator import durations
 from profiling.profile_layers import DTYPES, ProfileConfig, run_profile
 from torchtitan_patches.data import DataLoaderConfig
-from torchtitan_patches.model.vlm import build_encoder_chunks, build_stages, build_vlm
+from torchtitan_patches.models.reference.vlm import build_encoder_chunks, build_stages, build_vlm
 from torchtitan_patches.runtime.executor import ImageShapes, PlanExecutor
 from torchtitan_patches.runtime.reference import reference_step, whole_model_names
 from torchtitan_patches.runtime.timing import QUEUE_AHEAD_CYCLES, ActionTimeline, Clock

@@ -46,7 +46,7 @@ def search_prediction(out: Path):
     faster of ``split`` and ``separated``)."""
     from pipetune.cost import load_latency_table
     from pipetune_configs import config_registry
-    from torchtitan_patches.titan.model_spec import planning_model_config
+    from torchtitan_patches.models.model_spec import planning_model_config
     from torchtitan_patches.titan.model_parts import layout_search, sample_job_batches
 
     config = getattr(config_registry, CONFIG)()

@@ -91,7 +91,8 @@ def main(argv=None) -> int:
     from pipetune.data.fixture import write_fixture
     from pipetune.packing import PackingConfig
     from torchtitan_patches.data import DataLoaderConfig
-    from torchtitan_patches.titan.model_spec import muse_glimmer_spec, planning_model_config
+    from torchtitan_patches.models.muse_glimmer.spec import muse_glimmer_spec
+    from torchtitan_patches.models.model_spec import planning_model_config
     from torchtitan_patches.titan.tokenizer import text_tokenizer
 
     corpus = args.out / "fixture"

@@ -80,7 +80,7 @@ from pipetune.serve.learner import call_overhead_s  # noqa: E402
 from pipetune.calibrate.online import MeasuredStep, fit_steps, held_out_times, simulate_plan  # noqa: E402
 from pipetune.calibrate.pairs import PairCalibrator  # noqa: E402
 from pipetune_configs import config_registry  # noqa: E402
-from torchtitan_patches.titan.model_spec import planning_model_config  # noqa: E402
+from torchtitan_patches.models.model_spec import planning_model_config  # noqa: E402
 from pipetune.cost import CostModel, StageLayout, load_latency_table  # noqa: E402
 
 MIXES = ("datamix1", "datamix2", "datamix3")

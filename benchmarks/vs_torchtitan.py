@@ -52,7 +52,7 @@ def _batches(out: Path, args, seq_len: int) -> list[int]:
     from pipetune.packing import PackingConfig
     from torchtitan_patches.data import DataLoaderConfig
     from torchtitan_patches.titan.fixed_shape_loader import rows_needed
-    from torchtitan_patches.titan.model_spec import planning_model_config
+    from torchtitan_patches.models.model_spec import planning_model_config
 
     config = config_registry.muse_glimmer_mm()
     model = planning_model_config(config.model_spec, image_grid=config.pipetune.image_grid)

@@ -35,8 +35,8 @@ from torchtitan_patches.settings import PipeTuneSettings
 from torchtitan_patches.stock_trainer import StockTrainer
 from torchtitan_patches.titan.fixed_shape_loader import FixedShapeDataLoader
 from torchtitan_patches.titan.dataloader import PipeTuneTitanDataLoader
-from torchtitan_patches.titan.model_spec import muse_glimmer_spec
-from torchtitan_patches.titan.qwen3_5 import qwen3_5_spec
+from torchtitan_patches.models.muse_glimmer.spec import muse_glimmer_spec
+from torchtitan_patches.models.qwen3_5.spec import qwen3_5_spec
 from torchtitan_patches.titan.tokenizer import ByteTokenizer
 from torchtitan_patches.trainer import PipeTuneTrainer
 
@@ -44,7 +44,7 @@ from torchtitan_patches.trainer import PipeTuneTrainer
 def muse_glimmer_mm() -> PipeTuneTrainer.Config:
     """TorchTitan's Muse Glimmer ``debugmodel_mm`` (8 layers of width 256, a 3-layer ViT of
     width 64 with 2x2 token merge; ~8 M parameters) on 2 pipeline stages; trains on CPU
-    (document-masked attention, see ``torchtitan_patches.titan.model_spec``) or GPU. Data: real
+    (document-masked attention, see ``torchtitan_patches.models.model_spec``) or GPU. Data: real
     image files and text in TorchTitan's formats through a HuggingFace tokenizer with vision
     tokens, images at their own resolution within TorchTitan's pixel budget for this model
     (``python -m profiling.prepare_job --config muse_glimmer_mm --out out/titan`` writes them)."""
@@ -82,7 +82,7 @@ def qwen3_5_debug() -> PipeTuneTrainer.Config:
     attention; a 4-block ViT of width 256, 2 x 2 merger) with a 2048-token vocabulary
     (``debugmodel_small_vocab``, 10 M parameters) on 2 pipeline stages, the ViT frozen and its
     merger trained, images of 4 x 4 patches (64 x 64 pixels, 4 tokens). Co-located layouts only
-    (``titan.qwen3_5``). Data and table: ``python -m profiling.prepare_job --config qwen3_5_debug
+    (``torchtitan_patches.models.qwen3_5``). Data and table: ``python -m profiling.prepare_job --config qwen3_5_debug
     --mix datamix2 --out out/titan_qwen``."""
     config = _on_generated_mix(qwen3_5_spec("debugmodel_small_vocab"), "out/titan_qwen/data")
     config.pipetune = PipeTuneSettings.Config(latency_table="out/titan_qwen/table.json", layout="even")
@@ -91,7 +91,7 @@ def qwen3_5_debug() -> PipeTuneTrainer.Config:
 
 def muse_glimmer_heavy_vit() -> PipeTuneTrainer.Config:
     """A Muse Glimmer whose trained vision encoder costs more than its backbone (``heavy_vit`` in
-    ``torchtitan_patches.titan.model_spec``: ViT 10 x 192 over 8 x 8 patches per image, backbone
+    ``torchtitan_patches.models.model_spec``: ViT 10 x 192 over 8 x 8 patches per image, backbone
     8 x 128) on 2 pipeline stages: the setting where the stage layout matters, since stage 0 of a
     co-located layout runs the whole encoder. Data: DataMix3 (``python -m profiling.prepare_job
     --config muse_glimmer_heavy_vit --mix datamix3 --out out/titan_heavy``). GBS 12 at seq_len 512

@@ -35,7 +35,7 @@ from pipetune.data import make_mix, write_dataset
 from pipetune.data.fixture import write_fixture
 from pipetune.data.mixes import parse_mix
 from torchtitan_patches.titan.model_parts import master_weights_of
-from torchtitan_patches.titan.model_spec import planning_model_config
+from torchtitan_patches.models.model_spec import planning_model_config
 
 
 def main(argv=None) -> int:

@@ -15,8 +15,8 @@ Measured on the current device, with the runtime's own modules:
   document of 2048 tokens attention is 3/4 of the layer and 5 % noise in it is 15 % in ``rest``),
   and no document is longer than real ones are;
 * for a model with linear-attention layers (``BackboneConfig.linear_attention``), the model's own
-  Gated DeltaNet layer (``titan.qwen3_5.gated_delta_net``: fla's Triton kernels on CUDA, the torch
-  path of ``model.gated_delta_cpu`` otherwise) over packed lengths that are whole chunks, cut into
+  Gated DeltaNet layer (``models.qwen3_5.cpu_paths.gated_delta_net``: fla's Triton kernels on CUDA, the torch
+  path of ``models.qwen3_5.gated_delta_cpu`` otherwise) over packed lengths that are whole chunks, cut into
   documents of up to ``max_seq_len`` tokens, and its projections alone over the same tokens: the
   ``linear_attention`` curve is the layer minus its projections (a linear-attention layer's
   projections and FFN are charged as ``rest``);
@@ -67,9 +67,9 @@ from pipetune.config.model import ModelConfig
 from pipetune.cost.latency_table import Curve, LatencyTable
 from pipetune.files import write_text_atomic
 from torchtitan_patches.compat.cpu_allocator import retain_freed_memory
-from torchtitan_patches.model.blocks import decoder_layer_config
-from torchtitan_patches.model.packed_attention import PackedAttention, flash_attn_available, varlen_metadata
-from torchtitan_patches.model.vlm import Projector, VisionEncoder
+from torchtitan_patches.models.reference.blocks import decoder_layer_config
+from torchtitan_patches.models.packed_attention import PackedAttention, flash_attn_available, varlen_metadata
+from torchtitan_patches.models.reference.vlm import Projector, VisionEncoder
 from torchtitan_patches.runtime.timing import Clock, fwd_bwd_sample, input_grad_sample, saved_activation_bytes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -188,7 +188,7 @@ class _Profiler:
         self.encoder = self._prep(VisionEncoder(enc, tp)) if enc else None
         self.delta_net = None
         if b.linear_attention is not None:
-            from torchtitan_patches.titan.qwen3_5 import gated_delta_net
+            from torchtitan_patches.models.qwen3_5.cpu_paths import gated_delta_net
 
             self.delta_net = self._prep(gated_delta_net(b, tp=tp))
             self.linear_doc_len = linear_doc_len(model, cfg)

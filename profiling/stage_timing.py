@@ -21,8 +21,8 @@ from pipetune.packing.config import PackingConfig
 from torchtitan_patches.compat.cpu_allocator import retain_freed_memory
 from torchtitan_patches.data.loader import DataLoaderConfig
 from torchtitan_patches.data.micro_batch import PackedMicroBatch
-from torchtitan_patches.model.packed_attention import varlen_metadata
-from torchtitan_patches.model.vlm import build_stages, token_loss_sum
+from torchtitan_patches.models.packed_attention import varlen_metadata
+from torchtitan_patches.models.reference.vlm import build_stages, token_loss_sum
 from torchtitan_patches.runtime.timing import Clock, fwd_bwd_sample
 
 

@@ -36,7 +36,7 @@ from torchtitan_patches.compat.cpu_device import use_cpu
 from torchtitan_patches.compat.torch_compat import add_missing_torch_apis
 from torchtitan_patches.titan.fixed_shape_loader import FixedShapeDataLoader
 from torchtitan_patches.titan.metrics import WorkMetricsProcessor
-from torchtitan_patches.titan.model_spec import planning_model_config
+from torchtitan_patches.models.model_spec import planning_model_config
 
 
 class StockTrainer(Trainer):

@@ -75,7 +75,7 @@ from torchtitan_patches.titan.run_outcome import Run, RunOutcome, Share, collect
 from torchtitan_patches.titan.job_checks import check_table, refuse_unsupported, with_job_weights
 from torchtitan_patches.titan.model_parts import (choose_layout, local_encoder_chunks, master_weights_of, sample_job_batches, schedule_family,
                                                   split_for_layout)
-from torchtitan_patches.titan.model_spec import planning_model_config, stage_runtime
+from torchtitan_patches.models.model_spec import planning_model_config, stage_runtime
 from torchtitan_patches.compat.torch_compat import add_missing_torch_apis
 
 

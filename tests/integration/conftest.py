@@ -4,7 +4,7 @@ from pipetune_configs import config_registry
 from pipetune.data import make_mix, write_dataset
 from pipetune.data.fixture import write_fixture
 from pipetune.data.mixes import parse_mix
-from torchtitan_patches.titan.model_spec import planning_model_config
+from torchtitan_patches.models.model_spec import planning_model_config
 
 
 @pytest.fixture(scope="session")

@@ -34,8 +34,8 @@ from pipetune.schedule import Action, Op, onto_ranks, place_encoders
 from pipetune.schedule.schedules import UNIT_TIME, list_scheduled
 from pipetune.schedule.lowering import Direction, MessageKind, Post, Wait, lower
 from torchtitan_patches.data import DataLoaderConfig
-from torchtitan_patches.model.packed_attention import varlen_metadata
-from torchtitan_patches.model.vlm import build_encoder_chunks, build_stages, build_vlm, token_loss_sum
+from torchtitan_patches.models.packed_attention import varlen_metadata
+from torchtitan_patches.models.reference.vlm import build_encoder_chunks, build_stages, build_vlm, token_loss_sum
 from torchtitan_patches.runtime import executor as executor_module
 from torchtitan_patches.runtime.executor import ImageShapes, PlanExecutor, PlanMismatchError
 from torchtitan_patches.runtime.memory import SavedActivations, storage_bytes

@@ -157,7 +157,7 @@ def test_several_stages_on_one_rank_hand_over_locally(datamix2_dir):
     from pipetune.plan.plan import IterationPlan
     from pipetune.schedule import Placement, one_f_one_b
     from torchtitan_patches.data import DataLoaderConfig
-    from torchtitan_patches.model.vlm import build_stages, build_vlm
+    from torchtitan_patches.models.reference.vlm import build_stages, build_vlm
     from torchtitan_patches.runtime.executor import PlanExecutor
     from torchtitan_patches.runtime.reference import reference_step, whole_model_names
 
@@ -289,7 +289,7 @@ def test_separated_plan_on_one_rank_hands_over_locally(datamix2_dir):
     between chunks without messages; a trained encoder's gradients equal the reference's."""
     import torch
 
-    from torchtitan_patches.model.vlm import build_encoder_chunks, build_stages, build_vlm
+    from torchtitan_patches.models.reference.vlm import build_encoder_chunks, build_stages, build_vlm
     from torchtitan_patches.runtime.executor import ImageShapes, PlanExecutor
     from torchtitan_patches.runtime.reference import reference_step, whole_model_names
 
@@ -317,7 +317,7 @@ def test_a_model_built_for_another_layout_is_refused_before_any_message(datamix2
     that skip a layer, or without the message shapes of the encoder, is a ``PlanError`` naming
     what is wrong, not a hang or a wrong model."""
     from pipetune.plan.plan import PlanError
-    from torchtitan_patches.model.vlm import build_encoder_chunks, build_stages
+    from torchtitan_patches.models.reference.vlm import build_encoder_chunks, build_stages
     from torchtitan_patches.runtime.executor import ImageShapes, PlanExecutor, PlanMismatchError
 
     model, batch, plan = _one_rank_separated(datamix2_dir, trained=False)

@@ -17,7 +17,7 @@ CONFIG = "qwen3_5_debug"
 
 def _unsplit_gradients(weights: dict, batch, *, trained: bool) -> dict:
     """Step 1 of the same model, unsplit, through its own forward (ViT and merger inside), with the
-    MRoPE positions of ``titan.qwen3_5`` (proven equal to TorchTitan's collator's in the unit tests)."""
+    MRoPE positions of ``models.qwen3_5.stages`` (proven equal to TorchTitan's collator's in the unit tests)."""
     from torchtitan.distributed import utils as dist_utils
 
     model = qwen3_5_unsplit_model(weights, trained=trained)

@@ -96,7 +96,7 @@ def test_the_trainers_parallelize_wrapper_cuts_each_part_to_its_encoder_chunks()
     from torchtitan.distributed.pipeline_parallel import _split_module
 
     from pipetune.cost import StageLayout
-    from torchtitan_patches.titan.model_spec import muse_glimmer_spec
+    from torchtitan_patches.models.muse_glimmer.spec import muse_glimmer_spec
     from torchtitan_patches.titan.model_parts import VISION_MODULES, for_pipetune, layout_fqns
 
     spec = muse_glimmer_spec("heavy_vit")

@@ -13,7 +13,7 @@ from torchtitan_patches.testbed.runs import Twin
 from titan_jobs import job_args as _args, torchrun as _torchrun
 from titan_reference import unsplit_step
 from pipetune_configs import config_registry
-from torchtitan_patches.titan.model_spec import planning_model_config
+from torchtitan_patches.models.model_spec import planning_model_config
 from pipetune.plan.plan import IterationPlan
 from pipetune.serve.plan_source import load_replay
 from pipetune.records import StepKind, StepRecord

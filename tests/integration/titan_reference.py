@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from torchtitan_patches.data.micro_batch import IMAGE_TOKEN_ID
-from torchtitan_patches.model.packed_attention import varlen_metadata
-from torchtitan_patches.model.vlm import token_loss_sum
-from torchtitan_patches.titan.qwen3_5 import block_order, mrope_positions
-from torchtitan_patches.titan.stages import collated_images
+from torchtitan_patches.models.packed_attention import varlen_metadata
+from torchtitan_patches.models.reference.vlm import token_loss_sum
+from torchtitan_patches.models.qwen3_5.stages import block_order, mrope_positions
+from torchtitan_patches.models.image_batches import collated_images
 
 
 def unsplit_step(model, batch) -> float:
@@ -50,7 +50,7 @@ def qwen3_5_unsplit_model(weights: dict | None, *, trained: bool, dtype: torch.d
 
 def qwen3_5_unsplit_step(model, batch) -> float:
     """``unsplit_step`` for TorchTitan's Qwen3.5 (ViT and merger inside its forward), with the MRoPE
-    positions of ``titan.qwen3_5`` (proven equal to TorchTitan's collator's in the unit tests) and
+    positions of ``models.qwen3_5.stages`` (proven equal to TorchTitan's collator's in the unit tests) and
     the pixels in the model's dtype. Run it with TorchTitan's ``_spmd_backend`` at
     ``partial_dtensor`` (no device mesh in the test's process)."""
     merge, dtype, total = model.spatial_merge_size, model.tok_embeddings.weight.dtype, torch.zeros(())

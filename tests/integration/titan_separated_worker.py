@@ -38,8 +38,9 @@ from pipetune.plan.layout.planner_config import PlannerConfig
 from pipetune.packing import PackingConfig
 from torchtitan_patches.data import DataLoaderConfig
 from torchtitan_patches.runtime.executor import ImageShapes, PlanExecutor
-from torchtitan_patches.titan.model_spec import muse_glimmer_spec, planning_model_config
-from torchtitan_patches.titan.stages import TitanStage, encoder_chunks, keep_encoder_chunks
+from torchtitan_patches.models.muse_glimmer.spec import muse_glimmer_spec
+from torchtitan_patches.models.model_spec import planning_model_config
+from torchtitan_patches.models.muse_glimmer.stages import TitanStage, encoder_chunks, keep_encoder_chunks
 from torchtitan_patches.titan.model_parts import VISION_MODULES, layout_fqns, local_encoder_chunks
 
 SEQ = 512

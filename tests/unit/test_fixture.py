@@ -18,7 +18,8 @@ from torchtitan.models.muse_glimmer.config_registry import MUSE_GLIMMER_SPECIAL_
 from pipetune.cli.main import main
 from pipetune.data.fixture import (BAD_IMAGES, BAD_PAIRS, BAD_ROWS, INFO_FILE, INTERLEAVED_DIR, PAIRS_DIR, SPECIAL_TOKENS,
                                    write_bad_images, write_fixture)
-from torchtitan_patches.titan.model_spec import muse_glimmer_spec, planning_model_config
+from torchtitan_patches.models.muse_glimmer.spec import muse_glimmer_spec
+from torchtitan_patches.models.model_spec import planning_model_config
 from torchtitan_patches.titan.tokenizer import text_tokenizer
 
 COUNTS = {"pairs": 70, "documents": 8, "text_only": 5}  # 2 shards: 64 pairs per shard

@@ -15,8 +15,8 @@ from pipetune.packing import FlopsModel
 from torchtitan_patches.compat import cpu_device
 from torchtitan_patches.data.micro_batch import PackedMicroBatch
 from torchtitan_patches.titan.metrics import StepWork, WorkMetricsProcessor
-from torchtitan_patches.model.blocks import decoder_layer_config, no_rope, vit_layer_config
-from torchtitan_patches.model.packed_attention import varlen_metadata
+from torchtitan_patches.models.reference.blocks import decoder_layer_config, no_rope, vit_layer_config
+from torchtitan_patches.models.packed_attention import varlen_metadata
 
 
 def counted(fn):

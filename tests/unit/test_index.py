@@ -23,7 +23,8 @@ from pipetune.packing import PackingConfig
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
 from torchtitan_patches.data import DataLoaderConfig
-from torchtitan_patches.titan.model_spec import muse_glimmer_spec, planning_model_config
+from torchtitan_patches.models.muse_glimmer.spec import muse_glimmer_spec
+from torchtitan_patches.models.model_spec import planning_model_config
 from torchtitan_patches.titan.tokenizer import text_tokenizer
 
 

@@ -166,7 +166,8 @@ def test_a_table_written_before_linear_attention_still_loads_and_round_trips(tmp
     from pathlib import Path
 
     from pipetune.cost import CostModel, MicroBatchShapes, StageLayout
-    from torchtitan_patches.titan.model_spec import muse_glimmer_spec, planning_model_config
+    from torchtitan_patches.models.muse_glimmer.spec import muse_glimmer_spec
+    from torchtitan_patches.models.model_spec import planning_model_config
 
     old = Path(__file__).parent / "data" / "muse_glimmer_mm_table_v1.json"
     model = planning_model_config(muse_glimmer_spec("debugmodel_mm"), image_grid=4)

@@ -102,7 +102,7 @@ def test_linear_attention_flops_are_what_the_kernel_multiplies():
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from torchtitan_patches.model.gated_delta_cpu import gated_delta_rule
+    from torchtitan_patches.models.qwen3_5.gated_delta_cpu import gated_delta_rule
 
     la = LinearAttentionConfig(layers=(0,), n_key_heads=1, n_value_heads=2, key_head_dim=32, value_head_dim=16)
     model = ModelConfig(name="m", backbone=dataclasses.replace(qwen_like().backbone, linear_attention=la))

@@ -11,8 +11,8 @@ import torch
 
 from pipetune.config import load_hardware, load_model_config
 from pipetune.cost import CostModel, StageLayout, analytical_table, load_latency_table
-from torchtitan_patches.model.packed_attention import varlen_metadata
-from torchtitan_patches.model.vlm import build_stages
+from torchtitan_patches.models.packed_attention import varlen_metadata
+from torchtitan_patches.models.reference.vlm import build_stages
 
 
 def _copies_kept(stage, x, forwards: int) -> int:

@@ -1,4 +1,4 @@
-"""The CPU path of Qwen3.5's Gated DeltaNet (``torchtitan_patches.model.gated_delta_cpu``) against
+"""The CPU path of Qwen3.5's Gated DeltaNet (``torchtitan_patches.models.qwen3_5.gated_delta_cpu``) against
 fla's own torch reference (``naive_recurrent_gated_delta_rule``, token by token) and torch's
 ``conv1d``, one document at a time: values and gradients, on packed documents whose states must
 not leak from one document into the next."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchtitan_patches.model.gated_delta_cpu import causal_conv1d, gated_delta_rule, l2norm
+from torchtitan_patches.models.qwen3_5.gated_delta_cpu import causal_conv1d, gated_delta_rule, l2norm
 
 with warnings.catch_warnings():  # fla warns that Triton has no CPU backend
     warnings.simplefilter("ignore")

@@ -16,10 +16,11 @@ import pytest
 import torch
 
 from pipetune.config.model import ConfigError
-from torchtitan_patches.model.packed_attention import varlen_metadata
-from torchtitan_patches.titan.model_spec import planning_model_config
+from torchtitan_patches.models.packed_attention import varlen_metadata
+from torchtitan_patches.models.model_spec import planning_model_config
 from torchtitan_patches.data.micro_batch import ImageSpan, patchify
-from torchtitan_patches.titan.qwen3_5 import Qwen35EncoderChunk, Qwen35Stage, block_order, mrope_positions, qwen3_5_spec
+from torchtitan_patches.models.qwen3_5.stages import Qwen35EncoderChunk, Qwen35Stage, block_order, mrope_positions
+from torchtitan_patches.models.qwen3_5.spec import qwen3_5_spec
 
 IMAGE_ID = 7
 GRID = 4  # patches per image side: 2 x 2 merged tokens per image
@@ -58,7 +59,7 @@ def test_planning_shapes_declare_the_gated_delta_net_layers_and_rebuild_them(spe
     """The linear-attention layers are the spec's DeltaNet layers (TorchTitan's every-4th-layer
     pattern leaves 0-2 and 4-6), and the layer the profiler builds from the planning shapes has the
     spec's DeltaNet parameters, shape for shape, and its CPU path."""
-    from torchtitan_patches.titan.qwen3_5 import CpuGatedDeltaNet, gated_delta_net
+    from torchtitan_patches.models.qwen3_5.cpu_paths import CpuGatedDeltaNet, gated_delta_net
 
     la = planning_model_config(spec, image_grid=GRID).backbone.linear_attention
     assert la.layers == tuple(i for i, layer in enumerate(spec.model.layers) if layer.delta_net is not None) == (0, 1, 2, 4, 5, 6)
@@ -224,7 +225,7 @@ def test_stages_on_a_gpu_give_the_cpu_float64_models_gradients(spec, compute, to
 def test_moe_flavours_are_refused():
     from torchtitan.models.qwen3_5 import model_registry
 
-    from torchtitan_patches.titan.qwen3_5 import with_cpu_paths
+    from torchtitan_patches.models.qwen3_5.cpu_paths import with_cpu_paths
 
     with pytest.raises(ConfigError, match="MoE"):
         with_cpu_paths(model_registry("debugmodel_moe", attn_backend="varlen").model)

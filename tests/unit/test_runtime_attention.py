@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import torchtitan.models.common.attention as titan_attention
-import torchtitan_patches.model.packed_attention as packed_attention
-from torchtitan_patches.model.packed_attention import PackedAttention, varlen_metadata
-from torchtitan_patches.titan.document_attention import DocumentAttention
+import torchtitan_patches.models.packed_attention as packed_attention
+from torchtitan_patches.models.packed_attention import PackedAttention, varlen_metadata
+from torchtitan_patches.models.document_attention import DocumentAttention
 
 
 def test_flash_refuses_fp32_with_a_clear_message():

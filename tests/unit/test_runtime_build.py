@@ -6,7 +6,7 @@ import torch
 
 from pipetune.config import load_model_config
 from pipetune.cost import StageLayout
-from torchtitan_patches.model.vlm import build_stages, build_vlm
+from torchtitan_patches.models.reference.vlm import build_stages, build_vlm
 from torchtitan_patches.runtime.reference import whole_model_names
 
 
@@ -71,7 +71,7 @@ def test_spatial_merge_packs_each_2x2_block_of_patches_into_one_token(tiny):
     block of neighbouring patch features of the same ViT (identical weights, merge 1)."""
     from dataclasses import replace
 
-    from torchtitan_patches.model.vlm import Projector, VisionEncoder
+    from torchtitan_patches.models.reference.vlm import Projector, VisionEncoder
 
     plain = VisionEncoder(tiny.encoder)
     merged = VisionEncoder(replace(tiny.encoder, merge=2))
@@ -93,7 +93,7 @@ def test_encoder_chunks_built_alone_equal_the_whole_encoder(tiny):
     from dataclasses import replace
 
     from torchtitan_patches.data.micro_batch import patchify
-    from torchtitan_patches.model.vlm import build_encoder_chunks
+    from torchtitan_patches.models.reference.vlm import build_encoder_chunks
 
     model = replace(tiny, encoder=replace(tiny.encoder, n_layers=5, merge=2))
     whole, _ = build_vlm(model, max_seq_len=256, seed=3)

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import and_masks, create_mask
 
 from torchtitan.models.common.attention import get_causal_mask_mod, get_document_mask_mod, get_sliding_window_mask_mod
-from torchtitan_patches.model.packed_attention import varlen_metadata
-from torchtitan_patches.titan.document_attention import DocumentAttention
-from torchtitan_patches.titan.model_spec import muse_glimmer_spec
+from torchtitan_patches.models.packed_attention import varlen_metadata
+from torchtitan_patches.models.document_attention import DocumentAttention
+from torchtitan_patches.models.muse_glimmer.spec import muse_glimmer_spec
 
 PATCH_DIM = 2 * 3 * 14 * 14
 IMAGE_ID = 0

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from torchtitan_patches.data.micro_batch import patchify
-from torchtitan_patches.titan.model_spec import muse_glimmer_spec
-from torchtitan_patches.titan.stages import TitanEncoderChunk
+from torchtitan_patches.models.muse_glimmer.spec import muse_glimmer_spec
+from torchtitan_patches.models.muse_glimmer.stages import TitanEncoderChunk
 
 GRIDS = ((4, 4), (4, 4), (2, 6), (6, 2), (2, 2), (4, 4))  # patches per side; a grid repeats after others
 

@@ -15,7 +15,7 @@ from pipetune.data import make_mix
 from pipetune.packing.flops import FlopsModel
 from pipetune.plan.layout.layout_search import LayoutSearch, sample_batches
 from pipetune_configs import config_registry
-from torchtitan_patches.titan.model_spec import planning_model_config
+from torchtitan_patches.models.model_spec import planning_model_config
 from torchtitan_patches.data.micro_batch import patchify
 
 FLOPS_ONLY = HardwareSpec(

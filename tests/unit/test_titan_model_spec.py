@@ -16,7 +16,8 @@ from torch import nn
 
 from pipetune.config.model import ConfigError
 from pipetune.packing.flops import FlopsModel
-from torchtitan_patches.titan.model_spec import muse_glimmer_spec, planning_model_config
+from torchtitan_patches.models.muse_glimmer.spec import muse_glimmer_spec
+from torchtitan_patches.models.model_spec import planning_model_config
 
 
 @pytest.fixture(scope="module")

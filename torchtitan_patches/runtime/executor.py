@@ -63,7 +63,7 @@ length, the order is arbitrary, and a rank may hold chunks of two modules whose 
   (``_WeightGrad``). Between ``I`` and ``W`` a chunk holds its saved activations and, besides them,
   the output gradient of every weight's operation (the plan's memory model counts both);
 * a backbone stage is any module with ``is_first`` / ``is_last`` and the keyword interface of
-  ``BackboneStage`` (pipetune's model, or ``torchtitan_patches.titan.stages.TitanStage`` around a
+  ``BackboneStage`` (pipetune's model, or ``torchtitan_patches.models.muse_glimmer.stages.TitanStage`` around a
   TorchTitan model part); an encoder chunk any module with ``is_first`` / ``is_last`` and
   ``layer_range`` that maps pixels ``(N, C, H, W)`` (first chunk) or hidden states to hidden
   states or features ``(N, *features)`` (last chunk) (``VisionEncoder``, ``TitanEncoderChunk``).
@@ -99,8 +99,8 @@ from pipetune.schedule.lowering import Compute, Direction, Message, MessageKind,
 from pipetune.schedule.table import Action, Module, Op, ScheduleTable
 from pipetune.simulate.simulator import TimedAction
 from torchtitan_patches.data.micro_batch import GlobalBatch, PackedMicroBatch
-from torchtitan_patches.model.packed_attention import varlen_metadata
-from torchtitan_patches.model.vlm import BackboneStage, token_loss_sum
+from torchtitan_patches.models.packed_attention import varlen_metadata
+from torchtitan_patches.models.reference.vlm import BackboneStage, token_loss_sum
 from torchtitan_patches.runtime.host_sync import HostSyncCounter
 from torchtitan_patches.runtime.memory import SavedActivations, storage_bytes
 from torchtitan_patches.runtime.timing import Clock

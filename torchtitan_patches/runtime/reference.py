@@ -11,8 +11,8 @@ from contextlib import nullcontext
 import torch
 
 from torchtitan_patches.data.micro_batch import GlobalBatch
-from torchtitan_patches.model.packed_attention import varlen_metadata
-from torchtitan_patches.model.vlm import BackboneStage, VisionEncoder, token_loss_sum
+from torchtitan_patches.models.packed_attention import varlen_metadata
+from torchtitan_patches.models.reference.vlm import BackboneStage, VisionEncoder, token_loss_sum
 
 
 def reference_step(encoder: VisionEncoder | None, whole: BackboneStage, batch: GlobalBatch,

@@ -47,7 +47,7 @@ from torchtitan_patches.data.loader import DataLoaderConfig, PipeTuneDataLoader
 from torchtitan_patches.data.micro_batch import IGNORE_INDEX, PackedMicroBatch
 from torchtitan_patches.titan.dataloader import PipeTuneTitanDataLoader
 from torchtitan_patches.titan.metrics import StepWork
-from torchtitan_patches.titan.stages import collated_images
+from torchtitan_patches.models.image_batches import collated_images
 from torchtitan_patches.titan.tokenizer import text_tokenizer
 
 

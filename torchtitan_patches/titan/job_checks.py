@@ -119,7 +119,7 @@ def _muse_glimmer_compile(config) -> None:
 
 
 def _qwen3_5(config) -> None:
-    """What pipetune's Qwen3.5 mapping (``titan.qwen3_5``) does not do yet: the separated layout
+    """What pipetune's Qwen3.5 mapping (``models.qwen3_5``) does not do yet: the separated layout
     (and ``auto``, which may choose it)."""
     if config.model_spec.name != "qwen3_5":
         return
@@ -133,7 +133,7 @@ def _model(spec) -> None:
         raise ValueError("model_spec is not set: the job's config function must give one (e.g. muse_glimmer_spec('debugmodel_mm'))")
     if spec.name not in PLANNED_MODELS:
         raise ValueError(f"model_spec {spec.name}/{spec.flavor}: pipetune maps the planning shapes of {', '.join(PLANNED_MODELS)} "
-                         "only: map this family in torchtitan_patches/titan/model_spec.py (planning_model_config) or train "
+                         "only: map this family in torchtitan_patches/models/model_spec.py (planning_model_config) or train "
                          "muse_glimmer")
 
 

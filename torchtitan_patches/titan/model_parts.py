@@ -36,9 +36,9 @@ from pipetune.data.storage import open_dataset
 from pipetune.plan.layout.layout_search import LayoutSearch, sample_batches
 from pipetune.plan.layout.planner_config import SplitBackward, separated_excluded
 from pipetune.schedule.table import Placement
-from torchtitan_patches.compat.muse_glimmer_tp import convert_first_block_input
+from torchtitan_patches.models.muse_glimmer.tp_fix import convert_first_block_input
 from torchtitan_patches.runtime.data_parallel import shard_part
-from torchtitan_patches.titan.stages import keep_encoder_chunks
+from torchtitan_patches.models.muse_glimmer.stages import keep_encoder_chunks
 from torchtitan_patches.titan.tokenizer import text_tokenizer
 
 VISION_MODULES = ("vision_encoder", "vision_adapter", "vision_projection", "perception_emb_norm")
@@ -121,7 +121,7 @@ def for_pipetune(parallelize_fn, encoder_chunks=()):
     ``runtime.data_parallel.shard_part`` applies FSDP/HSDP instead (see there why) and
     ``FsdpStep`` drives it per step. Tensor parallelism is the model's own plan (its
     ``parallelize_fn``), with the first block's input conversion Muse Glimmer lacks without
-    sequence parallelism (``compat.muse_glimmer_tp``); ``runtime.tensor_parallel`` sums the
+    sequence parallelism (``models.muse_glimmer.tp_fix``); ``runtime.tensor_parallel`` sums the
     gradients TorchTitan leaves to its FSDP. With ``encoder_chunks`` (DIP's separated layout: the
     encoder's block ranges), each rank's part is first cut to its encoder chunks (still on the
     meta device: TorchTitan materialises the parts after parallelising them), and every rank's

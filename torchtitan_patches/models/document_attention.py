@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torchtitan.models.common.attention import VarlenAttention, VarlenMetadata
 from torchtitan.protocols.module import Module
 
-from torchtitan_patches.model.packed_attention import PackedAttention
+from torchtitan_patches.models.packed_attention import PackedAttention
 
 
 class DocumentAttention(PackedAttention):
@@ -61,7 +61,7 @@ class VisionMaskAttention(Module):
         if not (isinstance(attention_masks, torch.Tensor) and attention_masks.dtype == torch.bool):
             raise TypeError(
                 f"VisionMaskAttention needs a dense boolean mask (from DenseMaskVisionEncoder), got {type(attention_masks).__name__}; "
-                "build the model with torchtitan_patches.titan.model_spec.with_document_attention"
+                "build the model with torchtitan_patches.models.model_spec.with_document_attention"
             )
         mask = attention_masks[:, None]
         has_key = mask.any(dim=-1, keepdim=True)

@@ -12,9 +12,12 @@ from torchtitan.models.common.vision_encoder import VisionAttention, VisionMLP, 
 from torchtitan.models.llama3.model import Llama3TransformerBlock
 
 from pipetune.config.model import BackboneConfig, EncoderConfig
-from torchtitan_patches.model.packed_attention import PackedAttention
+from torchtitan_patches.models.packed_attention import PackedAttention
+
 
 _INIT = {"weight": partial(nn.init.trunc_normal_, std=0.02), "bias": nn.init.zeros_}
+
+
 _ONES = {"weight": nn.init.ones_, "bias": nn.init.zeros_}
 
 

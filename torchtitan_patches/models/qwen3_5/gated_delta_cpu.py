@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+
 CHUNK = 64
 """Chunk length, fla's default for the gated delta rule."""
 

@@ -31,7 +31,8 @@ from torchtitan.models.common.nn_modules import LayerNorm, RMSNorm
 
 from pipetune.config.model import EncoderConfig, ModelConfig
 from torchtitan_patches.data.micro_batch import IGNORE_INDEX, ImageSpan
-from torchtitan_patches.model.blocks import decoder_layer_config, no_rope, vit_layer_config
+from torchtitan_patches.models.reference.blocks import decoder_layer_config, no_rope, vit_layer_config
+
 
 _SMALL = {"weight": partial(nn.init.normal_, std=0.02), "bias": nn.init.zeros_}
 

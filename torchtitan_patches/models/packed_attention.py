@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torchtitan.models.common.attention import VarlenAttention, VarlenMetadata
 from torchtitan.protocols.module import Module
 
+
 BACKENDS = ("auto", "flash", "sdpa")
 
 
