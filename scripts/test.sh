@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest "$@"
+# the 30 slowest tests close the output: the suite's time is a budget
+exec .venv/bin/python -m pytest --durations=30 "$@"
