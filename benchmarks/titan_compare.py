@@ -40,7 +40,7 @@ def run_mode(job: str, out: Path, args) -> list[StepTime]:
     dump = out / f"{prefix}_{len(list(out.glob(f'{prefix}_*')))}"
     overrides = {**corpus(out), "pipetune.latency_table": out / "table.json", "pipetune.mode": mode,
                  "training.steps": args.steps, "debug.seed": 0, "dataloader.gbs": args.gbs, "training.seq_len": args.seq_len,
-                 "pipetune.mbs": mbs or 0}
+                 **({"pipetune.mbs": mbs} if mbs else {})}
     if args.dp == 1:
         return StepTime.of(run_job(dump, overrides))
     overrides["parallelism.data_parallel_shard_degree"] = args.dp

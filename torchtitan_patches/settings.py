@@ -115,8 +115,9 @@ class PipeTuneSettings(Configurable):
         max_mbs: int = 4
         """Largest micro-batch size (samples) the planner may choose."""
 
-        mbs: int = 0
-        """Micro-batch size of the fixed-size modes (original, balanced); 0: the largest that fits."""
+        mbs: int | None = None
+        """Micro-batch size of the fixed-size modes (original, balanced); unset (None, as in
+        ``PlannerConfig`` and ``pipetune plan --mbs``): the largest that fits."""
 
         memory_gib: float = 16.0
         """Memory per rank the plans must fit."""
@@ -157,7 +158,9 @@ class PipeTuneSettings(Configurable):
             Mode(self.mode)
             if self.split_backward not in {s.value for s in SplitBackward}:
                 raise ValueError(f"pipetune.split_backward must be one of {[s.value for s in SplitBackward]}, got {self.split_backward!r}")
-            _at_least("", self, 0, "plan_ahead", "max_mbs", "mbs", "image_grid")
+            _at_least("", self, 0, "plan_ahead", "max_mbs", "image_grid")
+            if self.mbs is not None:
+                _at_least("", self, 1, "mbs")
             if self.budget_s <= 0 or self.memory_gib <= 0:
                 raise ValueError("pipetune.budget_s and pipetune.memory_gib must be positive")
             check_jitter_draws(self.jitter_draws, "pipetune.jitter_draws")

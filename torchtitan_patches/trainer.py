@@ -222,7 +222,7 @@ class PipeTuneTrainer(Trainer):
 
         balanced = Mode(pt.mode) is not Mode.ORIGINAL and self.replicas > 1
         share = ReplicaShare(self.replicas, self.replica, ShareCost(self.profiled, packed_tokens=seq) if balanced else None)
-        tuned = SharePlanner(planner(Mode(pt.mode), pt.mbs or None), share)
+        tuned = SharePlanner(planner(Mode(pt.mode), pt.mbs), share)
         calibration = [planner(Mode.BALANCED, k) for k in range(1, tuned.max_mbs + 1)] if pt.calibration.steps else []
         baseline = best_static_planner(self.planning_model, self.profiled, self._sample(config), max_seq_len=seq,
                                        memory_bytes=pt.memory_gib * 2**30, seed=seed, max_mbs=pt.max_mbs, jitter_draws=pt.jitter_draws,

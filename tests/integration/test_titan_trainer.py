@@ -113,6 +113,8 @@ def test_bad_job_settings_are_named(tmp_path):
         PipeTuneSettings.Config(mode="fast")
     with pytest.raises(ValueError, match="pipetune.plan_ahead"):
         PipeTuneSettings.Config(plan_ahead=-1)
+    with pytest.raises(ValueError, match="pipetune.mbs must be >= 1, got 0"):  # unset is None, as in PlannerConfig and `plan --mbs`
+        PipeTuneSettings.Config(mbs=0)
     with pytest.raises(ValueError, match="pipetune.calibration.steps"):
         CalibrationSettings.Config(steps=-2)
     with pytest.raises(ValueError, match="pipetune.guard.probe_every"):
