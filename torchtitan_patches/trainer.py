@@ -46,37 +46,37 @@ from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
-from pipetune.serve.learner import Learned, Learner
 from pipetune.cost import CostModel, load_latency_table
 from pipetune.packing import FlopsModel
 from pipetune.plan import Mode
-from pipetune.serve.async_planner import AsyncPlanner
-from pipetune.plan.layout.compare import best_static_planner
 from pipetune.plan.data_parallel.dp_balance import ShareCost
-from pipetune.serve.guard import GuardState
-from pipetune.plan.plan import IterationPlan
-from pipetune.serve.plan_source import PlanSource, load_replay
 from pipetune.plan.data_parallel.replicas import ReplicaShare, SharePlanner
+from pipetune.plan.layout.compare import best_static_planner
+from pipetune.plan.plan import IterationPlan
 from pipetune.records import StepKind, StepRecord
+from pipetune.serve.async_planner import AsyncPlanner
+from pipetune.serve.guard import GuardState
+from pipetune.serve.learner import Learned, Learner
+from pipetune.serve.plan_source import PlanSource, load_replay
+from torchtitan_patches.compat.cpu_device import use_cpu
+from torchtitan_patches.compat.torch_compat import add_missing_torch_apis
 from torchtitan_patches.data.micro_batch import GlobalBatch
+from torchtitan_patches.models.model_spec import planning_model_config, stage_runtime
+from torchtitan_patches.runtime import job_stop
 from torchtitan_patches.runtime.data_parallel import FsdpStep
 from torchtitan_patches.runtime.executor import ImageShapes, PlanExecutor, StepResult
-from torchtitan_patches.runtime import job_stop
 from torchtitan_patches.runtime.grad_norm import clip_grad_norm_
-from torchtitan_patches.runtime.tensor_parallel import TensorParallelGrads
 from torchtitan_patches.runtime.plan_channel import PlanChannel
 from torchtitan_patches.runtime.replica_groups import ReplicaGroups
+from torchtitan_patches.runtime.tensor_parallel import TensorParallelGrads
 from torchtitan_patches.settings import PipeTuneSettings
-from torchtitan_patches.compat.cpu_device import use_cpu
 from torchtitan_patches.titan.checkpoint_entries import LEARNED_KEY, LearnedState, checked_load
 from torchtitan_patches.titan.dataloader import PipeTuneTitanDataLoader
-from torchtitan_patches.titan.metrics import StepWork, WorkMetricsProcessor
-from torchtitan_patches.titan.run_outcome import Run, RunOutcome, Share, collect_records, log_step, replica_record
 from torchtitan_patches.titan.job_checks import check_table, refuse_unsupported, with_job_weights
+from torchtitan_patches.titan.metrics import StepWork, WorkMetricsProcessor
 from torchtitan_patches.titan.model_parts import (choose_layout, local_encoder_chunks, master_weights_of, sample_job_batches, schedule_family,
                                                   split_for_layout)
-from torchtitan_patches.models.model_spec import planning_model_config, stage_runtime
-from torchtitan_patches.compat.torch_compat import add_missing_torch_apis
+from torchtitan_patches.titan.run_outcome import Run, RunOutcome, Share, collect_records, log_step, replica_record
 
 
 class PipeTuneTrainer(Trainer):
