@@ -101,8 +101,12 @@ class FlopsModel:
         p = np.asarray(patches, dtype=np.float64)
         if enc is None:
             return np.zeros_like(p)
-        patch_embed = 2.0 * p * enc.patch_dim * enc.dim
-        return patch_embed + enc.n_layers * (2.0 * p * enc.layer_params + 4.0 * enc.dim * p * p)
+        return 2.0 * p * enc.patch_dim * enc.dim + self.vit_layers_forward(p)
+
+    def vit_layers_forward(self, patches) -> np.ndarray:
+        """Forward FLOPs of the ViT's layers alone (no patch embedding) for each image of ``patches`` patches."""
+        enc, p = self.model.encoder, np.asarray(patches, dtype=np.float64)
+        return enc.n_layers * (2.0 * p * enc.layer_params + 4.0 * enc.dim * p * p)
 
     def vit_forward_per_image(self) -> float:
         enc = self.model.encoder
@@ -147,4 +151,4 @@ class FlopsModel:
         enc, patches = self.model.encoder, np.asarray(image_patches, dtype=np.float64)
         if enc is None or enc.frozen or not patches.size:
             return total
-        return total + float((self.vit_forward(patches) - 2.0 * patches * enc.patch_dim * enc.dim).sum())
+        return total + float(self.vit_layers_forward(patches).sum())

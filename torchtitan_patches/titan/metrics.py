@@ -68,8 +68,8 @@ class StepWork:
 
     @classmethod
     def from_list(cls, values) -> "StepWork":
-        """The inverse of ``as_list`` (e.g. after an all-reduce of it); token counts back to ints."""
-        return cls(*(int(v) if f.type == "int" else float(v) for f, v in zip(fields(cls), values)))
+        """The inverse of ``as_list`` (e.g. after an all-reduce of it); each field back to its default's type."""
+        return cls(*(type(f.default)(v) for f, v in zip(fields(cls), values)))
 
     def __add__(self, other: "StepWork") -> "StepWork":
         return StepWork(*(a + b for a, b in zip(self.as_list(), other.as_list())))
