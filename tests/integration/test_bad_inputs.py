@@ -11,13 +11,14 @@ import contextlib
 import io
 import json
 import os
-import socket
 import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
+
+from launch import forked_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB_TIMEOUT_S = 10
@@ -185,7 +186,7 @@ def test_a_genuine_bug_keeps_its_traceback(monkeypatch):
 
 # ---------------------------------------------------------------- plan channel (two gloo ranks)
 
-def _channel_worker(scenario: str, rank: int, port: int) -> None:
+def _channel_worker(scenario: str, rank: int) -> None:
     """One rank of a plan-channel scenario; prints ``ERROR <message>`` or ``OK``."""
     import torch.distributed as dist
 
@@ -198,8 +199,7 @@ def _channel_worker(scenario: str, rank: int, port: int) -> None:
     from torchtitan_patches.runtime.plan_channel import PlanChannel
     from torchtitan_patches.runtime.replica_groups import ReplicaGroups
 
-    dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}",
-                            timeout=timedelta(seconds=JOB_TIMEOUT_S))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=JOB_TIMEOUT_S))
     data = make_mix("datamix3", 64, seed=0)
     reader = BatchReader(data, BatchStream(num_rows=len(data), gbs=8, seed=0),
                          ImageSizing(patch_size=1, merge=1, standard_grid=4, min_pixels=1, max_pixels=16), 1 << 20)
@@ -251,26 +251,8 @@ def _channel_worker(scenario: str, rank: int, port: int) -> None:
         os._exit(0)  # a rank whose peer failed must not wait in destroy_process_group
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_channel(scenario: str) -> list[str]:
-    port = _free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, __file__, scenario, str(r), str(port)], env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
-    outs = []
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=3 * JOB_TIMEOUT_S + 20)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail(f"plan channel scenario {scenario!r} hung past the job timeout")
-    return outs
+    return [out for _, out in forked_ranks([__file__, scenario], 3 * JOB_TIMEOUT_S + 20, ranks=2)]
 
 
 @pytest.mark.timeout(120)
@@ -298,7 +280,8 @@ def test_plan_channel_mismatch_fails_on_every_rank_within_the_timeout(scenario, 
 
 def _job_stop_worker(scenario: str, rank: int, port: int) -> None:
     """One rank of a job whose step 4 fails on rank 1 (``failed``) or loses rank 2 (``lost``), the
-    others blocked in a collective; the job's store is the test process's, as torchrun's agent's is."""
+    others blocked in a collective; the job's store (at ``port``) is the test process's, as
+    torchrun's agent's is."""
     import signal
     import time
 
@@ -333,26 +316,13 @@ def _job_stop_worker(scenario: str, rank: int, port: int) -> None:
 def test_a_failed_step_stops_every_rank_naming_the_failed_or_lost_one(scenario, codes, messages):
     """Where no rank is lost, the failing rank raises its own error and the blocked ones exit 1
     naming it; where one is killed, the others name it within the grace."""
-    import torch.distributed as dist
-
-    port = _free_port()
-    store = dist.TCPStore("127.0.0.1", port, world_size=3, is_master=True, wait_for_workers=False)  # outlives the workers
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, __file__, f"stop_{scenario}", str(r), str(port)], env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(3)]
-    try:
-        outs = [p.communicate(timeout=3 * JOB_TIMEOUT_S + 20)[0] for p in procs]
-    except subprocess.TimeoutExpired:
-        for q in procs:
-            q.kill()
-        pytest.fail(f"job stop scenario {scenario!r} hung")
-    for rank, (p, out, msg) in enumerate(zip(procs, outs, messages)):
-        assert p.returncode == codes[rank] and msg in out and "Traceback" not in out, f"rank {rank} ({p.returncode}):\n{out}"
-    del store  # held until every worker ended
+    runs = forked_ranks([__file__, f"stop_{scenario}"], 3 * JOB_TIMEOUT_S + 20, ranks=3)  # the job's store is this process's
+    for rank, ((code, out), msg) in enumerate(zip(runs, messages)):
+        assert code == codes[rank] and msg in out and "Traceback" not in out, f"rank {rank} ({code}):\n{out}"
 
 
 if __name__ == "__main__":
     if sys.argv[1].startswith("stop_"):
-        _job_stop_worker(sys.argv[1].removeprefix("stop_"), int(sys.argv[2]), int(sys.argv[3]))
+        _job_stop_worker(sys.argv[1].removeprefix("stop_"), int(os.environ["RANK"]), int(os.environ["MASTER_PORT"]))
     else:
-        _channel_worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+        _channel_worker(sys.argv[1], int(os.environ["RANK"]))

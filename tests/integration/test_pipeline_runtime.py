@@ -4,10 +4,7 @@ split-backward plans on 2 and 4 ranks with their activation memory), varying sha
 inconsistent plans or data."""
 
 import json
-import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 from dataclasses import replace
@@ -15,40 +12,21 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from launch import forked_ranks
+
 WORKER = Path(__file__).with_name("pipeline_worker.py")
 pytestmark = pytest.mark.timeout(150)  # on top of each rank's own timeout (run_ranks) and its gloo timeout
 
 
 def run_ranks(scenario: str, data: Path, out: Path, timeout: float = 60.0, expect_ok: bool = True, world: int = 2, **opts) -> list:
-    """The ``world`` ranks of ``scenario``; a rank still running after ``timeout`` seconds (a hang) fails the
-    test. With ``expect_ok=False``, returns each rank's exit code (None: killed after the timeout)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(map(str, (WORKER.parents[2], WORKER.parents[1])))}  # the checkout under test
-           # (not an installed copy) and the shared test helpers
-    procs = [
-        subprocess.Popen([sys.executable, str(WORKER), scenario, str(data), str(out), json.dumps(opts)], env={**env, "RANK": str(r)},
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for r in range(world)
-    ]
-    logs = []
-    try:
-        for p in procs:
-            try:
-                logs.append(p.communicate(timeout=timeout)[0])
-            except subprocess.TimeoutExpired:
-                if expect_ok:
-                    raise
-                logs.append("")
-    finally:
-        for p in procs:
-            p.kill()
+    """The ``world`` ranks of ``scenario`` (forked: ``launch.forked_ranks``); a rank still running
+    after ``timeout`` seconds (a hang) fails the test. With ``expect_ok=False``, returns each rank's
+    exit code (None: killed after the timeout)."""
+    runs = forked_ranks([str(WORKER), scenario, str(data), str(out), json.dumps(opts)], timeout, ranks=world, hang_ok=not expect_ok)
     if not expect_ok:
-        return [p.poll() if p.returncode is not None else None for p in procs]
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} failed:\n{logs[r][-3000:]}"
+        return [code for code, _ in runs]
+    for r, (code, log) in enumerate(runs):
+        assert code == 0, f"rank {r} failed:\n{log[-3000:]}"
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 

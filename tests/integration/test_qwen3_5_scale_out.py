@@ -1,8 +1,8 @@
 """TorchTitan's Qwen3.5 ``debugmodel`` (small vocabulary) under ``PipeTuneTrainer`` beside data
-parallelism (FSDP; HSDP, replicate 2 x shard 2) and tensor parallelism on 4 and 8 gloo ranks, as
-Muse Glimmer in test_titan_scale_out: each step's loss, gradients and gradient norm equal the
-unsplit model's on the whole global batch. Gated DeltaNet runs its CPU path; the merger trains,
-the ViT's blocks too in the TP tests."""
+parallelism (FSDP; HSDP, replicate 2 x shard 2) and tensor parallelism on 8 gloo ranks, as Muse
+Glimmer in test_titan_scale_out: each step's loss, gradients and gradient norm equal the unsplit
+model's on the whole global batch. Gated DeltaNet runs its CPU path; the merger trains, the ViT's
+blocks too in the TP job. DP and TP each run within these jobs, not alone: one job checks both."""
 
 from pathlib import Path
 
@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from pipetune.records import StepRecord
-from titan_jobs import job_args, torchrun
+from launch import torchrun
+from small_job import job_args
 from titan_reference import check_unsplit_step, qwen3_5_unsplit_model, qwen3_5_unsplit_step
 
 pytestmark = pytest.mark.timeout(150)
@@ -63,29 +64,13 @@ def _check_steps(ranks: list[list[dict]], records: list[StepRecord], replicas: i
         assert any(n.startswith("vision_encoder.layers.") for n in exact) == trained
 
 
-def test_qwen3_5_data_parallel_steps_equal_the_unsplit_model(qwen_job, tmp_path, unsplit_backend):
-    """DP 2 x PP 2 with FSDP, 2 steps: the replicas' plans partition each global batch, and every
-    step's loss (summed over replicas), every parameter's gradient (after FSDP's reduction) and the
-    gradient norm equal the unsplit model's on the whole batch from the same weights."""
-    ranks, records = _scale_out_job(qwen_job, tmp_path, "--parallelism.data_parallel_shard_degree", "2")
-    _check_steps(ranks, records, replicas=2)
-
-
-def test_qwen3_5_tensor_parallel_steps_equal_the_unsplit_model(qwen_job, tmp_path, unsplit_backend):
-    """TP 2 x PP 2 with Qwen3.5's own TP plan (sequence parallel; Gated DeltaNet and full attention
-    sharded by heads, the ViT by its linear layers) and the ViT trained, 2 steps: loss, every
-    gradient (joined over TP; the ViT's and merger's included) and the gradient norm equal the
-    unsplit model's."""
-    ranks, records = _scale_out_job(qwen_job, tmp_path, "--parallelism.tensor_parallel_degree", "2", "--pipetune.no-freeze_vision_encoder",
-                                    "--pipetune.latency_table", str(qwen_job / "table_tp2_trained.json"))
-    _check_steps(ranks, records, replicas=1, trained=True)
-
-
 @pytest.mark.timeout(250)
 def test_qwen3_5_data_tensor_and_pipeline_parallel_steps_equal_the_unsplit_model(qwen_job, tmp_path, unsplit_backend):
-    """DP 2 x TP 2 x PP 2 on 8 gloo ranks (FSDP over the replicas, Qwen3.5's TP plan inside each
-    stage, the ViT trained), 2 steps: the replicas' plans partition each global batch, and loss,
-    every gradient (joined over TP after FSDP's reduction) and the norm equal the unsplit model's."""
+    """DP 2 x TP 2 x PP 2 on 8 gloo ranks (FSDP over the replicas; Qwen3.5's own TP plan inside each
+    stage: sequence parallel, Gated DeltaNet and full attention sharded by heads, the ViT by its
+    linear layers; the ViT trained), 2 steps: the replicas' plans partition each global batch, and
+    loss, every gradient (joined over TP after FSDP's reduction; the ViT's and merger's included)
+    and the norm equal the unsplit model's."""
     ranks, records = _scale_out_job(qwen_job, tmp_path, "--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree",
                                     "2", "--pipetune.no-freeze_vision_encoder", "--pipetune.latency_table",
                                     str(qwen_job / "table_tp2_trained.json"), ranks=8)

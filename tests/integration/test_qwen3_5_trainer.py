@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from titan_jobs import job_args, torchrun
+from launch import torchrun
+from small_job import job_args
 from titan_reference import qwen3_5_unsplit_model, qwen3_5_unsplit_step
 
 WORKER = Path(__file__).with_name("titan_grad_worker.py")

@@ -10,7 +10,8 @@ import pytest
 
 from pipetune.data import make_mix, write_dataset
 from pipetune.records import StepRecord
-from titan_jobs import job_args, spawn, torchrun
+from launch import forked_ranks, torchrun
+from small_job import job_args
 
 pytestmark = pytest.mark.timeout(480)
 ROWS, GBS, STEPS = 20, 8, 5  # 5 steps of 8 samples: 2 epochs of 20, a batch across their boundary
@@ -42,7 +43,7 @@ def test_a_lost_rank_stops_the_job_which_resumes_at_dp_1_and_dp_2(job, tmp_path)
     dp2 = ("--parallelism.data_parallel_shard_degree", "2")
     dump_b, dump_c = tmp_path / "b", tmp_path / "c"
     t0 = time.monotonic()
-    ranks = spawn(["tests/integration/titan_drill_worker.py", *args(dump_b, *dp2)], 150, ranks=4, env={"KILL_AT_SAVE": "3:4"})
+    ranks = forked_ranks(["tests/integration/titan_drill_worker.py", *args(dump_b, *dp2)], 150, ranks=4, env={"KILL_AT_SAVE": "3:4"})
     cost = {"A": time.monotonic() - t0}
     assert ranks[3][0] == -9
     for code, out in ranks[:3]:

@@ -12,7 +12,8 @@ import torch
 from pipetune_configs import config_registry
 from pipetune.plan.plan import IterationPlan
 from pipetune.records import StepRecord
-from titan_jobs import job_args, torchrun
+from launch import torchrun
+from small_job import job_args
 from titan_reference import check_unsplit_step, unsplit_step
 
 pytestmark = pytest.mark.timeout(170)
@@ -90,23 +91,6 @@ def unsplit_backend(monkeypatch):
     monkeypatch.setattr(dist_utils, "_spmd_backend", "partial_dtensor")
 
 
-def test_data_parallel_steps_equal_the_unsplit_model_on_the_global_batch(job, tmp_path, unsplit_backend, monkeypatch):
-    """DP 2 x PP 2 with FSDP, 3 steps, each replica planning its own share on its lead; replica
-    1's planner process is killed before the first step. Replica 1 runs its planner's fallback of
-    its share every step and its records and the log say why, replica 0 its own searched plans; the
-    replicas' plans partition each global batch, and every step's loss (summed over replicas),
-    every parameter's gradient (after FSDP's reduction) and the gradient norm equal the unsplit
-    model's on the whole batch from the same weights."""
-    monkeypatch.setenv("KILL_PLANNER_OF_REPLICA", "1")
-    ranks, records = _scale_out_job(job, tmp_path, "--parallelism.data_parallel_shard_degree", "2")
-    _check_steps(ranks, records, replicas=2)
-    for r in records:
-        assert r.fallback == (r.replica == 1), (r.step, r.replica, r.fallback_reason)
-        assert (r.replica == 1) == bool(r.fallback_reason) and (r.replica == 0 or "exited with code -9 (Killed)" in r.fallback_reason)
-    log = (tmp_path / "job.log").read_text()
-    assert log.count("fallback plans on replica 1 (pipetune planner process") == STEPS
-
-
 def _separated_job(job, tmp_path, *extra: str, replicate: int = 1, dp: int = 1, tp: int = 1):
     """A job in DIP's separated layout with a trained encoder on a 5:5:90 mix (some replica's share
     has no image when there are several), ``replicate x dp`` replicas (HSDP when both exceed 1), TP
@@ -135,41 +119,28 @@ def _separated_job(job, tmp_path, *extra: str, replicate: int = 1, dp: int = 1, 
     return ranks
 
 
-@pytest.mark.parametrize("replicate, dp, tp", [(1, 2, 1), (1, 1, 2), pytest.param(1, 2, 2, marks=pytest.mark.timeout(450)),
-                                               pytest.param(2, 2, 1, marks=pytest.mark.timeout(450))], ids=["dp2", "tp2", "dp2-tp2", "hsdp2x2"])
+@pytest.mark.timeout(450)
+@pytest.mark.parametrize("replicate, dp, tp", [(1, 2, 2), (2, 2, 1)], ids=["dp2-tp2", "hsdp2x2"])
 def test_separated_layout_beside_data_and_tensor_parallelism(job, tmp_path, unsplit_backend, replicate, dp, tp):
-    """DIP's separated layout with a trained encoder beside DP 2 (FSDP), TP 2 (sequence parallel),
-    both, and HSDP (2 replicas of 2 FSDP shards; 8 ranks): every rank's encoder chunks, stage 1's
-    (no adapter) included, are TP-sharded as stage 0's are and FSDP-sharded, gathered and reduced
-    once per step whatever its replica's share of the images. Loss, every gradient (the ViT's
-    blocks on both stages) and the norm equal the unsplit model's, as above."""
+    """DIP's separated layout with a trained encoder beside DP 2 (FSDP) x TP 2 (sequence parallel)
+    and HSDP (2 replicas of 2 FSDP shards), 8 ranks each (DP 2 alone: the next test): every rank's
+    encoder chunks, stage 1's (no adapter) included, are TP-sharded as stage 0's are and
+    FSDP-sharded, gathered and reduced once per step whatever its replica's share of the images.
+    Loss, every gradient (the ViT's blocks on both stages) and the norm equal the unsplit model's,
+    as above."""
     _separated_job(job, tmp_path, replicate=replicate, dp=dp, tp=tp)
 
 
 def test_separated_layout_checkpoints_every_encoder_chunk(job, tmp_path, unsplit_backend):
-    """Full activation checkpointing (``activation_checkpoint:full``) in the separated layout beside
-    DP 2: every ViT block of both stages is checkpoint-wrapped, as the job asks (stage 1's chunks
-    are parallelised apart from TorchTitan's ``parallelize_fn``), and the recomputing backward
-    gives the unsplit model's loss, gradients and norm."""
+    """The separated layout with a trained encoder beside DP 2 (FSDP), under full activation
+    checkpointing (``activation_checkpoint:full``): every ViT block of both stages is
+    checkpoint-wrapped, as the job asks (stage 1's chunks are parallelised apart from TorchTitan's
+    ``parallelize_fn``), and, as above, every step's loss, gradients and norm equal the unsplit
+    model's."""
     ranks = _separated_job(job, tmp_path, "activation_checkpoint:full", dp=2)
     blocks = {a[0]["stage"]: {n for n in a[0]["checkpointed"] if n.startswith("vision_encoder.layers.")} for a in ranks}
     held = {a[0]["stage"]: {n.split(".")[2] for n in a[0]["grads"] if n.startswith("vision_encoder.layers.")} for a in ranks}
     assert blocks == {s: {f"vision_encoder.layers.{i}" for i in held[s]} for s in (0, 1)} and all(held.values())
-
-
-@pytest.mark.parametrize("degree", ["data_parallel_shard_degree", "tensor_parallel_degree"], ids=["dp", "tp"])
-def test_interleaved_zero_bubble_beside_data_or_tensor_parallelism(job, tmp_path, degree, unsplit_backend):
-    """DP 2 x PP 2 (FSDP over both of a rank's parts) and TP 2 x PP 2 (sequence parallel) under
-    TorchTitan's ``InterleavedZeroBubble``: two backbone chunks per rank, every backward split into
-    input and weight gradients, so weight gradients arrive after the input gradients that FSDP's and
-    TP's backward hooks see. Loss, gradients and norm equal the unsplit model's, as above."""
-    tp = degree == "tensor_parallel_degree"
-    ranks, records = _scale_out_job(job, tmp_path, f"--parallelism.{degree}", "2", "--parallelism.pipeline_parallel_schedule",
-                                    "InterleavedZeroBubble", *(["--pipetune.latency_table", str(job / "table_tp2.json")] if tp else []))
-    for r in records:
-        plan = IterationPlan.from_json(r.plan)
-        assert plan.placement.chunks_per_rank == 2 and plan.table().split_backward
-    _check_steps(ranks, records, replicas=1 if tp else 2)
 
 
 def test_data_parallel_job_resumes_as_if_uninterrupted(job, tmp_path):
@@ -225,13 +196,28 @@ def test_bf16_job_trains_within_bf16_tolerance_of_fp32(job, tmp_path):
 
 @pytest.mark.timeout(450)
 @pytest.mark.parametrize("schedule", ["1F1B", "InterleavedZeroBubble"])
-def test_data_tensor_and_pipeline_parallel_steps_equal_the_unsplit_model(job, tmp_path, schedule, unsplit_backend):
+def test_data_tensor_and_pipeline_parallel_steps_equal_the_unsplit_model(job, tmp_path, schedule, unsplit_backend, monkeypatch):
     """DP 2 x TP 2 x PP 2 on 8 gloo ranks: FSDP over the replicas and sequence-parallel TP inside
-    each stage, with one chunk per rank or two with split backwards. Each step's loss, gradients
-    (joined over TP after FSDP's reduction) and norm equal the unsplit model's on the global batch."""
+    each stage, each replica planning its own share on its lead, 3 steps. Under ``1F1B`` one chunk
+    per rank, and replica 1's planner process is killed before the first step: replica 1 runs its
+    planner's fallback of its share every step and its records and the log say why, replica 0 its
+    own searched plans. Under TorchTitan's ``InterleavedZeroBubble`` two backbone chunks per rank,
+    every backward split into input and weight gradients, so weight gradients arrive after the
+    input gradients that FSDP's and TP's backward hooks see. Either way the replicas' plans
+    partition each global batch, and each step's loss (summed over replicas), gradients (joined
+    over TP after FSDP's reduction) and norm equal the unsplit model's on the global batch from the
+    same weights."""
+    killed = schedule == "1F1B"
+    if killed:
+        monkeypatch.setenv("KILL_PLANNER_OF_REPLICA", "1")
     ranks, records = _scale_out_job(job, tmp_path, "--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree",
                                     "2", "--pipetune.latency_table", str(job / "table_tp2.json"), "--parallelism.pipeline_parallel_schedule",
                                     schedule, ranks=8)
     plans = [IterationPlan.from_json(r.plan) for r in records]
-    assert {(p.placement.chunks_per_rank, p.table().split_backward) for p in plans} == {(1, False) if schedule == "1F1B" else (2, True)}
+    assert {(p.placement.chunks_per_rank, p.table().split_backward) for p in plans} == {(1, False) if killed else (2, True)}
     _check_steps(ranks, records, replicas=2)
+    for r in records:
+        assert r.fallback == (killed and r.replica == 1), (r.step, r.replica, r.fallback_reason)
+        assert bool(r.fallback_reason) == r.fallback and (not r.fallback or "exited with code -9 (Killed)" in r.fallback_reason)
+    log = (tmp_path / "job.log").read_text()
+    assert log.count("fallback plans on replica 1 (pipetune planner process") == (STEPS if killed else 0)

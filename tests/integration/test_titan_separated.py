@@ -4,34 +4,19 @@ split as ``PipeTuneTrainer`` splits them, image sub-microbatches padded to a fix
 message order: the same loss and gradients as the unsplit TorchTitan model's own forward."""
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from launch import forked_ranks
 
 WORKER = Path(__file__).with_name("titan_separated_worker.py")
 pytestmark = pytest.mark.timeout(120)
 
 
 def _run(data: Path, out: Path, timeout: float = 90.0, **opts) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(map(str, (WORKER.parents[2], WORKER.parents[1])))}  # the checkout under test
-           # (not an installed copy) and the shared test helpers
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(data), str(out), json.dumps(opts)], env={**env, "RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    try:
-        logs = [p.communicate(timeout=timeout)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} failed:\n{logs[r][-3000:]}"
+    for r, (code, log) in enumerate(forked_ranks([str(WORKER), str(data), str(out), json.dumps(opts)], timeout, ranks=2)):
+        assert code == 0, f"rank {r} failed:\n{log[-3000:]}"
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 

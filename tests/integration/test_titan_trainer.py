@@ -1,4 +1,5 @@
-"""TorchTitan's own trainer entry point (``torchrun -m torchtitan.train``, 2 gloo ranks) running
+"""TorchTitan's own trainer entry point (``torchrun -m torchtitan.train``, 2 gloo ranks; forked
+from the tests' fork server but for one job under torchrun itself) running
 pipetune's plans on TorchTitan's Muse Glimmer ``debugmodel_mm``: a checkpointed, resumed job equals
 the uninterrupted one, and step-1 gradients equal the unsplit TorchTitan model's on the same batch."""
 
@@ -10,7 +11,8 @@ import torch
 
 from torchtitan_patches.testbed.learning import TestbedRecord
 from torchtitan_patches.testbed.runs import Twin
-from titan_jobs import job_args as _args, torchrun as _torchrun
+from launch import torchrun as _torchrun
+from small_job import job_args as _args
 from titan_reference import unsplit_step
 from pipetune_configs import config_registry
 from torchtitan_patches.models.model_spec import planning_model_config
@@ -177,7 +179,8 @@ def test_a_non_finite_loss_stops_the_job_before_the_optimizer_step(job, tmp_path
     """TorchTitan's own check: a learning rate of 1e30 makes step 2's loss non-finite, and every
     rank stops there with TorchTitan's message instead of training on."""
     out = _torchrun(["-m", "torchtitan.train", *_args(job, tmp_path / "dump", "--training.steps", "4", "--optimizer.param-groups.0.optimizer-kwargs.lr", "1e30",
-                                                      "--lr_scheduler.warmup_steps", "0")], timeout=100, check=False)
+                                                      "--lr_scheduler.warmup_steps", "0")], timeout=100, check=False,
+                    real=True)  # torchrun itself: the launch path a user takes (the other jobs' ranks are forked)
     assert "Loss is not finite" in out and "at step 2" in out
     assert len(StepRecord.read(tmp_path / "dump" / "pipetune" / "steps.jsonl")) == 2
 

@@ -16,7 +16,7 @@ def unsplit_step(model, batch) -> float:
     """Forward + backward of every micro-batch of ``batch`` through the unsplit model's own forward
     (vision encoder and adapter inside), loss ``sum / label tokens``; returns the batch loss and
     leaves the gradients in ``.grad``."""
-    enc, total = model.vision_encoder, torch.zeros(())
+    total = torch.zeros(())
     for mb in batch.micro_batches:
         kwargs = {}
         if mb.num_images:

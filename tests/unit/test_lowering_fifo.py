@@ -159,13 +159,15 @@ def merge_onto_ranks(rng: np.random.Generator, virtual: ScheduleTable, placement
     ranks: list[list[Action]] = [[] for _ in range(placement.num_ranks)]
     done: set[Action] = set()
     pos = [0] * len(lists)
-    while any(pos[i] < len(lst) for i, lst in enumerate(lists)):
-        ready = [i for i, lst in enumerate(lists) if pos[i] < len(lst) and set(virtual.producers(lst[pos[i]])) <= done]
+    needs = [set(virtual.producers(lst[0])) if lst else None for lst in lists]  # each list's next action's producers
+    while any(n is not None for n in needs):
+        ready = [i for i, n in enumerate(needs) if n is not None and n <= done]
         i = int(rng.choice(ready))
         a = lists[i][pos[i]]
         ranks[placement.rank_of(a)].append(a)
         done.add(a)
         pos[i] += 1
+        needs[i] = set(virtual.producers(lists[i][pos[i]])) if pos[i] < len(lists[i]) else None
     return ScheduleTable(placement=placement, num_micro_batches=virtual.num_micro_batches, ranks=tuple(map(tuple, ranks)),
                          sub_mb_parent=virtual.sub_mb_parent, name="random").validate()
 
