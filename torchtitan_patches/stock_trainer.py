@@ -59,7 +59,6 @@ class StockTrainer(Trainer):
                              f"{config.training.local_batch_size}: TorchTitan's step pulls local_batch_size rows, the loader cuts steps of rows_per_step")
         config.metrics = WorkMetricsProcessor.upgrade(config.metrics)
         super().__init__(config)
-        self.metrics_processor.count_recompute(config.activation_checkpoint)
         encoder = getattr(self.model_parts[0], "vision_encoder", None)
         if config.freeze_vision_encoder and encoder is not None:
             encoder.requires_grad_(False)
@@ -67,6 +66,7 @@ class StockTrainer(Trainer):
         model = planning_model_config(spec, image_grid=config.image_grid, encoder_frozen=config.freeze_vision_encoder)
         self.dataloader.bind(model)
         self.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=config.comm.init_timeout_seconds))
+        self.metrics_processor.count_recompute(config.activation_checkpoint, self.model_parts, self.control)
         self.records_path = Path(config.dump_folder) / "stock" / "steps.jsonl"
         self.last_work = None  # the work of the step the loader cut last
 

@@ -135,7 +135,7 @@ class PipeTuneTrainer(Trainer):
         self.tp_grads = TensorParallelGrads(self.model_parts, dims.tp, group=tp.get_group() if tp is not None else None)
         self.profiled = CostModel(self.table, self.layout)
         self.flops = FlopsModel(self.planning_model)
-        self.metrics_processor.count_recompute(config.activation_checkpoint)
+        self.metrics_processor.count_recompute(config.activation_checkpoint, self.model_parts, self.control)
         self.sizes_run: set[int] = set()  # micro-batch sizes this process has run (a size's first run is cold)
         if not isinstance(self.dataloader, PipeTuneTitanDataLoader):
             raise ValueError(f"PipeTuneTrainer needs dataloader = PipeTuneTitanDataLoader.Config, got {type(self.dataloader).__name__}")

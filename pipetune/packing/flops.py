@@ -34,6 +34,8 @@ import numpy as np
 from pipetune.config.model import ModelConfig
 
 BACKWARD_FACTOR = 2.0
+BLOCK_PARTS = ("backbone_weights", "backbone_attention", "vision_weights", "vision_attention")
+"""The parts of ``FlopsModel.block_forward_parts``, in its order."""
 
 
 def attention_pairs(lengths: np.ndarray, causal: bool = True) -> np.ndarray:
@@ -131,7 +133,7 @@ class FlopsModel:
         forward + backward, the ViT's forward (+ backward when trained), the projector's forward +
         backward (it is always trained). MFU's numerator: pass real documents only, since what
         padding costs is not model FLOPs; recomputation is not counted (PaLM's MFU: see
-        ``block_forward_flops`` for what full activation checkpointing adds)."""
+        ``block_forward_parts`` for what activation checkpointing adds)."""
         total = float(self.sequence_flops(lengths).sum())
         enc, patches = self.model.encoder, np.asarray(image_patches, dtype=np.float64)
         if enc is None or not patches.size:
@@ -140,15 +142,23 @@ class FlopsModel:
         projector = (1.0 + BACKWARD_FACTOR) * 2.0 * self.model.projector_params * (patches / enc.merge**2).sum()
         return total + float(vit + projector)
 
-    def block_forward_flops(self, lengths, image_patches=()) -> float:
+    def block_forward_parts(self, lengths, image_patches=()) -> np.ndarray:
         """Forward FLOPs of the transformer blocks over documents of ``lengths`` tokens and images of
-        ``image_patches`` patches: every backbone layer and, when the ViT is trained, every ViT layer
-        (not the head, embeddings, patch embedding or projector). What full activation checkpointing
-        recomputes in the backward, so hardware FLOPs = ``training_flops`` + this (a frozen ViT runs
-        without autograd and is not recomputed)."""
+        ``image_patches`` patches, by what each part scales with (``BLOCK_PARTS``): the backbone
+        layers' matmuls with weights (tokens), their attention (pairs; a linear-attention layer's
+        recurrence, chunk-padded tokens), then the same two of the ViT layers when the ViT is
+        trained (a frozen ViT runs without autograd, so nothing of it is recomputed). Not the
+        head, embeddings, patch embedding or projector. Full activation checkpointing recomputes
+        all of it in the backward (hardware FLOPs = ``training_flops`` + the sum); selective
+        checkpointing recomputes a share of each part that its per-op policy fixes, which the
+        split lets ``torchtitan_patches.titan.metrics`` measure once and apply to every step."""
         lengths = np.asarray(lengths, dtype=np.float64)
-        total = float(self.sequence_flops(lengths, with_head=False).sum()) / (1.0 + BACKWARD_FACTOR)
-        enc, patches = self.model.encoder, np.asarray(image_patches, dtype=np.float64)
-        if enc is None or enc.frozen or not patches.size:
-            return total
-        return total + float(self.vit_layers_forward(patches).sum())
+        b = self.model.backbone
+        weights = b.n_layers * self.linear_per_token * lengths.sum()
+        attention = b.n_full_layers * self.attention_per_pair * attention_pairs(lengths, self.causal).sum()
+        if b.linear_layers:
+            attention += len(b.linear_layers) * self.linear_attention_per_token * b.linear_attention.chunked(lengths).sum()
+        enc, p = self.model.encoder, np.asarray(image_patches, dtype=np.float64)
+        if enc is None or enc.frozen or not p.size:
+            return np.array([weights, attention, 0.0, 0.0])
+        return np.array([weights, attention, enc.n_layers * 2.0 * enc.layer_params * p.sum(), enc.n_layers * 4.0 * enc.dim * (p * p).sum()])

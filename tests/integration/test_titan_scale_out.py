@@ -199,7 +199,8 @@ def test_bf16_job_trains_within_bf16_tolerance_of_fp32(job, tmp_path):
 def test_data_tensor_and_pipeline_parallel_steps_equal_the_unsplit_model(job, tmp_path, schedule, unsplit_backend, monkeypatch):
     """DP 2 x TP 2 x PP 2 on 8 gloo ranks: FSDP over the replicas and sequence-parallel TP inside
     each stage, each replica planning its own share on its lead, 3 steps. Under ``1F1B`` one chunk
-    per rank, and replica 1's planner process is killed before the first step: replica 1 runs its
+    per rank, TorchTitan's selective activation checkpointing (its recompute counted on step 1 for
+    ``hfu(%)``), and replica 1's planner process is killed before the first step: replica 1 runs its
     planner's fallback of its share every step and its records and the log say why, replica 0 its
     own searched plans. Under TorchTitan's ``InterleavedZeroBubble`` two backbone chunks per rank,
     every backward split into input and weight gradients, so weight gradients arrive after the
@@ -212,12 +213,17 @@ def test_data_tensor_and_pipeline_parallel_steps_equal_the_unsplit_model(job, tm
         monkeypatch.setenv("KILL_PLANNER_OF_REPLICA", "1")
     ranks, records = _scale_out_job(job, tmp_path, "--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree",
                                     "2", "--pipetune.latency_table", str(job / "table_tp2.json"), "--parallelism.pipeline_parallel_schedule",
-                                    schedule, ranks=8)
+                                    schedule, *(["activation_checkpoint:selective"] if killed else []), ranks=8)
     plans = [IterationPlan.from_json(r.plan) for r in records]
     assert {(p.placement.chunks_per_rank, p.table().split_backward) for p in plans} == {(1, False) if killed else (2, True)}
     _check_steps(ranks, records, replicas=2)
+    log = (tmp_path / "job.log").read_text()
+    if killed:  # selective AC: every backbone block wrapped, its recompute counted on step 1 (hfu(%))
+        assert all(any(n.startswith("layers.") for n in a[0]["checkpointed"]) for a in ranks)
+        shares = {tuple(x if x == x else None for x in step["recompute_share"]) for a in ranks for step in a}  # NaN: None
+        (weights, attention, *vit), = shares  # summed over ranks: one share on all of them
+        assert 0 < weights < 1 and 0 <= attention <= 1 and vit == [None, None]  # a frozen ViT recomputes nothing
     for r in records:
         assert r.fallback == (killed and r.replica == 1), (r.step, r.replica, r.fallback_reason)
         assert bool(r.fallback_reason) == r.fallback and (not r.fallback or "exited with code -9 (Killed)" in r.fallback_reason)
-    log = (tmp_path / "job.log").read_text()
     assert log.count("fallback plans on replica 1 (pipetune planner process") == (STEPS if killed else 0)

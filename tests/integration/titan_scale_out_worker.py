@@ -1,8 +1,8 @@
 """Several PipeTuneTrainer steps of a data- or tensor-parallel job (torchrun worker for
 tests/integration/test_titan_scale_out.py): per step, this rank's weights before the step, its
 gradients after it, the gradient norm the trainer clipped by and its replica's batch, with the
-rank's place (pipeline stage, tensor-parallel rank, replica) and the modules activation
-checkpointing wraps, for comparison with an unsplit TorchTitan model on the global batch.
+rank's place (pipeline stage, tensor-parallel rank, replica), the modules activation
+checkpointing wraps and the share of their forward it recomputes (as ``hfu(%)`` counts it), for comparison with an unsplit TorchTitan model on the global batch.
 FSDP-sharded tensors are saved whole, tensor-parallel shards as they are (the test joins them);
 names are the unsplit model's. The weights are perturbed from TorchTitan's init first, so that
 every parameter gets a gradient. With ``KILL_PLANNER_OF_REPLICA=d`` in the environment, replica
@@ -65,7 +65,9 @@ def main() -> None:
         trainer.step = step
         trainer.train_step(it)
         grads = {n: whole(p.grad) for n, p in named if p.grad is not None}
-        saved.append({"weights": weights, "grads": grads, "batch": seen[-1], "grad_norm": norms[-1], "checkpointed": checkpointed, **place})
+        share = trainer.metrics_processor.recompute_share  # hfu(%)'s recomputed share of each block part, once counted
+        saved.append({"weights": weights, "grads": grads, "batch": seen[-1], "grad_norm": norms[-1], "checkpointed": checkpointed,
+                      "recompute_share": None if share is None else share.tolist(), **place})
     torch.save(saved, os.path.join(out, f"rank{dist.get_rank()}.pt"))
     trainer.close()
     dist.destroy_process_group()
