@@ -42,7 +42,6 @@ from typing import ClassVar
 
 import torch
 import torch.distributed as dist
-from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
@@ -61,10 +60,10 @@ from pipetune.serve.plan_source import PlanSource, load_replay
 from torchtitan_patches.compat.cpu_device import use_cpu
 from torchtitan_patches.compat.torch_compat import add_missing_torch_apis
 from torchtitan_patches.data.micro_batch import GlobalBatch
-from torchtitan_patches.models.model_spec import planning_model_config, stage_runtime
+from torchtitan_patches.models.model_spec import planning_model_config
 from torchtitan_patches.runtime import job_stop
 from torchtitan_patches.runtime.data_parallel import FsdpStep
-from torchtitan_patches.runtime.executor import ImageShapes, PlanExecutor, StepResult
+from torchtitan_patches.runtime.executor import StepResult
 from torchtitan_patches.runtime.grad_norm import clip_grad_norm_
 from torchtitan_patches.runtime.plan_channel import PlanChannel
 from torchtitan_patches.runtime.replica_groups import ReplicaGroups
@@ -74,9 +73,9 @@ from torchtitan_patches.titan.checkpoint_entries import LEARNED_KEY, LearnedStat
 from torchtitan_patches.titan.dataloader import PipeTuneTitanDataLoader
 from torchtitan_patches.titan.job_checks import check_table, refuse_unsupported, with_job_weights
 from torchtitan_patches.titan.metrics import StepWork, WorkMetricsProcessor
-from torchtitan_patches.titan.model_parts import (choose_layout, local_encoder_chunks, master_weights_of, sample_job_batches, schedule_family,
-                                                  split_for_layout)
+from torchtitan_patches.titan.model_parts import choose_layout, master_weights_of, sample_job_batches, schedule_family, split_for_layout
 from torchtitan_patches.titan.run_outcome import Run, RunOutcome, Share, collect_records, log_step, replica_record
+from torchtitan_patches.titan.stage_executor import build_executor
 
 
 class PipeTuneTrainer(Trainer):
@@ -130,7 +129,7 @@ class PipeTuneTrainer(Trainer):
         self.control = dist.new_group(backend="gloo", timeout=timeout)
         self.groups = ReplicaGroups.build(self.replica, self.stage, self.tp_rank, control=self.control, timeout=timeout)
         self.sequence_shards = dims.tp if dims.tp_enabled and config.parallelism.enable_sequence_parallel else 1
-        self.executor = self._build_executor(config.pipetune, dims.pp)
+        self.executor = build_executor(self, config.pipetune, self.planning_model, self.layout)
         self.fsdp = FsdpStep(self.model_parts) if dims.dp_enabled else None
         self.tp_grads = TensorParallelGrads(self.model_parts, dims.tp, group=tp.get_group() if tp is not None else None)
         self.profiled = CostModel(self.table, self.layout)
@@ -172,35 +171,6 @@ class PipeTuneTrainer(Trainer):
             self.checkpointer.states[LEARNED_KEY] = LearnedState(self.learner, on=on, replica=self.replica, replicas=self.replicas,
                                                                  group=self.control, apply=self._apply)
             self.checkpointer.load = checked_load(self.checkpointer.load, self.checkpointer.folder)
-
-    def _build_executor(self, pt: PipeTuneSettings.Config, pp: int) -> PlanExecutor:
-        """This rank's backbone chunks (TorchTitan's parts of stages ``r, r + P, ...``, in that
-        order) and encoder chunks (meta-initialised: each rank materialised only its own parts)
-        behind a ``PlanExecutor`` on its pipeline (TorchTitan's ``pp`` mesh)."""
-        stage, chunks_total = self.stage, pp * self.chunks_per_rank
-        parts = dict(zip(range(stage, chunks_total, pp), self.model_parts))
-        runtime = stage_runtime(self.config.model_spec)
-        for part in parts.values():
-            if pt.freeze_vision_encoder and getattr(part, "vision_encoder", None) is not None:
-                part.vision_encoder.requires_grad_(False)  # AdamW skips parameters without gradients
-                for name in runtime.trained_with_frozen_encoder:
-                    getattr(part.vision_encoder, name).requires_grad_(True)
-        sizes = [None] * dist.get_world_size()
-        dist.all_gather_object(sizes, sum(p.numel() * p.element_size() for part in parts.values() for p in part.parameters()), group=self.control)
-        if self.rank == 0:
-            logger.info("pipetune: parameter bytes per rank " + ", ".join(f"rank {r} {b / 2**20:.1f} MiB" for r, b in enumerate(sizes)))
-        backbone = {c: runtime.stage(part, is_first=c == 0, is_last=c == chunks_total - 1) for c, part in parts.items()}
-        enc = self.planning_model.encoder
-        if self.layout.is_separated:
-            ranges = self.layout.encoder_chunks
-            chunks = runtime.encoder_chunks(parts[stage], ranges, local_encoder_chunks(stage, pp, ranges), image_grid=pt.image_grid)
-        else:
-            chunks = runtime.encoder_chunks(parts[0], [(0, enc.n_layers)], [0], image_grid=pt.image_grid) if enc is not None and 0 in parts else {}
-        return PlanExecutor(
-            backbone, chunks, dim=self.planning_model.backbone.dim, rank=stage, group=self.parallel_dims.get_mesh("pp").get_group(),
-            control_group=self.control, replica=self.replica, sequence_shards=self.sequence_shards, image_shapes=ImageShapes.of(enc) if enc is not None else None,
-            device=self.device, strict_order=pt.strict_order, count_host_syncs=pt.count_host_syncs, compute_dtype=TORCH_DTYPE_MAP[self.config.training.mixed_precision_param],
-            loss_fn=lambda logits, labels, n: self.loss_fn(logits, labels, n)[0])  # a Python divisor: no upload per micro-batch
 
     def _learner(self, pt: PipeTuneSettings.Config) -> Learner:
         """A lead's learning from its replica's runs (an extension point: a subclass may measure more)."""
