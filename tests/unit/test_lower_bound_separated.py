@@ -5,7 +5,7 @@ co-located bound on the co-located layout, so gaps mean the same on both layouts
 import numpy as np
 import pytest
 from random_schedules import random_separated_table
-from test_separated import one_micro_batch_needs, random_case
+from test_separated import H100, heavy, one_micro_batch_needs, random_case  # noqa: F401  (the fixture)
 
 from pipetune.cost.cost_model import rank_work
 from pipetune.plan.separated.interleave import Problem
@@ -127,3 +127,39 @@ def test_micro_batches_that_cannot_share_a_rank_s_memory_are_bounded_one_after_a
     assert placement_lower_bound(proto, lat) < bound <= min(spans) * (1 + 1e-12)
     assert bound == pytest.approx(0.2 + 2 * 4.0)  # an encoder chain, then two windows of F, F, B, B on rank 0
     assert min(spans) == pytest.approx(bound + 0.2)  # the greedy admits the second micro-batch's encoder only then
+
+
+def test_the_search_s_partial_bounds_stay_below_the_whole_bound(heavy):  # noqa: F811
+    """``segment_search.bound`` with ``enough`` stops as soon as its bound reaches it (a
+    configuration starts at its busiest rank's work, then ``placement_lower_bound``'s own
+    shortcut): the value is never above the whole bound, and is either at least ``enough`` or the
+    whole bound; asked again for more, it rises to what was asked. ``alone`` is the memory one
+    micro-batch holds on each rank; under a limit below it on any rank, the bound is infinite
+    and the greedy finds no table."""
+    from dataclasses import replace
+
+    from pipetune.plan.layout.planner_config import PlannerConfig
+    from pipetune.plan.separated.segment_search import alone, bound
+
+    model, cost, metas = heavy
+    planner = PlannerConfig(max_seq_len=4096, memory_bytes=H100.memory_bytes).build(model, cost)
+    limit = planner.budget - planner.states
+    rng = np.random.default_rng(3)
+    for c in planner.configurations(metas[0], range(1, planner.max_mbs + 1), adaptive=True, bounded=False):
+        proto = ScheduleTable(placement=c.placement, num_micro_batches=c.packing.num_micro_batches, ranks=(), sub_mb_parent=c.parent)
+        whole = placement_lower_bound(proto, c.lat, limit)
+        assert c.lower_bound_s == rank_work(c.placement, c.lat).max() <= whole
+        for enough in whole * rng.uniform(0.9, 1.1, 4):
+            partial = replace(c)
+            got = bound(partial, limit, enough=enough)
+            assert got <= whole and (got >= enough or got == whole)
+            assert bound(partial, limit) == whole
+        assert bound(replace(c), 0.99 * alone(c.placement, c.parent, c.lat)) == np.inf
+    for _ in range(100):
+        placement, parent, lat = random_case(rng)
+        need = alone(placement, parent, lat)
+        assert need == pytest.approx(one_micro_batch_needs(placement, parent, lat), rel=1e-12)
+        tight = need.copy()
+        tight[np.argmax(need)] *= 0.99
+        problem = Problem(placement, parent, lat)
+        assert problem.run(problem.point_keys(np.arange(lat.fwd.shape[0]), 0, 0), tight) is None

@@ -38,12 +38,18 @@ backbone's backwards, which the next micro-batches' chains wait for, pass the en
 only the end of the iteration waits for. The scheduling times are the simulator's own: ``simulate`` on the returned table gives the same
 makespan and peak memory (tested).
 
-Speed: everything but the priorities depends on the packing alone, so ``Problem`` holds it as
-flat Python lists, built once per packing, and ``Problem.run`` is one pass of list scheduling per
-priority vector (about 1 ms for 200 actions on one core); the search calls it hundreds of times.
-Under admission, forwards of a micro-batch that does not fit are set aside until a release on the
-rank it overflowed (or its admission) may let it in, instead of being re-examined every round
-(which cost 30x on a video batch's 2,000 actions).
+Speed: everything but the priorities depends on the packing alone, so ``Problem`` holds it as flat
+Python lists, built once per packing with numpy, and ``Problem.run`` is one pass of list scheduling
+per priority vector (about 2 us an action on one core; a video batch's configuration holds up to
+5,000); the search calls it hundreds of times. Priorities become each action's rank in (priority,
+index) order, so the queues are heaps of plain ints. A rank's next action is found again only when
+something it depends on changed (its own schedule, an action ready before it could start, a
+release, an admission; same tables: tested against the rules one by one). Under admission, forwards
+of a micro-batch that does not fit are set aside until a release on a rank it overflowed (or its
+admission) may let it in, instead of being re-examined every round (which cost 30x on a video
+batch's 2,000 actions); a release rechecks only the micro-batches that now fit on that rank, and
+puts back only each queue's best forward of a micro-batch, the rest following it once it runs (most
+are set aside again before then: the next admission takes the memory).
 """
 
 from __future__ import annotations
@@ -54,9 +60,8 @@ from functools import cached_property
 
 import numpy as np
 
-from pipetune.schedule.lowering import Message
-from pipetune.schedule.table import Op, Placement, ScheduleTable
-from pipetune.simulate.simulator import Latencies, buffer_bytes, durations, message_costs
+from pipetune.schedule.table import Action, Placement, ScheduleTable
+from pipetune.simulate.simulator import Latencies
 
 
 @dataclass(frozen=True)
@@ -79,42 +84,87 @@ class Problem:
     """One packing's actions, durations, messages and buffers as flat lists, for ``run``."""
 
     def __init__(self, placement: Placement, sub_mb_parent: tuple[int, ...], lat: Latencies, *, name: str = "interleaved"):
-        proto = ScheduleTable(placement=placement, num_micro_batches=lat.fwd.shape[0], ranks=((),) * placement.num_ranks,
-                              sub_mb_parent=tuple(sub_mb_parent), name=name)
-        acts = proto.expected_actions()
-        index = {a: i for i, a in enumerate(acts)}
-        self.placement, self.sub_mb_parent, self.num_micro_batches, self.name = placement, proto.sub_mb_parent, proto.num_micro_batches, name
-        self.acts = acts
+        # Built with numpy from the table's index arithmetic (``acts`` order: ``expected_actions``):
+        # action by action, a video batch's 4,700 actions cost 40 ms per configuration, now 2 ms.
+        m, parent = lat.fwd.shape[0], np.asarray(sub_mb_parent, np.int64)
+        n, S, E = len(parent), placement.num_stages, len(placement.encoder)
+        self.placement, self.sub_mb_parent, self.num_micro_batches, self.name = placement, tuple(sub_mb_parent), m, name
         self.num_ranks = R = placement.num_ranks
-        self.rank = [placement.rank_of(a) for a in acts]
-        self.dur = [float(durations(lat, a.module, a.op)[a.unit, a.chunk]) for a in acts]
-        self.forward = [a.op is Op.FORWARD for a in acts]
-        self.is_encoder = np.array([a.is_encoder for a in acts], bool)
-        self.alloc, self.free = [0.0] * len(acts), [0.0] * len(acts)
-        self.group = [proto.sub_mb_parent[a.unit] if a.is_encoder else a.unit for a in acts]
-        self.mb_of = np.array(self.group, np.int64)
-        self.is_ef = self.is_encoder & np.array(self.forward, bool)
-        self.is_eb = self.is_encoder & ~np.array(self.forward, bool)
-        need = np.zeros((proto.num_micro_batches, R))  # forward memory of each micro-batch (with its images) on each rank
-        for kind, chunk, unit, made, freed in proto.buffers():
-            arr = buffer_bytes(lat, kind)
-            nbytes = float(arr[unit, chunk] if arr.ndim == 2 else arr[unit])
-            self.alloc[index[made]] += nbytes
-            self.free[index[freed]] += nbytes
-            need[self.group[index[made]], self.rank[index[made]]] += nbytes
-        self.need = need.tolist()
-        self.out = []
-        for i, a in enumerate(acts):
-            edges = []
-            for c in proto.consumers(a):
-                j = index[c]
-                msg = Message(a, c)
-                edges.append((j, 0.0 if self.rank[j] == self.rank[i] else float(message_costs(lat, msg.kind)[msg.unit])))
-            self.out.append(edges)
-        self.waiting = [len(proto.producers(a)) for a in acts]
-        self.work = [0.0] * R  # each rank's total work
-        for r, d in zip(self.rank, self.dur):
-            self.work[r] += d
+        trained = placement.encoder_trained
+        ops_e = 2 if trained else 1
+        NE = E * ops_e * n
+        self.num_actions = N = NE + 2 * S * m
+        k, c = np.arange(n), np.arange(E)
+        j, s = np.arange(m), np.arange(S)
+        ef = (c[:, None] * ops_e) * n + k  # [E, n]: encoder forward of chunk c, sub-microbatch k
+        eb = ef + n  # encoder backward (trained only)
+        bf = NE + (s[:, None] * 2) * m + j  # [S, m]
+        bb = bf + m
+        enc_rank, bb_rank = np.asarray(placement.encoder, np.int64), np.asarray(placement.backbone, np.int64)
+        rank = np.empty(N, np.int64)
+        dur = np.empty(N)
+        group = np.empty(N, np.int64)
+        forward = np.zeros(N, bool)
+        rank[ef], dur[ef], group[ef], forward[ef] = enc_rank[:, None], lat.encoder.T, parent, True
+        rank[bf], dur[bf], group[bf], forward[bf] = bb_rank[:, None], lat.fwd.T, j, True
+        rank[bb], dur[bb], group[bb] = bb_rank[:, None], lat.bwd.T, j
+        if trained:
+            rank[eb], dur[eb], group[eb] = enc_rank[:, None], lat.encoder_bwd.T, parent
+        self.rank, self.dur, self.forward, self.group = rank.tolist(), dur.tolist(), forward.tolist(), group.tolist()
+        self.mb_of = group
+        encoder = np.arange(N) < NE
+        self.is_ef, self.is_eb = encoder & forward, encoder & ~forward
+        # Buffers (``ScheduleTable.buffers``), summed in its order so every sum rounds as it does there.
+        alloc, free = np.zeros(N), np.zeros(N)
+        alloc[bf], free[bb] = lat.activation_bytes.T, lat.activation_bytes.T
+        made = [bf.ravel()]
+        nbytes = [lat.activation_bytes.T.ravel()]
+        if n and E:
+            feat_made = ef[-1] if enc_rank[-1] == bb_rank[0] else bf[0, parent]
+            per_k = [ef.T, feat_made[:, None]] if trained else [feat_made[:, None]]
+            per_b = [lat.encoder_activation_bytes, lat.image_feature_bytes[:, None]] if trained else [lat.image_feature_bytes[:, None]]
+            made.append(np.concatenate(per_k, axis=1).ravel())
+            nbytes.append(np.concatenate(per_b, axis=1).ravel())
+            freed = np.concatenate([eb.T, bb[0, parent][:, None]] if trained else [bb[0, parent][:, None]], axis=1).ravel()
+            np.add.at(alloc, made[-1], nbytes[-1])
+            np.add.at(free, freed, nbytes[-1])
+        made, nbytes = np.concatenate(made), np.concatenate(nbytes)
+        need = np.zeros((m, R))  # forward memory of each micro-batch (with its images) on each rank
+        np.add.at(need, (group[made], rank[made]), nbytes)
+        self.alloc, self.free, self.need = alloc.tolist(), free.tolist(), need.tolist()
+        # Edges (``ScheduleTable.consumers``, in its order) with their message times (0 on one rank).
+        src, dst, cost = [], [], []
+
+        def edge(a, b, seconds=None):
+            a, b = np.broadcast_arrays(a, b)
+            src.append(a.ravel())
+            dst.append(b.ravel())
+            cost.append(np.zeros(a.size) if seconds is None else np.broadcast_to(seconds, a.shape).ravel())
+
+        if E:
+            edge(ef[:-1], ef[1:], lat.encoder_p2p)
+            edge(ef[-1], bf[0, parent], lat.feature_p2p)
+        if trained:
+            edge(ef, eb)
+            edge(eb[1:], eb[:-1], lat.encoder_p2p)
+            edge(bb[0, parent], eb[-1], lat.feature_p2p)
+        edge(bf[:-1], bf[1:], lat.p2p)
+        edge(bf, bb)
+        edge(bb[1:], bb[:-1], lat.p2p)
+        src, dst, cost = np.concatenate(src), np.concatenate(dst), np.concatenate(cost)
+        cost = np.where(rank[src] == rank[dst], 0.0, cost)
+        by = np.argsort(src, kind="stable")
+        edges = list(zip(dst[by].tolist(), cost[by].tolist()))
+        ends = np.cumsum(np.bincount(src, minlength=N)).tolist()
+        self.out = tuple(tuple(edges[a:b]) for a, b in zip([0] + ends[:-1], ends))  # tuples: untracked by the collector
+        self.waiting = np.bincount(dst, minlength=N).tolist()
+        self.work = np.bincount(rank, weights=dur, minlength=R).tolist()  # each rank's total work
+
+    @cached_property
+    def acts(self) -> list[Action]:
+        """Every action, ``index`` order (``ScheduleTable.expected_actions``)."""
+        return ScheduleTable(placement=self.placement, num_micro_batches=self.num_micro_batches, ranks=(),
+                             sub_mb_parent=self.sub_mb_parent).expected_actions()
 
     def point_keys(self, order, lead: int, lag: int) -> list[int]:
         """Priorities of a search point (``segment_search``): micro-batch ``order[i]``'s backbone
@@ -150,10 +200,15 @@ class Problem:
     def _run(self, prio: list, memory_limit: np.ndarray | None, cap: np.ndarray | None, within: float) -> tuple[Interleaved | None, bool]:
         """``run``, and whether it was cut short by ``within``."""
         R = self.num_ranks
-        n_acts = len(self.acts)
+        n_acts = self.num_actions
+        push, pop = heapq.heappush, heapq.heappop
         rank, dur, forward, group, alloc, free, need, out = (self.rank, self.dur, self.forward, self.group, self.alloc, self.free,
                                                              self.need, self.out)
-        key = list(zip(prio, range(n_acts)))
+        # each action's rank in (priority, index) order: heaps of plain ints compare fastest
+        act = np.lexsort((np.arange(n_acts), np.asarray(prio)))
+        key = np.empty(n_acts, np.int64)
+        key[act] = np.arange(n_acts)
+        key, act = key.tolist(), act.tolist()
         waiting = self.waiting.copy()
         ready_at = [0.0] * n_acts
         limited = memory_limit is not None
@@ -163,16 +218,20 @@ class Problem:
         cut = within < np.inf
         within *= 1 + 1e-9
         left = self.work.copy()  # work not yet scheduled, per rank
-        # per rank and kind (0 forward, 1 backward): not yet startable (by ready time), startable (by priority)
+        # per rank and kind (0 forward, 1 backward): not yet startable ((ready time, key)), startable (key)
         pending = [[[], []] for _ in range(R)]
         avail = [[[], []] for _ in range(R)]
-        # forwards found not allowed (admission), by micro-batch: (heap, entry) set aside until the
-        # micro-batch is admitted or fits again, which only a release on the rank it overflowed can make it
+        # forwards found not allowed (admission), by micro-batch: (heap, entry, rank) set aside until
+        # the micro-batch is admitted or fits again, which only a release on a rank it overflowed can make it
         blocked: dict[int, list] = {}
-        overflows: list[set[int]] = [set() for _ in range(R)]  # blocked micro-batches by the rank they overflowed
+        # blocked micro-batches by a rank they overflow, as (forward memory there, micro-batch): a
+        # release on that rank rechecks only those that now fit there (``filed``: the current entry)
+        overflows: list[list[tuple[float, int]]] = [[] for _ in range(R)]
+        filed = [-1] * self.num_micro_batches
+        behind: dict[int, list[int]] = {}  # startable forwards kept out of their queue behind a better one of their micro-batch
         for i in range(n_acts):
             if waiting[i] == 0:
-                heapq.heappush(pending[rank[i]][0 if forward[i] else 1], (0.0, key[i], i))
+                push(pending[rank[i]][0 if forward[i] else 1], (0.0, key[i]))
         t_last, mem, peak, last_fwd = [0.0] * R, [0.0] * R, [0.0] * R, [False] * R
         held = [0.0] * R  # memory in use plus what admitted micro-batches will still allocate, per rank
         admitted = [False] * self.num_micro_batches
@@ -187,75 +246,103 @@ class Problem:
                     return r
             return -1
 
-        def first_allowed(heap: list, by: int) -> tuple | None:
-            """The best entry of ``heap`` (ordered by its tuples) whose action may run, or None;
-            the entries before it are set aside (``blocked``)."""
+        def first_allowed(heap: list, timed: bool, r: int):
+            """The best entry of rank ``r``'s ``heap`` whose action may run, or None; the entries
+            before it are set aside (``blocked``). ``timed``: a heap of (ready time, key)."""
             while heap:
-                g = group[heap[0][by]]
+                g = group[act[heap[0][1] if timed else heap[0]]]
                 if admitted[g]:
                     return heap[0]
-                r = overflow(g)
-                if r < 0:
+                x = overflow(g)
+                if x < 0:
                     return heap[0]
                 if g not in blocked:
                     blocked[g] = []
-                    overflows[r].add(g)
-                blocked[g].append((heap, heapq.heappop(heap)))
+                    push(overflows[x], (need[g][x], g))
+                    filed[g] = x
+                blocked[g].append((heap, pop(heap), r))
             return None
 
         def release(g: int) -> None:
-            for heap, e in blocked.pop(g):
-                heapq.heappush(heap, e)
+            """Put ``g``'s forwards back; of those in one startable queue, only the best, the rest
+            behind it until it runs (a micro-batch admitted), as most are set aside again first."""
+            startable: dict[int, tuple] = {}
+            for heap, e, r in blocked.pop(g):
+                stale.add(r)
+                if type(e) is tuple:
+                    push(heap, e)
+                else:
+                    startable.setdefault(id(heap), (heap, []))[1].append(e)
+            for heap, keys in startable.values():
+                first = min(keys)
+                if len(keys) > 1:
+                    rest = behind.setdefault(first, [])
+                    for k in keys:
+                        if k != first:
+                            rest.append(k)
+                            rest.extend(behind.pop(k, ()))
+                push(heap, first)
 
+        def pick(r: int) -> tuple:
+            """Rank ``r``'s next action: (the time it can start, its index, the heap it heads)."""
+            t = t_last[r]
+            pr, av = pending[r], avail[r]
+            for q in (0, 1):
+                pq = pr[q]
+                while pq and pq[0][0] <= t:
+                    push(av[q], pop(pq)[1])
+            b = av[1][0] if av[1] else None
+            if b is not None and last_fwd[r]:
+                return t, act[b], av[1]
+            f = av[0][0] if av[0] else None
+            if limited and f is not None and not admitted[group[act[f]]]:
+                f = first_allowed(av[0], False, r)
+            if f is not None:
+                return t, act[f], av[0]
+            if b is not None:
+                return t, act[b], av[1]
+            hb = pr[1][0] if pr[1] else None
+            hf = pr[0][0] if pr[0] else None
+            if limited and hf is not None and not admitted[group[act[hf[1]]]]:
+                hf = first_allowed(pr[0], True, r)
+            if hb is not None and (hf is None or hb < hf):
+                return hb[0], act[hb[1]], pr[1]
+            return (hf[0], act[hf[1]], pr[0]) if hf is not None else (np.inf, -1, None)
+
+        # Each rank's next action is found again only after something it depends on changed: its
+        # own schedule, its queues (an action ready before it could start, a release) or, under
+        # admission, what is held.
+        cand: list[tuple] = [()] * R
+        at = [0.0] * R  # each rank's candidate start time
+        stale = set(range(R))
+        others = range(1, R)
         for _ in range(n_acts):
-            best_t, best_i, best_r = np.inf, -1, -1
-            for r in range(R):
-                t = t_last[r]
-                if t >= best_t:
-                    continue
-                pr, av = pending[r], avail[r]
-                for q in (0, 1):
-                    pq = pr[q]
-                    while pq and pq[0][0] <= t:
-                        _, k, i = heapq.heappop(pq)
-                        heapq.heappush(av[q], (k, i))
-                f = first_allowed(av[0], 1) if limited else (av[0][0] if av[0] else None)
-                b = av[1][0] if av[1] else None
-                if f is not None or b is not None:
-                    i = (b[1] if last_fwd[r] else f[1]) if f is not None and b is not None else (f or b)[1]
-                    best_t, best_i, best_r = t, i, r
-                    continue
-                heads = [h for h in (pr[1][0] if pr[1] else None,
-                                     first_allowed(pr[0], 2) if limited else (pr[0][0] if pr[0] else None)) if h]
-                if heads:
-                    start, _, i = min(heads)
-                    if start < best_t:
-                        best_t, best_i, best_r = start, i, r
-            if best_i < 0:
+            for r in stale:
+                cand[r] = c = pick(r)
+                at[r] = c[0]
+            stale.clear()
+            r, best_t = 0, at[0]
+            for x in others:
+                if at[x] < best_t:
+                    r, best_t = x, at[x]
+            _, i, heap = cand[r]
+            if i < 0:
                 return None, False  # no micro-batch fits on its own: no table exists under this limit
-            i, r = best_i, best_r
-            q = 0 if forward[i] else 1
-            for heap in (avail[r][q], pending[r][q]):
-                if heap and heap[0][-1] == i:
-                    heapq.heappop(heap)
-                    break
-                at = next((n for n, e in enumerate(heap) if e[-1] == i), None)
-                if at is not None:
-                    last = heap.pop()
-                    if at < len(heap):
-                        heap[at] = last
-                        heapq.heapify(heap)
-                    break
+            e = pop(heap)
+            if behind and type(e) is int and e in behind:
+                for k in behind.pop(e):
+                    push(heap, k)
+            stale.add(r)
             g = group[i]
             if not admitted[g]:
                 admitted[g] = True
                 if g in blocked:
-                    for x in overflows:
-                        x.discard(g)
                     release(g)
                 ng = need[g]
                 for x in range(R):
                     held[x] += ng[x]
+                if limited:
+                    stale.update(range(R))
             start = best_t if best_t > ready_at[i] else ready_at[i]
             end = start + dur[i]
             t_last[r], last_fwd[r] = end, forward[i]
@@ -267,15 +354,18 @@ class Problem:
             mem[r] = m - free[i]
             if free[i]:
                 held[r] -= free[i]
-                if overflows[r]:
-                    for h in list(overflows[r]):
-                        x = overflow(h)
-                        if x != r:
-                            overflows[r].discard(h)
-                            if x < 0:
-                                release(h)
-                            else:
-                                overflows[x].add(h)
+                over = overflows[r]
+                while over and over[0][0] + held[r] <= limit[r]:
+                    h = pop(over)[1]
+                    if filed[h] != r or h not in blocked:
+                        continue  # admitted, or filed under another rank since
+                    x = overflow(h)
+                    if x < 0:
+                        filed[h] = -1
+                        release(h)
+                    else:
+                        push(overflows[x], (need[h][x], h))
+                        filed[h] = x
             lists[r].append(i)
             if end > end_max:
                 end_max = end
@@ -289,5 +379,8 @@ class Problem:
                     ready_at[j] = t
                 waiting[j] -= 1
                 if waiting[j] == 0:
-                    heapq.heappush(pending[rank[j]][0 if forward[j] else 1], (ready_at[j], key[j], j))
+                    x = rank[j]
+                    push(pending[x][0 if forward[j] else 1], (ready_at[j], key[j]))
+                    if at[x] != t_last[x] or ready_at[j] <= t_last[x]:
+                        stale.add(x)  # else ``x`` can start another action now, before this one is ready
         return Interleaved(self, tuple(map(tuple, lists)), end_max, np.array(peak)), False

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipetune.cost.cost_model import CostModel, MicroBatchShapes
+from pipetune.cost.cost_model import CostModel, MicroBatchShapes, rank_work
 from pipetune.cost.stage_layout import StageLayout
 from pipetune.packing.groups import Packing
 from pipetune.plan.separated.interleave import Interleaved, Problem
@@ -73,7 +73,11 @@ class Configuration:
     lat: Latencies
     placement: Placement
     parent: tuple[int, ...]  # each sub-microbatch's micro-batch
-    lower_bound_s: float = 0.0  # of any table over it: 0 until ``bound`` raises it
+    # of any table over it: its busiest rank's work (``placement_lower_bound`` never falls below it)
+    # until ``bound`` raises it; at microseconds, it spares most of a video batch's configurations
+    # their whole bound (milliseconds each) where a search only needs the bound to reach a value
+    lower_bound_s: float = 0.0
+    exact: bool = False  # ``lower_bound_s`` is the whole ``placement_lower_bound``
     problem: Problem | None = None  # built by ``open_configuration``
     base: Interleaved | None = None  # packing order, lead 0, lag 0
     best: Interleaved | None = None
@@ -104,15 +108,38 @@ def configuration(cost: CostModel, packing: Packing, shapes: MicroBatchShapes, m
     batch of thousands of images each costs tens of milliseconds."""
     costs = cost.stage_costs(shapes)
     parent = tuple(costs.sub_batches.parent.tolist())
-    return Configuration(mbs, cost.layout.image_sub_batch, packing, Latencies.from_costs(costs), cost.placement(), parent,
+    lat, placement = Latencies.from_costs(costs), cost.placement()
+    return Configuration(mbs, cost.layout.image_sub_batch, packing, lat, placement, parent, float(rank_work(placement, lat).max()),
                          order=np.arange(packing.num_micro_batches))
+
+
+def alone(placement: Placement, parent: tuple[int, ...], lat: Latencies) -> np.ndarray:
+    """The most forward memory one micro-batch (with its images) holds on each rank: all of it is
+    live before its first backward there (which waits for all its forwards), so a limit below it
+    on any rank admits no table (``placement_lower_bound`` finds that last, after its time terms)."""
+    m, R = lat.fwd.shape[0], placement.num_ranks
+    need = np.zeros((m, R))
+    np.add.at(need.T, np.asarray(placement.backbone), lat.activation_bytes.T)
+    j = np.asarray(parent, np.int64)
+    np.add.at(need[:, placement.backbone[0]], j, lat.image_feature_bytes)
+    if placement.encoder_trained:
+        for c, r in enumerate(placement.encoder):
+            np.add.at(need[:, r], j, lat.encoder_activation_bytes[:, c])
+    return need.max(axis=0)
 
 
 def bound(c: Configuration, limit: np.ndarray, *, enough: float = np.inf) -> float:
     """Raise ``c.lower_bound_s`` to ``placement_lower_bound`` of its tables under ``limit``; with
-    ``enough``, to its first terms that reach it (still a bound). Returns the bound."""
+    ``enough``, only as far as needed to reach it (still a bound). Returns the bound."""
+    if c.exact or c.lower_bound_s >= enough:
+        return c.lower_bound_s
+    if (alone(c.placement, c.parent, c.lat) > limit).any():
+        c.lower_bound_s, c.exact = np.inf, True
+        return c.lower_bound_s
     proto = ScheduleTable(placement=c.placement, num_micro_batches=c.packing.num_micro_batches, ranks=(), sub_mb_parent=c.parent)
-    c.lower_bound_s = max(c.lower_bound_s, placement_lower_bound(proto, c.lat, limit, enough=enough))
+    b = placement_lower_bound(proto, c.lat, limit, enough=enough)
+    c.exact = b < enough  # no term reached ``enough``: every term was computed
+    c.lower_bound_s = max(c.lower_bound_s, b)
     return c.lower_bound_s
 
 
@@ -192,7 +219,7 @@ def _visit(c: Configuration, point: tuple, seen: set, budget: Budget, limit: np.
     """Try ``point`` unless already seen; False once the budget is spent (the caller stops)."""
     if point in seen:
         return True
-    if not budget.spend(len(c.problem.acts)):
+    if not budget.spend(c.problem.num_actions):
         return False
     seen.add(point)
     _try(c, *point, limit)

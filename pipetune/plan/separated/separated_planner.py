@@ -22,7 +22,9 @@ while ``ACTIONS`` scheduled actions last; starts from the previous batch's choic
 ``deadline`` returns the best table found so far. The plan's lower bound is the smallest over
 every configuration of the space, opened or not, so its gap says how far the plan is from
 anything that search space allows (memory enters the bound only through its memory and window
-terms).
+terms). A configuration's bound is computed only as far as a decision needs: its busiest rank's
+work first (microseconds; on a video batch most configurations stop there), then whether one
+micro-batch fits alone, then ``placement_lower_bound`` (milliseconds).
 """
 
 from __future__ import annotations
@@ -122,17 +124,23 @@ class SeparatedPlanner(Planner):
         # lossless) and ``OPENING`` actions last: the previous batch's choice first, then most
         # micro-batches first (under a tight memory limit, fewer and larger ones wait for memory).
         # Each bound is computed only as far as a decision needs (``enough``): whether it beats the
-        # best so far, and the smallest over all configurations, the plan's bound.
-        best, low, opening = None, np.inf, OPENING
+        # best so far, then, lowest first, whether it is the smallest over all configurations (the
+        # plan's bound).
+        best, opening = None, OPENING
         for c in sorted(configs, key=lambda c: (not first(c), -c.packing.num_micro_batches)):
-            shut = opening <= 0 or best is not None and past(deadline) and np.isfinite(best.best_s)
+            if opening <= 0 or best is not None and past(deadline) and np.isfinite(best.best_s):
+                break
             beat = np.inf if best is None else self._score(best) / self._factor(c.mbs)
-            low = min(low, bound(c, limit, enough=low if shut else max(low, beat)))
-            if shut or c.lower_bound_s >= beat:
+            if bound(c, limit, enough=beat) >= beat:
                 continue
             open_configuration(c, limit)
-            opening -= len(c.problem.acts)
+            opening -= c.problem.num_actions
             best = c if best is None else min(best, c, key=self._score)
+        low = np.inf
+        for c in sorted(configs, key=lambda c: c.lower_bound_s):
+            if c.lower_bound_s >= low:
+                break
+            low = min(low, bound(c, limit, enough=low))
         budget = Budget(ACTIONS, deadline)
         opened = sorted((c for c in configs if c.problem is not None), key=lambda c: (not first(c), self._score(c)))
         for c in opened:
