@@ -5,9 +5,10 @@ job importing). Started once per test session by ``launch.forked_ranks``; the se
 runs a job, so each rank starts from the same imported, unused state.
 
 A child runs like a fresh process (its environment, ``sys.argv``, ``__main__``, atexit handlers,
-output in its own file), with two differences a test relies on nowhere: ranks share the server's
-hash seed, and modules it imported are not imported again (import-time environment variables are
-read once, with ``OMP_NUM_THREADS=1``). The real launch path stays covered: a job test runs
+output in its own file), with three differences a test relies on nowhere: ranks share the server's
+hash seed; modules it imported are not imported again (import-time environment variables are
+read once, with ``OMP_NUM_THREADS=1``); TorchTitan's rank 0 does not sleep 2 s after training
+(``Trainer.train``: "for other ranks to complete"; the ranks meet in ``destroy_process_group``). The real launch path stays covered: a job test runs
 under ``torchrun`` itself.
 
 Protocol on stdin / stdout, a JSON line each: a request ``{"argv", "envs", "logs", "cwd", "agent"}``
@@ -24,6 +25,7 @@ import os
 import signal
 import sys
 import time
+import types
 
 os.environ["OMP_NUM_THREADS"] = "1"
 
@@ -53,6 +55,8 @@ def _run_rank(argv: list[str], env: dict[str, str], log: str, cwd: str) -> int:
     os.environ.update(env)
     os.chdir(cwd)
     sys.argv = list(argv[1:]) if argv[0] == "-m" else list(argv)
+    trainer_module = sys.modules["torchtitan.trainer"]  # its rank 0 sleeps 2 s after training "for other ranks to complete":
+    trainer_module.time = types.SimpleNamespace(perf_counter=time.perf_counter, sleep=lambda s: None)  # 2 s of every test job
     code = 0
     try:
         if argv[0] == "-m":

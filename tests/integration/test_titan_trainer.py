@@ -186,7 +186,8 @@ def test_a_non_finite_loss_stops_the_job_before_the_optimizer_step(job, tmp_path
 
 
 def test_the_guard_falls_back_while_tuned_plans_are_slowed_and_returns(job, tmp_path):
-    """Tuned plans sleep 150 ms per stage forward during batches 8-17 (about doubling their time);
+    """Steps of 4 samples; tuned plans sleep 150 ms per stage forward during batches 8-17 (about
+    doubling their time);
     the baseline (best fixed configuration) runs at full speed. The guard must fall back within a
     bounded number of steps (two windows of tuned steps, a probe among them), run only baseline
     plans while it is back, and return to pipetune's plans after the slow-down."""
@@ -194,7 +195,7 @@ def test_the_guard_falls_back_while_tuned_plans_are_slowed_and_returns(job, tmp_
     window, slow = 4, range(8, 18)
     _torchrun(["-m", "torchtitan.train", *_args(
         job, dump, "--training.steps", "56", "--pipetune.calibration.steps", "4", "--pipetune.guard.probe_every", "4",
-        "--pipetune.guard.window", str(window), "--slow_from", str(slow.start), "--slow_to", str(slow.stop), "--slow_s", "0.15",
+        "--pipetune.guard.window", str(window), "--slow_from", str(slow.start), "--slow_to", str(slow.stop), "--slow_s", "0.15", "--dataloader.gbs", "4",
         module="titan_slowed_job", config="slowed_muse_glimmer_mm")], timeout=210)
     recs = _records(dump)
     calibration = [r for r in recs if r.kind is StepKind.CALIBRATION]

@@ -55,18 +55,22 @@ def test_wheel_installs_and_runs_plan_and_pack_outside_the_source_tree(tmp_path)
 
     work = tmp_path / "elsewhere"
     work.mkdir()
-    where = _run([py, "-c", "import pipetune, profiling, torchtitan_patches as t, pipetune_configs as c; print(pipetune.__file__, t.__file__, c.__file__)"],
-                 cwd=work, env=offline).stdout
+    # one interpreter (one torch import): where the packages load from; every registered job, as
+    # TorchTitan's entry point resolves --module / --config (parsing only); prepare_job's entry point
+    out = _run([py, "-c", "import inspect, runpy, sys; import pipetune, profiling, torchtitan_patches as t, pipetune_configs as c\n"
+                "print(pipetune.__file__, t.__file__, c.__file__)\n"
+                "from pipetune_configs import config_registry as r; from torchtitan.config import ConfigManager\n"
+                "for name, fn in inspect.getmembers(r, inspect.isfunction):\n"
+                "    if fn.__module__ == r.__name__ and not name.startswith('_'):\n"
+                "        print(name, type(ConfigManager().parse_args(['--module', 'pipetune_configs', '--config', name])).__qualname__)\n"
+                "sys.argv = ['prepare_job', '--config', 'muse_glimmer_mm', '--out', 'job', '--help']\n"
+                "try:\n    runpy.run_module('profiling.prepare_job', run_name='__main__')\n"
+                "except SystemExit as e:\n    print('prepare_job exit', e.code)"], cwd=work, env=offline).stdout.split("\n")
+    where, jobs = out[0], set(out[1:])
     assert all(Path(p).is_relative_to(site) for p in where.split()), where
-    # every registered job, as TorchTitan's entry point resolves --module / --config (parsing only)
-    jobs = _run([py, "-c", "import inspect; from pipetune_configs import config_registry as r; from torchtitan.config import ConfigManager\n"
-                 "for name, fn in inspect.getmembers(r, inspect.isfunction):\n"
-                 "    if fn.__module__ == r.__name__ and not name.startswith('_'):\n"
-                 "        c = ConfigManager().parse_args(['--module', 'pipetune_configs', '--config', name])\n"
-                 "        print(name, type(c).__qualname__)"], cwd=work, env=offline).stdout.split("\n")
-    assert {"muse_glimmer_mm PipeTuneTrainer.Config", "muse_glimmer_mm_stock StockTrainer.Config",
-            "muse_glimmer_mm_testbed TestbedTrainer.Config", "qwen3_5_debug PipeTuneTrainer.Config"} <= set(jobs), jobs
-    _run([py, "-m", "profiling.prepare_job", "--config", "muse_glimmer_mm", "--out", work / "job", "--help"], cwd=work, env=offline)
+    assert {"muse_glimmer_mm PipeTuneTrainer.Config", "muse_glimmer_mm_stock StockTrainer.Config", "muse_glimmer_mm_testbed TestbedTrainer.Config",
+            "qwen3_5_debug PipeTuneTrainer.Config", "prepare_job exit 0"} <= jobs, jobs
+    assert any(line.startswith("usage:") for line in jobs), jobs
 
     cli = venv / "bin" / "pipetune"
     plan = json.loads(_run([cli, "plan", "--model", "13b", "--hardware", "a100", "--tp", "4", "--pp", "4", "--gbs", "32",
