@@ -187,10 +187,10 @@ def test_a_non_finite_loss_stops_the_job_before_the_optimizer_step(job, tmp_path
 
 def test_the_guard_falls_back_while_tuned_plans_are_slowed_and_returns(job, tmp_path):
     """Steps of 4 samples; tuned plans sleep 150 ms per stage forward during batches 8-17 (about
-    doubling their time);
-    the baseline (best fixed configuration) runs at full speed. The guard must fall back within a
-    bounded number of steps (two windows of tuned steps, a probe among them), run only baseline
-    plans while it is back, and return to pipetune's plans after the slow-down."""
+    doubling their time); the baseline (best fixed configuration) runs at full speed. The guard
+    must fall back within a bounded number of steps (two windows of tuned steps, a probe among
+    them), run only baseline plans while it is back, and return to pipetune's plans after the
+    slow-down."""
     dump = tmp_path / "slowed"
     window, slow = 4, range(8, 18)
     _torchrun(["-m", "torchtitan.train", *_args(
