@@ -38,10 +38,11 @@ script runs; the timing and memory verdicts (2, 6) are then SKIP, not judged on 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
 import re
 import socket
-import subprocess
 import sys
 import traceback
 from dataclasses import dataclass, replace
@@ -93,14 +94,22 @@ def profile(model, device: torch.device, dtype: str, out: Path, dry: bool):
 
 
 def table_accuracy(table_path: Path, model_name: str, dry: bool, report: Report) -> None:
+    """``latency_accuracy.py`` on the profiled table, in this process (torch is imported already)."""
+    import latency_accuracy
+
     sizes = ["--per-mix", "4", "--passes", "1", "--calib", "2", "--samples", "300"] if dry else []
-    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "latency_accuracy.py"), "--table", str(table_path), "--model", model_name,
-                          *sizes], capture_output=True, text=True, cwd=ROOT)
-    line = next((ln for ln in res.stdout.splitlines() if re.match(r"all\s+stages\s", ln)), None)
-    if res.returncode or line is None:
-        report("table accuracy", False, f"latency_accuracy.py failed: {(res.stdout + res.stderr)[-1500:]}")
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            latency_accuracy.main(["--table", str(table_path), "--model", model_name, *sizes])
+    except Exception:
+        report("table accuracy", False, f"latency_accuracy.py failed: {traceback.format_exc()[-1500:]}")
         return
-    print(res.stdout, flush=True)
+    line = next((ln for ln in out.getvalue().splitlines() if re.match(r"all\s+stages\s", ln)), None)
+    if line is None:
+        report("table accuracy", False, f"latency_accuracy.py printed no 'all stages' row: {out.getvalue()[-1500:]}")
+        return
+    print(out.getvalue(), flush=True)
     n, err, rho = line.split()[2:5]
     verdict = None if dry else float(err) <= 10 and float(rho) >= 0.95
     report("table accuracy", verdict, f"{n} stage latencies: mean |err| {err} %, Spearman {rho} (goal <= 10 %, >= 0.95)")

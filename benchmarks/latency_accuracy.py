@@ -48,7 +48,7 @@ def errors(cost: CostModel, obs) -> tuple[float, float]:
     return float(np.mean(np.abs(pred - meas) / meas) * 100), float(spearmanr(pred, meas).statistic)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--table", help="latency table to check (default: profile --model now, on --device)")
     ap.add_argument("--model", default="tiny", help="model preset (tiny_wide: large enough for a GPU's kernels to set its latencies)")
@@ -59,7 +59,7 @@ def main() -> None:
     ap.add_argument("--calib", type=int, default=8, help="micro-batches per mix used to fit calibration")
     ap.add_argument("--passes", type=int, default=5)
     ap.add_argument("--samples", type=int, default=5000, help="samples per generated data mix")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(1)
     model = load_model_config(args.model)
     work = Path(tempfile.mkdtemp(prefix="pipetune-latency-"))

@@ -38,8 +38,6 @@ def forked_ranks(target: list[str], timeout: float, *, ranks: int, env: dict[str
     stop themselves; with it the first rank to fail gets the others stopped, as torchrun's agent
     does. Returns each rank's exit code and output; a rank still running after ``timeout``
     seconds is killed and fails the test, or with ``hang_ok`` gets the code None."""
-
-
     import tempfile
     import uuid
     from datetime import timedelta

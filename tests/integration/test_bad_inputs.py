@@ -21,7 +21,7 @@ import pytest
 from launch import forked_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
-JOB_TIMEOUT_S = 10
+JOB_TIMEOUT_S = 5  # the plan channel's and the job's collectives: a mismatch must end within it
 
 
 TINY_BACKBONE = "[backbone]\nn_layers = 4\ndim = 128\nffn_dim = 384\nn_heads = 4\nn_kv_heads = 2\nvocab_size = 512\n"
@@ -262,8 +262,8 @@ def _run_channel(scenario: str) -> list[str]:
         ("agree", ["OK", "OK"]),
         ("steps", ["ranks ask for the plans of different steps (rank 0: step 0, rank 1: step 1)"] * 2),
         ("no_planner", ["rank 0 must own the planner and only it, but ranks [] have one"] * 2),
-        ("modes", ["no answer from the other ranks within 10 s"] * 2),
-        ("stopped", ["no answer from the other ranks within 10 s while asking for the plan of step 0", ""]),
+        ("modes", [f"no answer from the other ranks within {JOB_TIMEOUT_S} s"] * 2),
+        ("stopped", [f"no answer from the other ranks within {JOB_TIMEOUT_S} s while asking for the plan of step 0", ""]),
         ("replicas", ["OK", "OK"]),
         ("overlap", ["step 0: the replicas' plans do not partition the global batch (they hold 10 samples of its 8)"] * 2),
         ("lead_fails", ["step 0: another replica's lead could not plan its share", "ValueError: no micro-batch size fits this batch"]),

@@ -223,7 +223,7 @@ def test_strict_order_catches_a_wrong_message_order_in_a_separated_plan(datamix2
     tagged = run_ranks("separated_swapped", datamix2_dir, tmp_path)
     assert tagged[1]["worst_rel"] < FP32_TOL and tagged[0]["worst_rel"] < FP32_TOL
     (tmp_path / "rank1.json").unlink()
-    codes = run_ranks("separated_swapped", datamix2_dir, tmp_path, timeout=35, expect_ok=False, strict=True, timeout_s=15)
+    codes = run_ranks("separated_swapped", datamix2_dir, tmp_path, timeout=25, expect_ok=False, strict=True, timeout_s=5)
     assert any(c != 0 for c in codes), codes
 
 
