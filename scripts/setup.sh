@@ -11,10 +11,9 @@ fi
 stamp=.venv/.pipetune-installed
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  # a line per package, so that a first install (about a minute) shows progress; --no-compile: Python compiles
-  # what is imported when it is first imported, instead of pip compiling every module (39 s instead of 78 s)
+  # a line per package, so that a first install (a few minutes) shows progress
   echo "installing torch 2.13.0 (CPU) and pipetune's dependencies into .venv"
-  .venv/bin/python -m pip install --no-compile --progress-bar off --disable-pip-version-check "torch==2.13.0" | { grep --line-buffered -E "^(Collecting|Building|Installing|Successfully)" || true; }
-  .venv/bin/python -m pip install --no-compile --progress-bar off --disable-pip-version-check -e ".[dev]" | { grep --line-buffered -E "^(Collecting|Building|Installing|Successfully)" || true; }
+  .venv/bin/python -m pip install --progress-bar off --disable-pip-version-check "torch==2.13.0" | { grep --line-buffered -E "^(Collecting|Building|Installing|Successfully)" || true; }
+  .venv/bin/python -m pip install --progress-bar off --disable-pip-version-check -e ".[dev]" | { grep --line-buffered -E "^(Collecting|Building|Installing|Successfully)" || true; }
   echo "$want" > "$stamp"
 fi
