@@ -8,8 +8,8 @@ A child runs like a fresh process (its environment, ``sys.argv``, ``__main__``, 
 output in its own file), with three differences a test relies on nowhere: ranks share the server's
 hash seed; modules it imported are not imported again (import-time environment variables are
 read once, with ``OMP_NUM_THREADS=1``); TorchTitan's rank 0 does not sleep 2 s after training
-(``Trainer.train``: "for other ranks to complete"; the ranks meet in ``destroy_process_group``). The real launch path stays covered: a job test runs
-under ``torchrun`` itself.
+(``Trainer.train``: "for other ranks to complete"; the ranks meet in ``destroy_process_group``).
+The real launch path stays covered: a job test runs under ``torchrun`` itself.
 
 Protocol on stdin / stdout, a JSON line each: a request ``{"argv", "envs", "logs", "cwd", "agent"}``
 (``argv`` a script path or ``["-m", module]`` and its arguments, one environment per rank) is
