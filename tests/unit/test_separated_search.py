@@ -153,6 +153,44 @@ def test_the_search_spreads_a_size_over_the_counts_between_two_sizes(monkeypatch
     assert plan.predicted_s < config.build(model, cost).plan(meta).predicted_s - 1e-9
 
 
+def _tail_batch_plan(mix: str):
+    """A batch of 32 of ``mix`` on DIP's 5B + 8B (A100, TP 4, PP 4, one encoder segment, 16 images
+    per sub-microbatch), the separated planner's plan of it, checked to hold every sample once, fit
+    memory and simulate to its prediction, and the configurations its search considered."""
+    from pipetune.config import load_hardware, load_model_config
+    from pipetune.cost import CostModel, StageLayout, analytical_table
+    from pipetune.data import batch_meta, make_mix
+    from pipetune.data.images import ImageSizing
+
+    model, a100 = load_model_config("dip_5b_8b"), load_hardware("a100")
+    layout = StageLayout.even(model.backbone.n_layers, 4).separated(model.encoder.n_layers, 1, 16)
+    cost = CostModel(analytical_table(model, a100, tp=4), layout)
+    data = make_mix(mix, 2000, 0)
+    meta = batch_meta(data, RecordedStream(len(data), 32), 0, images=ImageSizing.for_model(model), max_seq_len=8192)
+    planner = PlannerConfig(max_seq_len=8192, memory_bytes=a100.memory_bytes).build(model, cost)
+    plan = planner.plan(meta)
+    assert sorted(i for mb in plan.micro_batches for i in mb) == sorted(meta.table.ids.tolist())
+    assert max(plan.peak_bytes) <= planner.budget
+    assert simulate(plan.table(), plan.latencies(cost, meta)).makespan == pytest.approx(plan.predicted_s)
+    return meta, planner, plan, planner.configurations(meta, range(1, planner.max_mbs + 1), adaptive=True)
+
+
+def _no_configuration_beats(plan, planner, configs, *, max_micro_batches: int) -> None:
+    """Every configuration opened: no base (packing order, lead and lag 0) beats ``plan``, nor does
+    any point of those of at most ``max_micro_batches`` micro-batches (enumerated)."""
+    from pipetune.plan.separated.segment_search import open_configuration
+
+    limit = planner.budget - planner.states
+    for c in configs:
+        open_configuration(c, limit)
+    assert plan.predicted_s <= min(c.base_s for c in configs) + 1e-9
+    small = [c for c in configs if c.packing.num_micro_batches <= max_micro_batches and np.isfinite(c.base_s)]
+    assert small
+    for c in small:
+        exhaustive(c, limit)
+    assert plan.predicted_s <= min(c.best_s for c in small) + 1e-9
+
+
 def test_on_an_image_heavy_tail_the_pruned_search_loses_nothing_it_prunes():
     """Web documents with a long tail of images (``webdocs``: 3.3 images a document, up to 64), a
     batch of 32 on DIP's 5B + 8B on an A100: the search opens a configuration only while its lower
@@ -160,31 +198,10 @@ def test_on_an_image_heavy_tail_the_pruned_search_loses_nothing_it_prunes():
     With every configuration opened, no base (packing order, lead and lag 0) beats the plan, nor
     does any point of those of at most 3 micro-batches (enumerated); every sample is in the plan once,
     and the plan fits memory and simulates to its prediction."""
-    from pipetune.config import load_hardware, load_model_config
-    from pipetune.cost import CostModel, StageLayout, analytical_table
-    from pipetune.data import batch_meta, make_mix
-    from pipetune.data.images import ImageSizing
-    from pipetune.plan.separated.segment_search import open_configuration
-
-    model, a100 = load_model_config("dip_5b_8b"), load_hardware("a100")
-    layout = StageLayout.even(model.backbone.n_layers, 4).separated(model.encoder.n_layers, 1, 16)
-    cost = CostModel(analytical_table(model, a100, tp=4), layout)
-    data = make_mix("webdocs", 2000, 0)
-    meta = batch_meta(data, RecordedStream(len(data), 32), 0, images=ImageSizing.for_model(model), max_seq_len=8192)
+    meta, planner, plan, configs = _tail_batch_plan("webdocs")
     assert meta.table.num_images.max() >= 8  # the tail is in the batch
-    planner = PlannerConfig(max_seq_len=8192, memory_bytes=a100.memory_bytes).build(model, cost)
-    plan = planner.plan(meta)
-    assert sorted(i for mb in plan.micro_batches for i in mb) == sorted(meta.table.ids.tolist())
-    assert max(plan.peak_bytes) <= planner.budget and plan.lower_bound_s <= plan.predicted_s
-    assert simulate(plan.table(), plan.latencies(cost, meta)).makespan == pytest.approx(plan.predicted_s)
-    limit = planner.budget - planner.states
-    configs = [open_configuration(c, limit) for c in planner.configurations(meta, range(1, planner.max_mbs + 1), adaptive=True)]
-    assert plan.predicted_s <= min(c.base_s for c in configs) + 1e-9
-    small = [c for c in configs if c.packing.num_micro_batches <= 3 and np.isfinite(c.base_s)]
-    assert small
-    for c in small:
-        exhaustive(c, limit)
-    assert plan.predicted_s <= min(c.best_s for c in small) + 1e-9
+    assert plan.lower_bound_s <= plan.predicted_s
+    _no_configuration_beats(plan, planner, configs, max_micro_batches=3)
 
 
 def test_a_cut_greedy_run_rarely_hides_a_faster_table():
@@ -218,33 +235,9 @@ def test_on_video_the_search_loses_nothing_to_its_shortcuts():
     configuration; no configuration's base beats the plan, nor does any point of those of at most
     4 micro-batches (enumerated); every sample is in the plan once, and the plan is valid, fits
     memory and simulates to its prediction. (About 3 s.)"""
-    from pipetune.config import load_hardware, load_model_config
-    from pipetune.cost import CostModel, StageLayout, analytical_table
-    from pipetune.data import batch_meta, make_mix
-    from pipetune.data.images import ImageSizing
-    from pipetune.plan.separated.segment_search import open_configuration
-
-    model, a100 = load_model_config("dip_5b_8b"), load_hardware("a100")
-    layout = StageLayout.even(model.backbone.n_layers, 4).separated(model.encoder.n_layers, 1, 16)
-    cost = CostModel(analytical_table(model, a100, tp=4), layout)
-    data = make_mix("video", 2000, 0)
-    meta = batch_meta(data, RecordedStream(len(data), 32), 0, images=ImageSizing.for_model(model), max_seq_len=8192)
+    meta, planner, plan, configs = _tail_batch_plan("video")
     assert np.median(meta.table.num_images) >= 24  # clips, not images
-    planner = PlannerConfig(max_seq_len=8192, memory_bytes=a100.memory_bytes).build(model, cost)
-    plan = planner.plan(meta)
     plan.table().validate()
-    assert sorted(i for mb in plan.micro_batches for i in mb) == sorted(meta.table.ids.tolist())
-    assert max(plan.peak_bytes) <= planner.budget
-    assert simulate(plan.table(), plan.latencies(cost, meta)).makespan == pytest.approx(plan.predicted_s)
-    configs = planner.configurations(meta, range(1, planner.max_mbs + 1), adaptive=True)
-    assert plan.lower_bound_s == min(c.lower_bound_s for c in configs) <= plan.predicted_s
+    assert plan.lower_bound_s == min(c.lower_bound_s for c in configs) <= plan.predicted_s  # bounds before any is opened
     assert not all(np.isfinite([c.lower_bound_s for c in configs]))  # a size whose micro-batch cannot fit alone
-    limit = planner.budget - planner.states
-    for c in configs:
-        open_configuration(c, limit)
-    assert plan.predicted_s <= min(c.base_s for c in configs) + 1e-9
-    small = [c for c in configs if c.packing.num_micro_batches <= 4 and np.isfinite(c.base_s)]
-    assert small
-    for c in small:
-        exhaustive(c, limit)
-    assert plan.predicted_s <= min(c.best_s for c in small) + 1e-9
+    _no_configuration_beats(plan, planner, configs, max_micro_batches=4)
