@@ -97,9 +97,9 @@ class PipeTuneTrainer(Trainer):
         check_table(self.table, device_type="cuda" if torch.cuda.is_available() else "cpu", dtype=config.training.mixed_precision_param,
                     where=pt.latency_table)
         self.table = with_job_weights(self.table, master_weights_of(config), where=pt.latency_table)
-        self.chunks_per_rank, self.split_backward = schedule_family(config)
+        self.chunks_per_rank, self.split_backward, _ = schedule_family(config)
         self.layout = choose_layout(config, self.planning_model, self.table, lambda: self._sample(config))
-        per = "chunk (chunk c on rank c mod P)" if self.chunks_per_rank > 1 else "stage"
+        per = "stage" if self.chunks_per_rank == 1 else f"chunk ({self.layout.style.value}-style placement)"
         logger.info(f"pipetune layout ({pt.layout}): backbone layers per {per} {self.layout.layers_per_stage()}; "
                     f"split backward {self.split_backward.value}"
                     + (f"; separated encoder, blocks per chunk {[hi - lo for lo, hi in self.layout.encoder_chunks]}, "

@@ -18,6 +18,7 @@ from pipetune.cli.common import (
 from pipetune.config import load_hardware
 from pipetune.cost import CostModel, StageLayout
 from pipetune.plan.layout.planner_config import SplitBackward, separated_excluded
+from pipetune.schedule.table import ChunkStyle
 
 
 def add_layout_args(p, *, default: str) -> None:
@@ -26,6 +27,10 @@ def add_layout_args(p, *, default: str) -> None:
     p.add_argument("--layout-sample", type=positive_int, default=8, help="sampled batches the layout search scores layouts on")
     p.add_argument("--chunks-per-rank", type=positive_int, default=1, help="virtual stages: backbone chunks per rank (interleaved "
                    "1F1B; --layout then lists pp x chunks-per-rank chunks, even, or auto)")
+    p.add_argument("--chunk-style", default=ChunkStyle.LOOP.value, choices=[s.value for s in ChunkStyle],
+                   help="how virtual stages sit on ranks: loop (chunk c on rank c mod pp: Interleaved1F1B, InterleavedZeroBubble) "
+                        "or v (two per rank, chunks c and 2 pp - 1 - c on rank c: ZBVZeroBubble, DualPipeV; needs "
+                        "--chunks-per-rank 2)")
     p.add_argument("--split-backward", default="off", choices=[x.value for x in SplitBackward],
                    help="zero-bubble tables: split backwards into input and weight gradients never, always, or per iteration "
                         "(auto); the best fixed configuration may then split too, and auto layouts are scored with it")
@@ -48,9 +53,11 @@ def cost_and_layout_from_args(args, model, data):
     cost = CostModel(base.table, base.layout, recompute_encoder=args.recompute_encoder)
     if args.layout == "separated":
         raise ValueError("--layout separated is for `pipetune plan`, which compares it with the co-located layouts")
-    V = args.chunks_per_rank
+    V, style = args.chunks_per_rank, ChunkStyle(args.chunk_style)
+    if style is ChunkStyle.V and V != 2:
+        raise ValueError(f"--chunk-style v holds two backbone chunks per rank: add --chunks-per-rank 2 (got {V})")
     cost = cost.with_layout(StageLayout.parse("even" if args.layout == "auto" else args.layout, model.backbone.n_layers, args.pp * V,
-                                              chunks_per_rank=V))
+                                              chunks_per_rank=V, style=style))
     if args.layout != "auto":
         return cost, None
     sample = sample_batches(

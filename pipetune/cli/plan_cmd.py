@@ -56,7 +56,7 @@ def run(args) -> int:
     config = {"model": model.name, "tp": args.tp, "pp": args.pp, "gbs": args.gbs, "max_seq_len": args.max_seq_len,
               "iters": args.iters, "latencies": source, "hardware": args.hardware if cost.table.estimate else None,
               "layout": args.layout, "layers_per_stage": cost.layout.layers_per_stage(), "separated": cost.layout.is_separated,
-              "chunks_per_rank": cost.layout.chunks_per_rank, "split_backward": args.split_backward,
+              "chunks_per_rank": cost.layout.chunks_per_rank, "chunk_style": cost.layout.style.value, "split_backward": args.split_backward,
               "recompute_encoder": cost.recompute_encoder, "extrapolated": extrapolated}
     if search is not None:
         config["layout_search"] = {"layouts_scored": search.evaluated, "search_s": search.search_s,
@@ -71,7 +71,7 @@ def run(args) -> int:
           f"latencies: {source}")
     print(f"layout ({args.layout}): layers per {'chunk' if cost.layout.chunks_per_rank > 1 else 'stage'} "
           f"{','.join(map(str, cost.layout.layers_per_stage()))}"
-          + (f", {cost.layout.chunks_per_rank} chunks per rank (interleaved)" if cost.layout.chunks_per_rank > 1 else "")
+          + (f", {cost.layout.chunks_per_rank} chunks per rank ({cost.layout.style.value}-style)" if cost.layout.chunks_per_rank > 1 else "")
           + (f"; split backward {args.split_backward}" if args.split_backward != "off" else "")
           + (f", separated encoder in {len(cost.layout.encoder_chunks)} chunks" if cost.layout.is_separated else "")
           + (f"; searched {search.evaluated} layouts in {search.search_s:.2f} s, sampled cut vs even {search.cut_vs_even:.1%}"

@@ -64,7 +64,7 @@ def stage_peak_bytes(cost: CostModel, mbs: int, max_seq_len: int, *, split_backw
     with ``split_backward``) at micro-batch size ``mbs``: each rank's cap of in-flight
     micro-batches times its costliest chunk's activations."""
     p = cost.placement()
-    caps = np.array(activation_caps(p.num_ranks, p.chunks_per_rank))
+    caps = np.array(activation_caps(p.num_ranks, p.chunks_per_rank, p.style))
     in_flight = np.full_like(caps, caps.max()) if split_backward else caps
     chunk = worst_case_activation_bytes(cost, mbs * max_seq_len, split_backward=split_backward)
     worst = np.zeros(p.num_ranks)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipetune.schedule.table import Placement
+from pipetune.schedule.table import ChunkStyle, Placement
 
 
 def _contiguous(r) -> bool:
@@ -26,13 +26,15 @@ class StageLayout:
     (``pipetune.packing.sub_batches``).
 
     Virtual stages (``chunks_per_rank`` V >= 2, co-located only): the layer ranges are V x P
-    chunks, chunk ``c`` on rank ``c mod P`` (``Placement.interleaved``).
+    chunks, in ``style``: chunk ``c`` on rank ``c mod P`` (``Placement.interleaved``), or V-shaped
+    (two per rank, chunks ``c`` and ``2P - 1 - c`` on rank ``c``, ``Placement.v_shaped``).
     """
 
     layer_ranges: tuple[tuple[int, int], ...]
     encoder_chunks: tuple[tuple[int, int], ...] = ()
     image_sub_batch: int = 0
     chunks_per_rank: int = 1
+    style: ChunkStyle = ChunkStyle.LOOP
 
     def __post_init__(self) -> None:
         r, e = self.layer_ranges, self.encoder_chunks
@@ -46,9 +48,11 @@ class StageLayout:
         if self.chunks_per_rank < 1 or len(r) % self.chunks_per_rank or (e and self.chunks_per_rank > 1):
             raise ValueError(f"{self.chunks_per_rank} chunks per rank: needs a co-located layout whose {len(r)} backbone chunks "
                              "are a multiple of it")
+        if self.style is ChunkStyle.V and self.chunks_per_rank != 2:
+            raise ValueError(f"a V-shaped layout holds two backbone chunks per rank, not {self.chunks_per_rank}")
 
     @classmethod
-    def even(cls, n_layers: int, num_stages: int, *, chunks_per_rank: int = 1) -> "StageLayout":
+    def even(cls, n_layers: int, num_stages: int, *, chunks_per_rank: int = 1, style: ChunkStyle = ChunkStyle.LOOP) -> "StageLayout":
         """Equal split; when it does not divide, the middle stages take the extra layers, since the
         first stage carries the embeddings and encoder and the last the output head. With
         ``chunks_per_rank``, ``num_stages`` counts the backbone chunks (as in ``from_sizes`` and ``parse``)."""
@@ -56,21 +60,23 @@ class StageLayout:
             raise ValueError(f"cannot split {n_layers} layers into {num_stages} pipeline stages")
         base, extra = divmod(n_layers, num_stages)
         order = sorted(range(num_stages), key=lambda s: (s in (0, num_stages - 1), s))
-        return cls.from_sizes([base + (1 if s in order[:extra] else 0) for s in range(num_stages)], chunks_per_rank=chunks_per_rank)
+        return cls.from_sizes([base + (1 if s in order[:extra] else 0) for s in range(num_stages)], chunks_per_rank=chunks_per_rank,
+                              style=style)
 
     @classmethod
-    def from_sizes(cls, sizes, *, chunks_per_rank: int = 1) -> "StageLayout":
+    def from_sizes(cls, sizes, *, chunks_per_rank: int = 1, style: ChunkStyle = ChunkStyle.LOOP) -> "StageLayout":
         """Layers per stage (per backbone chunk with ``chunks_per_rank`` >= 2), in order (``[7, 9, 8, 8]``)."""
         sizes = [int(n) for n in sizes]
         if any(n < 1 for n in sizes):
             raise ValueError(f"every pipeline stage needs at least one layer, got layers per stage {sizes}")
-        return cls(_ranges(sizes), chunks_per_rank=chunks_per_rank)
+        return cls(_ranges(sizes), chunks_per_rank=chunks_per_rank, style=style)
 
     @classmethod
-    def parse(cls, spec: str, n_layers: int, num_stages: int, *, chunks_per_rank: int = 1) -> "StageLayout":
+    def parse(cls, spec: str, n_layers: int, num_stages: int, *, chunks_per_rank: int = 1,
+              style: ChunkStyle = ChunkStyle.LOOP) -> "StageLayout":
         """``even`` or comma-separated layers per stage (``7,9,8,8``), checked against the model."""
         if spec == "even":
-            return cls.even(n_layers, num_stages, chunks_per_rank=chunks_per_rank)
+            return cls.even(n_layers, num_stages, chunks_per_rank=chunks_per_rank, style=style)
         if spec == "separated":
             raise ValueError("the separated layout's chunks and sub-microbatch size come from the partitioner "
                              "(pipetune.plan.layout.layout_search.LayoutSearch.partition), not from a layer list")
@@ -83,7 +89,7 @@ class StageLayout:
                 f"--layout {spec!r}: needs {num_stages} stages summing to the model's {n_layers} layers, "
                 f"got {len(sizes)} stages summing to {sum(sizes)}"
             )
-        return cls.from_sizes(sizes, chunks_per_rank=chunks_per_rank)
+        return cls.from_sizes(sizes, chunks_per_rank=chunks_per_rank, style=style)
 
     @classmethod
     def balanced(cls, fixed, layer_seconds) -> "StageLayout":
@@ -146,8 +152,8 @@ class StageLayout:
         if self.is_separated and encoder:
             return Placement.separated(self.num_stages, len(self.encoder_chunks), encoder_trained=encoder_trained)
         if self.chunks_per_rank > 1:
-            return Placement.interleaved(self.num_stages // self.chunks_per_rank, self.chunks_per_rank, encoder=encoder,
-                                         encoder_trained=encoder_trained)
+            return Placement.virtual(self.num_stages // self.chunks_per_rank, self.chunks_per_rank, self.style, encoder=encoder,
+                                     encoder_trained=encoder_trained)
         return Placement.colocated(self.num_stages, encoder=encoder, encoder_trained=encoder_trained)
 
 

@@ -27,7 +27,8 @@ from enum import StrEnum
 
 import numpy as np
 
-from pipetune.schedule.table import Action, Module, Op, Placement, ScheduleError, ScheduleTable
+from pipetune.schedule.table import Action, ChunkStyle, Module, Op, Placement, ScheduleError, ScheduleTable
+from pipetune.schedule.v_shaped import dual_pipe_v_rank_ops, zbv_rank_ops
 
 
 def _check_order(order: Sequence[int]) -> list[int]:
@@ -106,30 +107,38 @@ def serial(num_stages: int, order: Sequence[int], *, encoder: bool = False, enco
     return _table(per_stage, len(order), placement, "serial", (1,) * num_stages)
 
 
+FWD, GRAD, WEIGHT = 0, 1, 2  # list_scheduled's actions: (op, chunk, chunk * m + unit), GRAD a B or an I
 UNIT_TIME = {Op.FORWARD: 1, Op.BACKWARD: 2, Op.BACKWARD_INPUT: 1, Op.BACKWARD_WEIGHT: 1}
 
 
-def activation_caps(num_ranks: int, chunks_per_rank: int) -> tuple[int, ...]:
-    """Warm-up forwards of each rank, which is also the number of micro-batches' activations it
-    holds at once: 1F1B's ``P - r``; with ``V >= 2`` chunks per rank, Megatron's interleaved
-    warm-up plus one, ``(V - 1) P + 2 (P - r - 1) + 1``."""
+def activation_caps(num_ranks: int, chunks_per_rank: int, style: ChunkStyle = ChunkStyle.LOOP) -> tuple[int, ...]:
+    """Warm-up forwards of each rank, which is also the number of chunk activations it holds at
+    once: 1F1B's ``P - r``; with ``V >= 2`` chunks per rank, Megatron's interleaved warm-up plus
+    one, ``(V - 1) P + 2 (P - r - 1) + 1``; V-shaped, ZB-V's ``2P`` on every rank (as many
+    layers' activations as 1F1B's first rank: each chunk is half a rank's layers)."""
     P, V = num_ranks, chunks_per_rank
+    if style is ChunkStyle.V and V > 1:
+        return (2 * P,) * P
     return tuple(P - r if V == 1 else (V - 1) * P + 2 * (P - r - 1) + 1 for r in range(P))
 
 
 def list_scheduled(num_ranks: int, chunks_per_rank: int, order: Sequence[int], *, split_backward: bool = False,
                    encoder: bool = False, encoder_trained: bool = False, caps: Sequence[int] | None = None,
                    times: Mapping[Op, np.ndarray] | None = None, p2p: np.ndarray | None = None,
-                   lazy_weights_from: int | None = None, within: float = math.inf) -> ScheduleTable | None:
-    """Interleaved 1F1B (``chunks_per_rank >= 2``) and zero-bubble (``split_backward``) tables.
+                   lazy_weights_from: int | None = None, within: float = math.inf,
+                   style: ChunkStyle = ChunkStyle.LOOP) -> ScheduleTable | None:
+    """Interleaved 1F1B (``chunks_per_rank >= 2``), V-shaped (``style`` V) and zero-bubble
+    (``split_backward``) tables.
 
-    Backbone chunk ``c`` sits on rank ``c mod P``. Each rank's forwards and backwards follow
+    ``LOOP``: backbone chunk ``c`` sits on rank ``c mod P``. Each rank's forwards and backwards follow
     Megatron's interleaved order (micro-batches in rounds of ``P`` following ``order``; within a
     round, the rank's chunks ascending for forwards, descending for backwards) and its compute
     sequence is 1F1B's: ``activation_caps(P, V)[r]`` warm-up forwards, then one backward and one
     forward in turn, then the remaining backwards. Megatron's sequence needs whole rounds, so a
     short last round is padded with phantom micro-batches whose actions are then left out (a
-    runnable sequence stays runnable without whole micro-batches). With ``split_backward`` each
+    runnable sequence stays runnable without whole micro-batches). ``V`` (two chunks per rank,
+    ``Placement.v_shaped``): each rank's forwards and gradient actions follow torch's ZB-V order
+    (``v_shaped.zbv_rank_ops`` without its ``W``). With ``split_backward`` each
     backward is its ``I``, and the ``W`` actions are placed by a run of the sequences: a rank runs
     its oldest deferred ``W`` when its next action is not ready yet (a bubble) or is a forward
     while the rank holds ``caps[r]`` micro-batches' activations, and the rest at the end. The run
@@ -155,31 +164,29 @@ def list_scheduled(num_ranks: int, chunks_per_rank: int, order: Sequence[int], *
     """
     order = _check_order(order)
     m, P, V = len(order), num_ranks, chunks_per_rank
-    S, FWD, GRAD, WEIGHT = P * V, 0, 1, 2  # action (op, chunk, unit) as (op, chunk, chunk * m + unit)
-    placement = Placement.interleaved(P, V, encoder=encoder, encoder_trained=encoder_trained)
-    padded = order + list(range(m, -(-m // P) * P))
-    rounds = [padded[i:i + P] for i in range(0, len(padded), P)]
-    warmups = activation_caps(P, V)
+    S = P * V
+    placement = Placement.virtual(P, V, style, encoder=encoder, encoder_trained=encoder_trained)
+    rank_of = placement.backbone
+    warmups = activation_caps(P, V, style)
     caps = tuple(caps) if caps is not None else (max(warmups),) * P if split_backward else warmups
     ops = (Op.FORWARD, Op.BACKWARD_INPUT if split_backward else Op.BACKWARD, Op.BACKWARD_WEIGHT)[:2 + split_backward]
-    seqs: list[deque[tuple[int, int, int]]] = []
-    for r in range(P):
-        own = range(r, S, P)
-        fwd = [(FWD, c, j) for g in rounds for c in own for j in g]
-        bwd = [(GRAD, c, j) for g in rounds for c in reversed(own) for j in g]
-        warm = min(len(fwd), warmups[r], caps[r])
-        steady = [x for k in range(len(fwd) - warm) for x in (bwd[k], fwd[warm + k])]
-        seqs.append(deque((op, c, c * m + j) for op, c, j in fwd[:warm] + steady + bwd[len(fwd) - warm:] if j < m))
+    seqs = [deque((FWD if a.op is Op.FORWARD else GRAD, a.chunk, a.chunk * m + order[a.unit])
+                  for a in zbv_rank_ops(P, r, m) if a.op is not Op.BACKWARD_WEIGHT)
+            for r in range(P)] if style is ChunkStyle.V else _loop_sequences(P, V, order, warmups, caps)
     took = [np.broadcast_to(np.asarray(times[op], float) if times is not None else float(UNIT_TIME[op]), (m, S)).T.ravel().tolist()
             for op in ops]
-    hop = (np.broadcast_to(np.asarray(p2p, float), (S, m)).ravel() if p2p is not None and P > 1 else np.zeros(S * m)).tolist()
+    # message delays by receiving action: F(c) from chunk c - 1, a gradient of chunk c from c + 1 (none on one rank)
+    cross = np.array(rank_of[:-1]) != np.array(rank_of[1:])
+    hops = np.broadcast_to(np.asarray(p2p, float), (S, m)) if p2p is not None else np.zeros((S, m))
+    fhop = (hops * np.concatenate([[False], cross])[:, None]).ravel().tolist()
+    ghop = (hops * np.concatenate([cross, [False]])[:, None]).ravel().tolist()
     ends = [[math.inf] * (S * m), [math.inf] * (S * m)]  # F and G (B or I); a W feeds nothing the run waits on
 
     def ready_at(op: int, c: int, k: int) -> float:
         if op == FWD:
-            return ends[FWD][k - m] + hop[k] if c > 0 else 0.0
+            return ends[FWD][k - m] + fhop[k] if c > 0 else 0.0
         at = ends[FWD][k]
-        return max(at, ends[GRAD][k + m] + hop[k]) if c < S - 1 else at
+        return max(at, ends[GRAD][k + m] + ghop[k]) if c < S - 1 else at
 
     lists: list[list[tuple[int, int, int]]] = [[] for _ in range(P)]
     weights: list[deque[tuple[int, int, int]]] = [deque() for _ in range(P)]
@@ -218,15 +225,58 @@ def list_scheduled(num_ranks: int, chunks_per_rank: int, order: Sequence[int], *
         if op == FWD:
             ends[FWD][k] = end
             if c < S - 1:
-                heapq.heappush(wake, (end + hop[k + m], (c + 1) % P))
+                heapq.heappush(wake, (end + fhop[k + m], rank_of[c + 1]))
         elif op == GRAD:
             ends[GRAD][k] = end
             if c > 0:
-                heapq.heappush(wake, (end + hop[k - m], (c - 1) % P))
+                heapq.heappush(wake, (end + ghop[k - m], rank_of[c - 1]))
         left -= 1
     per_rank = [[Action(c, ops[op], k - c * m) for op, c, k in acts] for acts in lists]
-    name = ("Interleaved" if V > 1 else "") + ("ZB" if split_backward else "1F1B")
+    name = ("V" if style is ChunkStyle.V else "Interleaved" if V > 1 else "") + ("ZB" if split_backward else "1F1B")
     return _table(per_rank, m, placement, name, caps, split_backward)
+
+
+def _loop_sequences(P: int, V: int, order: list[int], warmups: tuple[int, ...], caps: tuple[int, ...]) -> list[deque]:
+    """``list_scheduled``'s per-rank forward and gradient sequences on a loop placement (its doc)."""
+    m, S = len(order), P * V
+    padded = order + list(range(m, -(-m // P) * P))
+    rounds = [padded[i:i + P] for i in range(0, len(padded), P)]
+    seqs = []
+    for r in range(P):
+        own = range(r, S, P)
+        fwd = [(FWD, c, j) for g in rounds for c in own for j in g]
+        bwd = [(GRAD, c, j) for g in rounds for c in reversed(own) for j in g]
+        warm = min(len(fwd), warmups[r], caps[r])
+        steady = [x for k in range(len(fwd) - warm) for x in (bwd[k], fwd[warm + k])]
+        seqs.append(deque((op, c, c * m + j) for op, c, j in fwd[:warm] + steady + bwd[len(fwd) - warm:] if j < m))
+    return seqs
+
+
+def zbv_zero_bubble(num_ranks: int, order: Sequence[int], *, encoder: bool = False, encoder_trained: bool = False) -> ScheduleTable:
+    """torch's ``ScheduleZBVZeroBubble`` table (``v_shaped.zbv_rank_ops``) over ``order``: what a
+    TorchTitan job with that schedule runs, every step."""
+    return _v_table(zbv_rank_ops, "ZBVZeroBubble", num_ranks, order, encoder, encoder_trained)
+
+
+def dual_pipe_v(num_ranks: int, order: Sequence[int], *, encoder: bool = False, encoder_trained: bool = False) -> ScheduleTable:
+    """torch's ``ScheduleDualPipeV`` table over ``order``, its overlapped forward-and-backward
+    actions run one after the other (``v_shaped`` module doc)."""
+    return _v_table(dual_pipe_v_rank_ops, "DualPipeV", num_ranks, order, encoder, encoder_trained)
+
+
+def torch_v_tables(num_ranks: int, order: Sequence[int], *, encoder: bool = False, encoder_trained: bool = False) -> list[ScheduleTable]:
+    """torch's V-shaped tables over ``order``: ZB-V's, and DualPipeV's where it takes that many micro-batches."""
+    tables = [zbv_zero_bubble(num_ranks, order, encoder=encoder, encoder_trained=encoder_trained)]
+    if len(order) >= 2 * num_ranks:
+        tables.append(dual_pipe_v(num_ranks, order, encoder=encoder, encoder_trained=encoder_trained))
+    return tables
+
+
+def _v_table(rank_ops, name: str, P: int, order: Sequence[int], encoder: bool, encoder_trained: bool) -> ScheduleTable:
+    order = _check_order(order)
+    placement = Placement.v_shaped(P, encoder=encoder, encoder_trained=encoder_trained)
+    per_rank = [[Action(a.chunk, a.op, order[a.unit]) for a in rank_ops(P, r, len(order))] for r in range(P)]
+    return _table(per_rank, len(order), placement, name, split_backward=True).validate()
 
 
 class Schedule(StrEnum):
@@ -237,16 +287,16 @@ class Schedule(StrEnum):
     SERIAL = "serial"
 
     def build(self, num_stages: int, order: Sequence[int], *, encoder: bool = False, encoder_trained: bool = False,
-              chunks_per_rank: int = 1, split_backward: bool = False) -> ScheduleTable:
+              chunks_per_rank: int = 1, split_backward: bool = False, style: ChunkStyle = ChunkStyle.LOOP) -> ScheduleTable:
         """``num_stages`` backbone chunks; with ``chunks_per_rank`` V > 1 (1F1B only) on
-        ``num_stages / V`` ranks, interleaved; ``split_backward`` (1F1B only): zero-bubble."""
+        ``num_stages / V`` ranks, in ``style``; ``split_backward`` (1F1B only): zero-bubble."""
         if chunks_per_rank > 1 or split_backward:
             if self is not Schedule.ONE_F_ONE_B:
                 raise ScheduleError(f"virtual stages and split backward come with 1F1B tables, not {self.value}")
             if num_stages % chunks_per_rank:
                 raise ScheduleError(f"{num_stages} backbone chunks do not split into {chunks_per_rank} per rank")
             return list_scheduled(num_stages // chunks_per_rank, chunks_per_rank, order, split_backward=split_backward,
-                                  encoder=encoder, encoder_trained=encoder_trained)
+                                  encoder=encoder, encoder_trained=encoder_trained, style=style)
         generator = {Schedule.ONE_F_ONE_B: one_f_one_b, Schedule.GPIPE: gpipe, Schedule.SERIAL: serial}[self]
         return generator(num_stages, order, encoder=encoder, encoder_trained=encoder_trained)
 

@@ -24,8 +24,11 @@ and ``W(c, u)`` (weight gradient: needs ``I(c, u)``, feeds nothing). A chunk's s
 live until its ``W`` (torch's ``stage_backward_input`` keeps the autograd graph for
 ``stage_backward_weight``). Encoder chunks keep whole backwards.
 
-Several backbone chunks may share a rank (``Placement.interleaved``: chunk ``c`` on rank
-``c mod P``, TorchTitan's ``Interleaved1F1B`` stage layout).
+Several backbone chunks may share a rank, in one of torch's two styles (``ChunkStyle``):
+``Placement.interleaved`` (chunk ``c`` on rank ``c mod P``, TorchTitan's ``Interleaved1F1B`` stage
+layout) or ``Placement.v_shaped`` (two chunks per rank, chunk ``c`` and ``2P - 1 - c`` on rank ``c``:
+``ZBVZeroBubble`` and ``DualPipeV``; chunks ``P - 1`` and ``P`` share the last rank, so their
+hand-over is no message, and the first and last chunks share rank 0, beside the encoder).
 
 Layouts are placements: PipeTune's co-located layout is one encoder chunk on the rank of backbone
 chunk 0 with backbone chunk ``s`` on rank ``s`` and sub-microbatch ``j`` = all images of
@@ -69,6 +72,13 @@ class Op(str, Enum):
     @property
     def is_backward(self) -> bool:
         return self is not Op.FORWARD
+
+
+class ChunkStyle(Enum):
+    """How virtual stages sit on ranks: torch's ``generate_stage_to_rank_mapping`` styles."""
+
+    LOOP = "loop"
+    V = "v"
 
 
 class Buffer(Enum):
@@ -154,9 +164,35 @@ class Placement:
         return cls.colocated(num_ranks * chunks_per_rank, encoder=encoder, encoder_trained=encoder_trained,
                              stage_rank=tuple(c % num_ranks for c in range(num_ranks * chunks_per_rank)))
 
+    @classmethod
+    def v_shaped(cls, num_ranks: int, *, encoder: bool = False, encoder_trained: bool = False) -> "Placement":
+        """Two backbone chunks per rank in a V: chunk ``c < P`` on rank ``c``, chunk ``c >= P`` on
+        rank ``2P - 1 - c`` (torch's "v" style), the whole encoder beside chunk 0 on rank 0, which
+        so also holds the head and the loss."""
+        if num_ranks < 1:
+            raise ScheduleError(f"a V-shaped layout needs at least one rank, got {num_ranks}")
+        return cls.colocated(2 * num_ranks, encoder=encoder, encoder_trained=encoder_trained,
+                             stage_rank=(*range(num_ranks), *reversed(range(num_ranks))))
+
+    @classmethod
+    def virtual(cls, num_ranks: int, chunks_per_rank: int, style: ChunkStyle, *, encoder: bool = False,
+                encoder_trained: bool = False) -> "Placement":
+        """``chunks_per_rank`` backbone chunks per rank in ``style`` (V-shaped: exactly two)."""
+        if style is ChunkStyle.V:
+            if chunks_per_rank != 2:
+                raise ScheduleError(f"a V-shaped layout holds two backbone chunks per rank, not {chunks_per_rank}")
+            return cls.v_shaped(num_ranks, encoder=encoder, encoder_trained=encoder_trained)
+        return cls.interleaved(num_ranks, chunks_per_rank, encoder=encoder, encoder_trained=encoder_trained)
+
     @property
     def num_ranks(self) -> int:
         return max(self.backbone + self.encoder) + 1
+
+    @property
+    def style(self) -> ChunkStyle:
+        """``V`` when the backbone sits as ``v_shaped`` puts it on two or more ranks, else ``LOOP``."""
+        P = self.num_ranks
+        return ChunkStyle.V if P > 1 and self.backbone == (*range(P), *reversed(range(P))) else ChunkStyle.LOOP
 
     @property
     def chunks_per_rank(self) -> int:

@@ -31,8 +31,9 @@ from pipetune.cost import StageLayout
 from pipetune.packing import PackingConfig
 from pipetune.plan.plan import build_plan, plan_from_table
 from pipetune.schedule import Action, Op, onto_ranks, place_encoders
-from pipetune.schedule.schedules import UNIT_TIME, list_scheduled
+from pipetune.schedule.schedules import UNIT_TIME, dual_pipe_v, list_scheduled, zbv_zero_bubble
 from pipetune.schedule.lowering import Direction, MessageKind, Post, Wait, lower
+from pipetune.schedule.table import ChunkStyle, Placement
 from torchtitan_patches.data import DataLoaderConfig
 from torchtitan_patches.models.packed_attention import varlen_metadata
 from torchtitan_patches.models.reference.vlm import build_encoder_chunks, build_stages, build_vlm, token_loss_sum
@@ -229,15 +230,16 @@ def swapped_order(rank, world, data, opts):
 
 def interleaved_setup(rank: int, world: int, opts: dict):
     """The tiny model (``world * V`` layers if it has fewer) in ``world * V`` backbone chunks, chunk
-    ``c`` on rank ``c mod world`` (TorchTitan's ``Interleaved1F1B`` layout); every message on one
-    tag; activation memory measured."""
-    V = opts.get("chunks_per_rank", 2)
+    ``c`` on rank ``c mod world`` (TorchTitan's ``Interleaved1F1B`` layout), or V-shaped (``style``
+    ``v``: chunks ``r`` and ``2 world - 1 - r`` on rank ``r``); every message on one tag; activation
+    memory measured."""
+    V, style = opts.get("chunks_per_rank", 2), ChunkStyle(opts.get("style", "loop"))
     model = load_model_config("tiny")
     model = replace(model, backbone=replace(model.backbone, n_layers=max(model.backbone.n_layers, V * world)),
                     encoder=replace(model.encoder, frozen=not opts.get("trained")))
     ranges = list(StageLayout.even(model.backbone.n_layers, V * world).layer_ranges)
-    encoder, stages = build_stages(model, ranges, [c for c in range(V * world) if c % world == rank], max_seq_len=4 * MAX_SEQ_LEN,
-                                   seed=0, attention_backend="sdpa")
+    own = [c for c, r in enumerate(Placement.virtual(world, V, style).backbone) if r == rank]
+    encoder, stages = build_stages(model, ranges, own, max_seq_len=4 * MAX_SEQ_LEN, seed=0, attention_backend="sdpa")
     ex = PlanExecutor(stages, encoder, dim=model.backbone.dim, rank=rank, strict_order=True, measure_activations=True)
     return model, stages, ex
 
@@ -245,8 +247,8 @@ def interleaved_setup(rank: int, world: int, opts: dict):
 def interleaved_plan(model, meta, world: int, opts: dict):
     """Balanced packing at ``mbs``, a random order (``seed``), the planner's interleaved 1F1B or
     zero-bubble table (``split``; its ``W`` placed by uneven durations, as the planner places them
-    by a batch's latencies) of ``chunks_per_rank`` chunks per rank; a frozen encoder's last two
-    forwards pre-computed."""
+    by a batch's latencies) of ``chunks_per_rank`` chunks per rank in ``style``, or torch's own V
+    table (``torch_table``); a frozen encoder's last two forwards pre-computed."""
     mbs = opts.get("mbs", 2)
     packing = PackingConfig(packer="balanced", mbs=mbs, max_seq_len=MAX_SEQ_LEN).build(model)(meta.table.lengths, meta.step)
     groups = [meta.table.ids[g].tolist() for g in packing.groups()]
@@ -256,7 +258,11 @@ def interleaved_plan(model, meta, world: int, opts: dict):
     unit, chunk = np.indices((len(groups), V * world))
     ops = (Op.FORWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT) if split else (Op.FORWARD, Op.BACKWARD)
     uneven = {op: UNIT_TIME[op] * (1 + (5 * unit + 3 * chunk) % 4) for op in ops}  # W placed as by a batch's latencies
-    table = list_scheduled(world, V, order, split_backward=split, encoder=True, encoder_trained=trained, times=uneven)
+    table = list_scheduled(world, V, order, split_backward=split, encoder=True, encoder_trained=trained, times=uneven,
+                           style=ChunkStyle(opts.get("style", "loop")))
+    if opts.get("torch_table"):  # torch's own V table instead (the planner tries them too)
+        table = {"ZBVZeroBubble": zbv_zero_bubble, "DualPipeV": dual_pipe_v}[opts["torch_table"]](world, order, encoder=True,
+                                                                                                  encoder_trained=trained)
     if not trained and len(order) > 2:
         table = place_encoders(table, {order[-1]: 1, order[-2]: 0})
     return plan_from_table(table, step=meta.step, micro_batches=groups, order=order, mbs=mbs, max_seq_len=MAX_SEQ_LEN).validate()

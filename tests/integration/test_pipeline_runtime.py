@@ -355,7 +355,7 @@ def _activation_peaks(plan, ranks: list[dict]) -> tuple[np.ndarray, np.ndarray]:
         model = replace(model, backbone=replace(model.backbone, n_layers=max(model.backbone.n_layers, S)),
                         encoder=replace(model.encoder, frozen=not plan.placement.encoder_trained))
         cost = CostModel(analytical_table(model, load_hardware("a100"), tp=1),
-                         StageLayout.even(model.backbone.n_layers, S, chunks_per_rank=S // len(table.ranks)))
+                         StageLayout.even(model.backbone.n_layers, S, chunks_per_rank=S // len(table.ranks), style=plan.placement.style))
         j = max(range(m), key=lambda k: (images[k] > 0, tokens[k]))  # the micro-batch the worker measured on
         one = MicroBatchShapes(tokens[[j]], np.array([0]), tokens[[j]].astype(np.int64), images[[j]].astype(np.int64))
         counted = cost.stage_costs(one).weight_grad_bytes[0] / tokens[j] * 4 / cost.dtype_bytes  # the worker runs fp32
@@ -364,17 +364,25 @@ def _activation_peaks(plan, ranks: list[dict]) -> tuple[np.ndarray, np.ndarray]:
     return simulate(table, lat).peak_bytes, simulate(table, replace(lat, weight_grad_bytes=held)).peak_bytes
 
 
-@pytest.mark.parametrize("world,chunks,split,trained,seed", [
-    (2, 1, False, False, 0),  # 1F1B from the list scheduler (memory reference)
-    (2, 2, False, False, 0),  # interleaved, encoders pre-computed
-    (2, 1, True, True, 3),  # ZB-H1, trained encoder
-    (2, 2, True, False, 2),  # interleaved zero-bubble
-    (2, 2, True, True, 3),
-    (4, 2, False, True, 4),
-    (4, 2, True, False, 5),
+@pytest.mark.parametrize("world,chunks,split,trained,seed,style", [
+    (2, 1, False, False, 0, "loop"),  # 1F1B from the list scheduler (memory reference)
+    (2, 2, False, False, 0, "loop"),  # interleaved, encoders pre-computed
+    (2, 1, True, True, 3, "loop"),  # ZB-H1, trained encoder
+    (2, 2, True, False, 2, "loop"),  # interleaved zero-bubble
+    (2, 2, True, True, 3, "loop"),
+    (4, 2, False, True, 4, "loop"),
+    (4, 2, True, False, 5, "loop"),
+    (2, 2, True, False, 6, "v"),  # V-shaped zero-bubble, encoders pre-computed
+    (2, 2, False, True, 7, "v"),  # V-shaped whole backwards, trained encoder
+    (4, 2, True, True, 8, "v"),
+    (4, 2, False, False, 9, "v"),
+    (2, 2, True, True, 10, "DualPipeV"),  # torch's V tables, as the planner may pick them
+    (2, 2, True, False, 11, "ZBVZeroBubble"),
 ])
-def test_interleaved_and_split_backward_plans_give_the_reference_gradients(datamix2_dir, tmp_path, world, chunks, split, trained, seed):
-    """Virtual stages (``chunks`` backbone chunks per rank, chunk c on rank c mod P) and split
+def test_interleaved_and_split_backward_plans_give_the_reference_gradients(datamix2_dir, tmp_path, world, chunks, split, trained, seed,
+                                                                            style):
+    """Virtual stages (``chunks`` backbone chunks per rank, chunk c on rank c mod P; or V-shaped,
+    chunks r and 2P - 1 - r on rank r, the first and last chunk and the encoder on rank 0) and split
     backward (every backbone backward an ``I`` then a ``W``, torch's ``stage_backward_input`` /
     ``stage_backward_weight``), alone and together, on 2 and 4 gloo ranks, with a random
     micro-batch order, every message on one tag (gloo matches by order, as NCCL does): the loss and
@@ -390,19 +398,28 @@ def test_interleaved_and_split_backward_plans_give_the_reference_gradients(datam
     from pipetune.plan.plan import IterationPlan
     from unit.test_lowering_fifo import check
 
+    torch_table = style if style in ("DualPipeV", "ZBVZeroBubble") else None
+    style = "v" if torch_table else style
     ranks = run_ranks("interleaved_grads", datamix2_dir, tmp_path, world=world, timeout=90, chunks_per_rank=chunks, split=split,
-                      trained=trained, seed=seed)
+                      trained=trained, seed=seed, style=style, torch_table=torch_table)
     plan = IterationPlan.from_json(ranks[0]["plan"])
     check(plan.table())
     assert plan.order != tuple(sorted(plan.order)) and plan.num_micro_batches >= world
+    assert plan.placement.style.value == (style if chunks > 1 else "loop")
+    if torch_table:
+        from pipetune.schedule.schedules import dual_pipe_v, zbv_zero_bubble
+
+        backbone = lambda t: [[a for a in r if not a.is_encoder] for r in t.ranks]  # noqa: E731
+        assert backbone(plan.table()) == backbone({"DualPipeV": dual_pipe_v, "ZBVZeroBubble": zbv_zero_bubble}[torch_table](world, plan.order))
     for r, res in enumerate(ranks):
-        assert res["stages"] == list(range(r, chunks * world, world))
+        assert res["stages"] == ([r, 2 * world - 1 - r] if style == "v" else list(range(r, chunks * world, world)))
         want = ({"F", "I", "W"} | ({"B"} if trained and r == 0 else set())) if split else {"F", "B"}
         assert set(res["ops"]) == want
         assert res["ref_params_here"] and not res["zero_grads"] and max(res["errors"].values()) < FP32_TOL, res["errors"]
     assert (ranks[0]["encoder_backward"] > 0) == trained
     assert (ranks[0]["precomputed"] >= 2) == (not trained)
-    assert ranks[-1]["loss"] == pytest.approx(ranks[-1]["loss_ref"], rel=1e-5)
+    last = ranks[plan.placement.backbone[-1]]  # the loss's rank: rank 0 in a V
+    assert last["loss"] == pytest.approx(last["loss_ref"], rel=1e-5)
     simulated, with_held = _activation_peaks(plan, ranks)
     for r, res in enumerate(ranks):
         trace = np.array(res["activation_trace"])

@@ -195,7 +195,7 @@ def test_bf16_job_trains_within_bf16_tolerance_of_fp32(job, tmp_path):
 
 
 @pytest.mark.timeout(450)
-@pytest.mark.parametrize("schedule", ["1F1B", "InterleavedZeroBubble"])
+@pytest.mark.parametrize("schedule", ["1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"])
 def test_data_tensor_and_pipeline_parallel_steps_equal_the_unsplit_model(job, tmp_path, schedule, unsplit_backend, monkeypatch):
     """DP 2 x TP 2 x PP 2 on 8 gloo ranks: FSDP over the replicas and sequence-parallel TP inside
     each stage, each replica planning its own share on its lead, 2 steps. Under ``1F1B`` one chunk
@@ -204,7 +204,9 @@ def test_data_tensor_and_pipeline_parallel_steps_equal_the_unsplit_model(job, tm
     planner's fallback of its share every step and its records and the log say why, replica 0 its
     own searched plans. Under TorchTitan's ``InterleavedZeroBubble`` two backbone chunks per rank,
     every backward split into input and weight gradients, so weight gradients arrive after the
-    input gradients that FSDP's and TP's backward hooks see. Either way the replicas' plans
+    input gradients that FSDP's and TP's backward hooks see; under ``ZBVZeroBubble`` the same in a V
+    (chunks 0 and 3 on rank 0, handing over from chunk 1 to 2 on rank 1 without a message). Either
+    way the replicas' plans
     partition each global batch, and each step's loss (summed over replicas), gradients (joined
     over TP after FSDP's reduction) and norm equal the unsplit model's on the global batch from the
     same weights."""
@@ -216,6 +218,7 @@ def test_data_tensor_and_pipeline_parallel_steps_equal_the_unsplit_model(job, tm
                                     schedule, *(["activation_checkpoint:selective"] if killed else []), ranks=8)
     plans = [IterationPlan.from_json(r.plan) for r in records]
     assert {(p.placement.chunks_per_rank, p.table().split_backward) for p in plans} == {(1, False) if killed else (2, True)}
+    assert {p.placement.style.value for p in plans} == {"v" if schedule == "ZBVZeroBubble" else "loop"}
     _check_steps(ranks, records, replicas=2)
     log = (tmp_path / "job.log").read_text()
     if killed:  # selective AC: every backbone block wrapped, its recompute counted on step 1 (hfu(%))

@@ -65,7 +65,8 @@ def _unsplit_gradients(weights: dict, batch, *, trained: bool = False) -> dict:
 
 
 @pytest.mark.parametrize("layout, schedule, trained", [("5,3", "1F1B", False), ("separated", "1F1B", True),
-                                                       ("1,3,2,2", "Interleaved1F1B", False), ("auto", "InterleavedZeroBubble", True)])
+                                                       ("1,3,2,2", "Interleaved1F1B", False), ("auto", "InterleavedZeroBubble", True),
+                                                       ("1,3,3,1", "DualPipeV", True)])
 def test_step_one_gradients_equal_the_unsplit_model(job, tmp_path, monkeypatch, layout, schedule, trained):
     """``5,3``: an uneven co-located split with a frozen encoder (pre-computed when the planner
     finds it faster on this machine's table; pre-computation's gradients are proven for any placement
@@ -74,14 +75,16 @@ def test_step_one_gradients_equal_the_unsplit_model(job, tmp_path, monkeypatch, 
     two per rank (chunk c on rank c mod 2), of 1, 3, 2 and 2 layers; ``InterleavedZeroBubble``: four
     chunks in the layout the search chose for them (``auto``), every backbone backward split into
     input and weight gradients, a trained encoder taking its features' gradients from chunk 0's
-    input-gradient action. Every parameter's gradient
+    input-gradient action; ``DualPipeV``: TorchTitan's V split (chunks 0 and 3 with the encoder on
+    rank 0, 1 and 2 on rank 1), pipetune's split-backward tables on that placement (``ZBVZeroBubble``,
+    the same placement, runs in test_titan_scale_out beside DP and TP). Every parameter's gradient
     (none of them zero) equals the unsplit model's, and no rank's action loop synchronised host and
     device (counted as on a GPU: ``runtime.host_sync``)."""
     from torchtitan.distributed import utils as dist_utils
 
     monkeypatch.setattr(dist_utils, "_spmd_backend", "partial_dtensor")
     extra = ["--pipetune.no-freeze_vision_encoder", "--pipetune.latency_table", str(job / "table_trained.json")] if trained else []
-    extra += ["--parallelism.pipeline_parallel_schedule", schedule]
+    extra += ["--parallelism.pipeline_parallel_schedule", schedule] + (["--training.local_batch_size", "4"] if schedule == "DualPipeV" else [])
     # no gradient clipping: the gradients compared are the step's own, before TorchTitan scales them
     _torchrun([str(WORKER), str(tmp_path)] + _args(job, tmp_path / "dump", "--training.steps", "1", "--pipetune.layout", layout,
                                                    "--training.max_norm", "1e9", "--pipetune.count_host_syncs", *extra))
@@ -93,8 +96,9 @@ def test_step_one_gradients_equal_the_unsplit_model(job, tmp_path, monkeypatch, 
     assert record.host_syncs == [0, 0]
     plan = IterationPlan.from_json(record.plan)
     assert plan.placement.chunks_per_rank == (1 if schedule == "1F1B" else 2)
+    assert plan.placement.backbone == {"1F1B": (0, 1), "ZBVZeroBubble": (0, 1, 1, 0), "DualPipeV": (0, 1, 1, 0)}.get(schedule, (0, 1, 0, 1))
     assert len(record.layout) == (2 if schedule == "1F1B" else 4) and sum(record.layout) == 8
-    assert plan.table().split_backward == (schedule == "InterleavedZeroBubble")
+    assert plan.table().split_backward == (schedule not in ("1F1B", "Interleaved1F1B"))
     weights = {k: v for r in ranks for k, v in r["weights"].items()}
     reference = _unsplit_gradients(weights, batch, trained=trained)
     pipelined = {k: v for r in ranks for k, v in r["grads"].items()}

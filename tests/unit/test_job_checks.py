@@ -10,6 +10,7 @@ from pipetune_configs import config_registry
 from pipetune.cost import LatencyTable
 from pipetune.cost.latency_table import Curve
 from pipetune.plan.layout.planner_config import SplitBackward
+from pipetune.schedule.table import ChunkStyle
 from torchtitan_patches.titan.job_checks import check_table, refuse_unsupported
 from torchtitan_patches.titan.model_parts import schedule_family
 
@@ -41,15 +42,41 @@ def test_one_stage_schedules_pass(schedule):
     refuse_unsupported(config)
 
 
-@pytest.mark.parametrize("schedule, chunks, split", [("1F1B", 1, "off"), ("Interleaved1F1B", 2, "off"), ("interleaved1f1b", 2, "off"),
-                                                     ("InterleavedZeroBubble", 2, "on")])
-def test_interleaved_schedules_pass_as_virtual_stages(schedule, chunks, split):
+@pytest.mark.parametrize("schedule, chunks, split, style", [("1F1B", 1, "off", "loop"), ("Interleaved1F1B", 2, "off", "loop"),
+                                                            ("interleaved1f1b", 2, "off", "loop"), ("InterleavedZeroBubble", 2, "on", "loop"),
+                                                            ("ZBVZeroBubble", 2, "on", "v"), ("dualpipev", 2, "on", "v")])
+def test_multi_stage_schedules_pass_as_virtual_stages(schedule, chunks, split, style):
     """TorchTitan's loop-style schedules: two chunks per rank by default, as TorchTitan builds them;
-    InterleavedZeroBubble splits every backward."""
+    InterleavedZeroBubble splits every backward; the V-shaped ones run two chunks per rank in a V,
+    backwards split."""
     config = config_registry.muse_glimmer_mm()
     config.parallelism.pipeline_parallel_schedule = schedule
+    config.training.local_batch_size = 4  # torch's DualPipeV, which TorchTitan builds unused, needs 2P micro-batches
     refuse_unsupported(config)
-    assert schedule_family(config) == (chunks, SplitBackward(split))
+    assert schedule_family(config) == (chunks, SplitBackward(split), ChunkStyle(style))
+
+
+@pytest.mark.parametrize("schedule", ["ZBVZeroBubble", "DualPipeV"])
+def test_v_shaped_schedules_split_backwards_and_hold_two_chunks_per_rank(schedule):
+    config = config_registry.muse_glimmer_mm()
+    config.parallelism.pipeline_parallel_schedule = schedule
+    config.training.local_batch_size = 4
+    config.pipetune.split_backward = "auto"
+    assert f"{schedule} always splits backwards" in _refused(config, "pipetune.split_backward")
+    config.pipetune.split_backward = "off"
+    config.parallelism.pipeline_parallel_layers_per_stage = 2  # 5 stages on PP 2
+    assert "needs exactly 4 stages (two per rank" in _refused(config, "parallelism.pipeline_parallel_layers_per_stage")
+    config.parallelism.pipeline_parallel_layers_per_stage = 3  # 4 stages
+    refuse_unsupported(config)
+    config.parallelism.pipeline_parallel_layers_per_stage = None
+    config.pipetune.layout = "separated"
+    assert "run on co-located layouts" in _refused(config, "pipetune.layout")
+    config.pipetune.layout = "even"
+    config.training.local_batch_size = 3
+    if schedule == "DualPipeV":
+        assert "set --training.local_batch_size 4" in _refused(config, "parallelism.pipeline_parallel_schedule")
+    else:
+        refuse_unsupported(config)
 
 
 @pytest.mark.parametrize("per_stage, chunks", [(3, 2), (1, 5), (2, None), (6, None)])
@@ -66,14 +93,11 @@ def test_layers_per_stage_sets_an_interleaved_schedules_chunks_per_rank(per_stag
         assert schedule_family(config)[0] == chunks
 
 
-@pytest.mark.parametrize("schedule, fix", [("ZBVZeroBubble", "InterleavedZeroBubble"), ("DualPipeV", "InterleavedZeroBubble"),
-                                           ("PipelineScheduleSingle", "1F1B"), ("LoopedBFS", "1F1B")])
-def test_other_schedules_refused(schedule, fix):
+@pytest.mark.parametrize("schedule", ["PipelineScheduleSingle", "LoopedBFS"])
+def test_other_schedules_refused(schedule):
     config = config_registry.muse_glimmer_mm()
     config.parallelism.pipeline_parallel_schedule = schedule
-    message = _refused(config, "parallelism.pipeline_parallel_schedule")
-    assert f"set --parallelism.pipeline_parallel_schedule {fix}" in message
-    assert ("V-shaped" in message) == (fix != "1F1B")
+    assert "set --parallelism.pipeline_parallel_schedule 1F1B" in _refused(config, "parallelism.pipeline_parallel_schedule")
 
 
 @pytest.mark.parametrize("degree", ["data_parallel_shard_degree", "tensor_parallel_degree"])

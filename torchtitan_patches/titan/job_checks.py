@@ -6,10 +6,9 @@ not TorchTitan's schedule or micro-batching) or fail deep in set-up. ``refuse_un
 each into a one-line ``ValueError`` that names the setting (as its command-line path) and says what
 to set instead; ``check_table`` does the same for a latency table made for another device or dtype.
 
-Refused: pipeline schedules other than 1F1B, GPipe and the interleaved ones pipetune runs as
-virtual stages (``Interleaved1F1B``, ``InterleavedZeroBubble``), V-shaped ones (``ZBVZeroBubble``,
-``DualPipeV``) by name, and schedule CSV files; virtual stages or split backward with DIP's
-separated layout or a searched layout (``_families``); a
+Refused: pipeline schedules other than 1F1B, GPipe and the ones pipetune runs as virtual stages
+(``Interleaved1F1B``, ``InterleavedZeroBubble``, and V-shaped ``ZBVZeroBubble`` and ``DualPipeV``),
+and schedule CSV files; virtual stages or split backward with DIP's separated layout (``_families``); a
 ``training.global_batch_size`` that asks for gradient accumulation;
 context parallelism, FSDP resharding after forward, CPU offload; compiling Muse Glimmer's model
 (``_muse_glimmer_compile``); TorchTitan's validator; a
@@ -35,7 +34,7 @@ import dataclasses
 from torchtitan.tools.logging import logger
 
 from pipetune.plan.layout.planner_config import SplitBackward, separated_excluded
-from torchtitan_patches.titan.model_parts import INTERLEAVED_SCHEDULES, dtype_name, replicas_of, schedule_family
+from torchtitan_patches.titan.model_parts import INTERLEAVED_SCHEDULES, V_SHAPED_SCHEDULES, dtype_name, replicas_of, schedule_family
 
 __all__ = ["PLANNED_MODELS", "check_table", "refuse_unsupported", "with_job_weights"]
 
@@ -45,12 +44,8 @@ maps (its schema checks then refuse flavours it cannot express)."""
 
 SCHEDULES = ("1F1B", "GPipe")
 """The one-stage-per-rank schedules (torch's names, matched case-insensitively as torch does); the
-torch schedule TorchTitan builds from them (or from an interleaved one, ``INTERLEAVED_SCHEDULES``) is
-not run, pipetune's plans are."""
-
-V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
-"""Schedules whose stages sit V-shaped (rank ``r`` holds chunks ``r`` and ``2P - 1 - r``), which
-pipetune's planner does not make."""
+torch schedule TorchTitan builds from them (or from a multi-stage one, ``INTERLEAVED_SCHEDULES``,
+``V_SHAPED_SCHEDULES``) is not run, pipetune's plans are."""
 
 LAYOUT_SETTINGS = {
     "module_fqns_per_model_part": None,
@@ -69,7 +64,7 @@ def refuse_unsupported(config) -> None:
     config a trainer has already consumed is refused."""
     _model(config.model_spec)
     par = config.parallelism
-    _schedule(par)
+    _schedule(config)
     if par.context_parallel_degree > 1:
         raise ValueError(f"parallelism.context_parallel_degree {par.context_parallel_degree}: PipeTuneTrainer has no context "
                          "parallelism (each rank runs whole sequences): set --parallelism.context_parallel_degree 1")
@@ -78,7 +73,7 @@ def refuse_unsupported(config) -> None:
                          "every step's micro-batch size itself: leave it 1 and bound the size with --pipetune.max_mbs "
                          "(or fix it with --pipetune.mbs in the original and balanced modes)")
     for name, default in LAYOUT_SETTINGS.items():
-        if name == "pipeline_parallel_layers_per_stage" and par.pipeline_parallel_schedule.lower() in INTERLEAVED_SCHEDULES:
+        if name == "pipeline_parallel_layers_per_stage" and par.pipeline_parallel_schedule.lower() in (*INTERLEAVED_SCHEDULES, *V_SHAPED_SCHEDULES):
             continue  # the stages per rank (schedule_family), as TorchTitan reads it; the layers per chunk are pipetune.layout's
         if getattr(par, name) != default:
             raise ValueError(f"parallelism.{name} {getattr(par, name)}: pipetune splits the model by pipetune.layout and would "
@@ -137,15 +132,18 @@ def _model(spec) -> None:
                          "muse_glimmer")
 
 
-def _schedule(par) -> None:
+def _schedule(config) -> None:
+    par = config.parallelism
     name = par.pipeline_parallel_schedule
-    if name.lower() in {s.lower() for s in V_SHAPED}:
-        raise ValueError(f"parallelism.pipeline_parallel_schedule {name}: V-shaped stage placements are not supported; pipetune "
-                         "runs interleaved ones (chunk c on rank c mod P): set --parallelism.pipeline_parallel_schedule "
-                         "InterleavedZeroBubble (or Interleaved1F1B, or 1F1B with --pipetune.split_backward on)")
-    if name.lower() not in {s.lower() for s in SCHEDULES} | set(INTERLEAVED_SCHEDULES):
-        raise ValueError(f"parallelism.pipeline_parallel_schedule {name}: pipetune runs 1F1B, GPipe, Interleaved1F1B and "
-                         "InterleavedZeroBubble plans: set --parallelism.pipeline_parallel_schedule 1F1B")
+    if name.lower() not in {s.lower() for s in SCHEDULES} | set(INTERLEAVED_SCHEDULES) | set(V_SHAPED_SCHEDULES):
+        raise ValueError(f"parallelism.pipeline_parallel_schedule {name}: pipetune runs 1F1B, GPipe, Interleaved1F1B, "
+                         "InterleavedZeroBubble, ZBVZeroBubble and DualPipeV plans: set --parallelism.pipeline_parallel_schedule 1F1B")
+    built = config.training.local_batch_size // par.pipeline_parallel_microbatch_size
+    if name.lower() == "dualpipev" and built < 2 * par.pipeline_parallel_degree:
+        raise ValueError(f"parallelism.pipeline_parallel_schedule {name}: TorchTitan builds torch's DualPipeV schedule (pipetune runs "
+                         f"its own plans instead) over training.local_batch_size {config.training.local_batch_size} micro-batches, "
+                         f"and torch refuses fewer than the {2 * par.pipeline_parallel_degree} chunks: set "
+                         f"--training.local_batch_size {2 * par.pipeline_parallel_degree} (the batch is still dataloader.gbs)")
     if par.pipeline_parallel_schedule_csv:
         raise ValueError(f"parallelism.pipeline_parallel_schedule_csv {par.pipeline_parallel_schedule_csv}: pipetune plans "
                          "every step's schedule itself and would not run this file: unset it")
@@ -156,10 +154,11 @@ def _families(config) -> None:
     ``auto``, which then searches the co-located split only; the separated planner makes neither),
     with or without data and tensor parallelism."""
     par, pt = config.parallelism, config.pipetune
-    if par.pipeline_parallel_schedule.lower() == "interleavedzerobubble" and pt.split_backward == SplitBackward.AUTO:
-        raise ValueError("pipetune.split_backward auto: InterleavedZeroBubble always splits backwards: use Interleaved1F1B to "
+    name = par.pipeline_parallel_schedule
+    if name.lower() in ("interleavedzerobubble", *V_SHAPED_SCHEDULES) and pt.split_backward == SplitBackward.AUTO:
+        raise ValueError(f"pipetune.split_backward auto: {name} always splits backwards: use Interleaved1F1B to "
                          "let the planner choose per iteration, or leave pipetune.split_backward off")
-    chunks, split = schedule_family(config)
+    chunks, split, _ = schedule_family(config)
     excluded = separated_excluded(chunks_per_rank=chunks, split_backward=split) if pt.layout == "separated" else []
     if excluded:
         setting = (f"parallelism.pipeline_parallel_schedule {par.pipeline_parallel_schedule}" if chunks > 1

@@ -8,7 +8,10 @@ searched are scored on batches sampled from the job's own data with the job's la
 Virtual stages: with TorchTitan's ``Interleaved1F1B`` or ``InterleavedZeroBubble`` schedule the
 layout has ``V x P`` backbone chunks (``schedule_family``: V as TorchTitan derives its stages per
 rank), and TorchTitan's splitter gives rank ``r`` the parts of chunks ``r, r + P, ...`` (its "loop"
-style), in that order: chunk ``c`` on rank ``c mod P``, ``Placement.interleaved``.
+style), in that order: chunk ``c`` on rank ``c mod P``, ``Placement.interleaved``. With
+``ZBVZeroBubble`` or ``DualPipeV`` it gives rank ``r`` chunks ``r`` and ``2P - 1 - r`` (its "v"
+style, ``Placement.v_shaped``): rank 0 then holds the embeddings, the encoder and the head, and a
+searched layout (``auto``) is scored on that placement, rank 0's chunks counted together.
 
 Limits: the separated layout's encoder chunks past stage 0 get the job's activation checkpointing
 but not ``torch.compile`` (refused for Muse Glimmer in ``titan.job_checks``), which no Muse Glimmer
@@ -26,6 +29,7 @@ import dataclasses
 import inspect
 import math
 import os
+from typing import NamedTuple
 
 from torchtitan.config import TORCH_DTYPE_MAP
 
@@ -35,7 +39,7 @@ from pipetune.data.batch import BatchMeta
 from pipetune.data.storage import open_dataset
 from pipetune.plan.layout.layout_search import LayoutSearch, sample_batches
 from pipetune.plan.layout.planner_config import SplitBackward, separated_excluded
-from pipetune.schedule.table import Placement
+from pipetune.schedule.table import ChunkStyle, Placement
 from torchtitan_patches.models.muse_glimmer.tp_fix import convert_first_block_input
 from torchtitan_patches.runtime.data_parallel import shard_part
 from torchtitan_patches.models.muse_glimmer.stages import keep_encoder_chunks
@@ -58,30 +62,46 @@ def layout_fqns(layout: StageLayout, parts: list[str], *, separated: bool = Fals
 INTERLEAVED_SCHEDULES: dict[str, SplitBackward | None] = {"interleaved1f1b": None, "interleavedzerobubble": SplitBackward.ON}
 """TorchTitan's "loop" schedules pipetune runs as virtual stages (lower-case names, as torch matches
 them), with the split backward each implies (``None``: ``pipetune.split_backward`` decides)."""
+V_SHAPED_SCHEDULES = ("zbvzerobubble", "dualpipev")
+"""TorchTitan's "v" schedules: two chunks per rank in a V (``Placement.v_shaped``), backwards split.
+pipetune plans its own tables over that placement each step; torch's orders for them
+(``pipetune.schedule.schedules.zbv_zero_bubble``, ``dual_pipe_v``) are what the stock trainer runs."""
 
 
-def schedule_family(config) -> tuple[int, SplitBackward]:
-    """Backbone chunks per rank and split backward of a job: ``V = 1`` for one-stage schedules;
-    for interleaved ones TorchTitan's stages per rank (``_get_pipeline_metadata``: from
+class ScheduleFamily(NamedTuple):
+    """What a job's schedule setting fixes for the planner: chunks per rank, their style, split backward."""
+
+    chunks_per_rank: int
+    split: SplitBackward
+    style: ChunkStyle = ChunkStyle.LOOP
+
+
+def schedule_family(config) -> ScheduleFamily:
+    """Backbone chunks per rank, split backward and chunk style of a job: ``V = 1`` for one-stage
+    schedules; for interleaved ones TorchTitan's stages per rank (``_get_pipeline_metadata``: from
     ``pipeline_parallel_layers_per_stage``, ``ceil((layers + 2) / layers_per_stage) / P``, else 2);
     ``InterleavedZeroBubble`` always splits backwards, the others as ``pipetune.split_backward``
-    says. ``ValueError`` for a layers-per-stage that does not give a whole V >= 2."""
+    says; V-shaped schedules run two chunks per rank and split backwards (TorchTitan asserts two).
+    ``ValueError`` for a layers-per-stage that does not give a whole V >= 2 (exactly 2 V-shaped)."""
     par = config.parallelism
     name = par.pipeline_parallel_schedule.lower()
     split = SplitBackward(config.pipetune.split_backward)
-    if name not in INTERLEAVED_SCHEDULES:
-        return 1, split
-    split = INTERLEAVED_SCHEDULES[name] or split
+    v_shaped = name in V_SHAPED_SCHEDULES
+    if name not in INTERLEAVED_SCHEDULES and not v_shaped:
+        return ScheduleFamily(1, split)
+    split = SplitBackward.ON if v_shaped else INTERLEAVED_SCHEDULES[name] or split
+    style = ChunkStyle.V if v_shaped else ChunkStyle.LOOP
     per_stage, pp = par.pipeline_parallel_layers_per_stage, par.pipeline_parallel_degree
     if per_stage is None:
-        return 2, split
+        return ScheduleFamily(2, split, style)
     stages = math.ceil((len(config.model_spec.model.layers) + par.pipeline_parallel_first_stage_less_layers
                         + par.pipeline_parallel_last_stage_less_layers) / per_stage)
-    if stages % pp or stages // pp < 2:
-        raise ValueError(f"parallelism.pipeline_parallel_layers_per_stage {per_stage}: gives {stages} stages, which is not a "
-                         f"multiple >= 2 of the {pp} pipeline ranks ({par.pipeline_parallel_schedule} runs at least two chunks per "
-                         "rank): choose a value that does, or leave it unset for two chunks per rank")
-    return stages // pp, split
+    if stages % pp or stages // pp < 2 or (v_shaped and stages != 2 * pp):
+        need = f"exactly {2 * pp} stages (two per rank" if v_shaped else f"a multiple >= 2 of the {pp} pipeline ranks (at least two chunks per rank"
+        raise ValueError(f"parallelism.pipeline_parallel_layers_per_stage {per_stage}: gives {stages} stages; "
+                         f"{par.pipeline_parallel_schedule} needs {need}): choose a value that does, or leave it unset for two "
+                         "chunks per rank")
+    return ScheduleFamily(stages // pp, split, style)
 
 
 def local_encoder_chunks(rank: int, pp: int, chunk_ranges) -> list[int]:
@@ -108,8 +128,8 @@ def layout_search(config, model: ModelConfig, table: LatencyTable, sample: list[
     """The layout search of a job (``auto``, and the partitioner for ``separated``): its latency
     table, memory and micro-batch limits, chunks per rank and split backward, on ``sample``."""
     pt, pp = config.pipetune, config.parallelism.pipeline_parallel_degree
-    chunks, split = schedule_family(config)
-    even = StageLayout.even(model.backbone.n_layers, pp * chunks, chunks_per_rank=chunks)
+    chunks, split, style = schedule_family(config)
+    even = StageLayout.even(model.backbone.n_layers, pp * chunks, chunks_per_rank=chunks, style=style)
     return LayoutSearch(model, CostModel(table, even), sample, max_seq_len=config.training.seq_len, memory_bytes=pt.memory_gib * 2**30,
                         split_backward=split, max_mbs=pt.max_mbs, seed=config.dataloader.seed)
 
@@ -176,9 +196,9 @@ def choose_layout(config, model: ModelConfig, table: LatencyTable, sample) -> St
     rank and whole backwards, so with virtual stages or split backward ``auto`` is the best
     co-located split of ``V x P`` chunks (``titan.job_checks`` refuses ``separated`` there)."""
     layout, pp = config.pipetune.layout, config.parallelism.pipeline_parallel_degree
-    chunks_per_rank, split = schedule_family(config)
+    chunks_per_rank, split, style = schedule_family(config)
     if layout not in ("auto", "separated"):
-        return StageLayout.parse(layout, model.backbone.n_layers, pp * chunks_per_rank, chunks_per_rank=chunks_per_rank)
+        return StageLayout.parse(layout, model.backbone.n_layers, pp * chunks_per_rank, chunks_per_rank=chunks_per_rank, style=style)
     search = layout_search(config, model, table, sample())
     if layout == "separated":
         return search.partition().layout

@@ -1,7 +1,8 @@
 """A rank's ``PlanExecutor`` over the model parts TorchTitan built for it: its backbone chunks
-(TorchTitan's parts of stages ``r, r + P, ...``, in that order) as the model's pipeline stages, its
-encoder chunks (meta-initialised: each rank materialised only its own parts), and a frozen
-encoder's parameters out of the optimizer's way."""
+(TorchTitan's parts of the layout's chunks on this rank, ascending: ``r, r + P, ...``, or ``r`` and
+``2P - 1 - r`` when V-shaped) as the model's pipeline stages, its encoder chunks
+(meta-initialised: each rank materialised only its own parts), and a frozen encoder's parameters
+out of the optimizer's way."""
 
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ def build_executor(trainer, pt: PipeTuneSettings.Config, model: ModelConfig, lay
     """``trainer``'s (a ``PipeTuneTrainer`` whose parts, pipeline place and groups are set) executor
     on its pipeline (TorchTitan's ``pp`` mesh); logs every rank's parameter bytes on rank 0."""
     pp, stage = trainer.parallel_dims.pp, trainer.stage
-    chunks_total = pp * trainer.chunks_per_rank
-    parts = dict(zip(range(stage, chunks_total, pp), trainer.model_parts))
+    chunks_total = layout.num_stages
+    own = [c for c, r in enumerate(layout.placement(encoder=False, encoder_trained=False).backbone) if r == stage]
+    parts = dict(zip(own, trainer.model_parts))  # TorchTitan's order: ascending, in either style
     runtime = stage_runtime(trainer.config.model_spec)
     for part in parts.values():
         if pt.freeze_vision_encoder and getattr(part, "vision_encoder", None) is not None:

@@ -112,7 +112,8 @@ class LayoutSearch:
             mode=Mode.PIPETUNE, max_seq_len=max_seq_len, memory_bytes=memory_bytes, reserve=reserve, schedule=schedule,
             split_backward=split_backward, max_mbs=max_mbs, seed=seed
         )
-        self.even = StageLayout.even(self.n_layers, self.num_stages, chunks_per_rank=self.chunks_per_rank)
+        self.style = cost.layout.style
+        self.even = StageLayout.even(self.n_layers, self.num_stages, chunks_per_rank=self.chunks_per_rank, style=self.style)
         even = cost.with_layout(self.even)
         self.top_mbs = max(max_micro_batch_size(even, max_seq_len, memory_bytes, reserve=reserve, limit=max_mbs), 1)
         self._shapes: dict[tuple[int, int], MicroBatchShapes] = {}
@@ -121,7 +122,7 @@ class LayoutSearch:
 
     def sized(self, sizes) -> StageLayout:
         """The co-located layout with these layers per backbone chunk, at the search's chunks per rank."""
-        return StageLayout.from_sizes(sizes, chunks_per_rank=self.chunks_per_rank)
+        return StageLayout.from_sizes(sizes, chunks_per_rank=self.chunks_per_rank, style=self.style)
 
     def shapes(self, b: int, mbs: int) -> MicroBatchShapes:
         """Sampled batch ``b`` balance-packed at ``mbs`` (as the planner packs it)."""

@@ -67,6 +67,7 @@ same seed, same metadata, same plans (as long as no deadline hits).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -85,7 +86,8 @@ from pipetune.plan.mode import Mode
 from pipetune.plan.search.ordering import candidate_orders
 from pipetune.plan.plan import IterationPlan, plan_from_table
 from pipetune.plan.search.precompute import move_encoders_into_gaps
-from pipetune.schedule.schedules import in_order, list_scheduled, place_encoders
+from pipetune.schedule.schedules import in_order, list_scheduled, place_encoders, torch_v_tables
+from pipetune.schedule.table import ChunkStyle
 from pipetune.simulate.dag import CompiledSchedule, compile_schedule
 from pipetune.simulate.jitter import JitteredLatencies, expected_makespan, jitter
 from pipetune.simulate.lower_bound import makespan_lower_bound, placement_lower_bound
@@ -176,7 +178,7 @@ class Planner:
         if key not in self._dags:
             table = self.config.schedule.build(self.cost.num_stages, range(m), encoder=self.encoder,
                                                encoder_trained=self.cost.encoder_trainable, chunks_per_rank=self.chunks_per_rank,
-                                               split_backward=split_backward)
+                                               split_backward=split_backward, style=self.cost.layout.style)
             self._dags[key] = compile_schedule(table, validate=False)
         return self._dags[key]
 
@@ -283,15 +285,20 @@ class Planner:
         no more micro-batches than ranks, also with the ``W`` of the last ranks left to their end
         (``list_scheduled``'s ``lazy_weights_from``, from each of ``LAZY_WEIGHTS_FROM`` x ranks).
         ``c`` only matters if it beats ``best`` (the plan so far, possibly ``c``): without
-        pre-computation, a table whose own run cannot is not built (``list_scheduled``'s ``within``)."""
+        pre-computation, a table whose own run cannot is not built (``list_scheduled``'s ``within``).
+        On V-shaped layouts torch's own tables of the order are tried too (``torch_v_tables``: ZB-V,
+        DualPipeV), so a plan is never slower than what TorchTitan would run on the same packing."""
         order, within = c.order, self._score(best) / self._factor(c.mbs)
         lat, m, V, P = c.lat, len(order), self.chunks_per_rank, self.num_ranks
         times = split_times(lat, order, encoder=self.encoder, encoder_trained=self.cost.encoder_trainable)
         lazy = sorted({int(f * P) for f in LAZY_WEIGHTS_FROM} - {0, P}) if m <= P else []
-        for lazy_from in (None, *lazy):
-            table = list_scheduled(P, V, range(m), split_backward=True, encoder=self.encoder, encoder_trained=self.cost.encoder_trainable,
-                                   times=times, p2p=lat.p2p[order], lazy_weights_from=lazy_from,
-                                   within=np.inf if self.precompute else min(within, c.best_s))
+        trained, style = self.cost.encoder_trainable, self.cost.layout.style
+        tables = itertools.chain(
+            (list_scheduled(P, V, range(m), split_backward=True, encoder=self.encoder, encoder_trained=trained, times=times,
+                            p2p=lat.p2p[order], lazy_weights_from=lazy_from, within=np.inf if self.precompute else min(within, c.best_s),
+                            style=style) for lazy_from in (None, *lazy)),
+            torch_v_tables(P, range(m), encoder=self.encoder, encoder_trained=trained) if style is ChunkStyle.V else ())
+        for table in tables:
             if table is None:
                 continue
             dag = compile_schedule(table, validate=False)
