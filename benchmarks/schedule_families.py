@@ -12,6 +12,11 @@ backward split, chosen once for the run over the same iterations; ``pipetune.pla
 * ``V-shape``: two chunks per rank in a V (TorchTitan's ``ZBVZeroBubble`` / ``DualPipeV``
   placement), backwards split as those jobs always do.
 
+Then one memory-bound row (OptPipe's activation offload, ``--memory-gib``): 13B on an H100
+estimate (PCIe Gen5 host link), PP 8, rows of 2,048 tokens, DataMix3, whole backwards, and a
+memory limit at which 1F1B fits only one row per micro-batch while the search would pick more:
+pipetune and the best static configuration, each without and with offload where memory binds.
+
 TorchTitan's own V schedules are priced too: torch's ``ZBVZeroBubble`` and ``DualPipeV`` tables
 (``pipetune.schedule.schedules.zbv_zero_bubble``, ``dual_pipe_v``) over the packings of every
 fixed configuration of the V-shape space, in packing order, the best configuration chosen once for
@@ -86,6 +91,7 @@ def main() -> None:
     ap.add_argument("--gbs", type=int, default=128)
     ap.add_argument("--chunks-per-rank", type=int, nargs="+", default=[2], help="interleaved spaces (with split backward): chunks per rank of each")
     ap.add_argument("--python-gc", action="store_true", help="time the search with Python's automatic GC on (a TorchTitan job turns it off)")
+    ap.add_argument("--memory-gib", type=float, default=14.0, help="the memory-bound row's memory per GPU")
     args = ap.parse_args()
     loop = ChunkStyle.LOOP
     spaces = ([("1F1B", 1, "off", loop), ("+ZB", 1, "auto", loop)] + [(f"V={v} +ZB", v, "auto", loop) for v in args.chunks_per_rank]
@@ -122,6 +128,26 @@ def main() -> None:
                   + f" {static.iter_s.mean():12.3f} {best_name + ': ' + static.choice:40} {cut:6.1%} {gap:7.1%} {ceiling:8.1%}"
                   f" {p50:7.0f} / {top:.0f} " + " ".join(f"{stock[k][0]:10.3f}" if k in stock else f"{'-':>10}" for k in ("ZBVZeroBubble", "DualPipeV"))
                   + f"   (pipetune's best: {name}; torch's V tables at " + "; ".join(f"{k}: {c}" for k, (_, c) in stock.items()) + ")")
+    memory_bound(args)
+
+
+def memory_bound(args) -> None:
+    """The memory-bound row (module doc): pipetune and the best static configuration without and
+    with offload, their gaps to pipetune's bound, and pipetune's search time."""
+    model = load_model_config("13b")
+    hw = load_hardware("h100")
+    cost = CostModel(analytical_table(model, hw, tp=4), StageLayout.even(model.backbone.n_layers, 8))
+    data = make_mix("datamix3", args.samples, seed=0)
+    runs = {off: compare_modes(model, cost, data, gbs=args.gbs, max_seq_len=2048, memory_bytes=args.memory_gib * 2**30, iters=args.iters,
+                               modes=(Mode.PIPETUNE,), offload=off) for off in (False, True)}
+    print(f"\nmemory-bound: 13b, H100 estimate, TP 4, PP 8, GBS {args.gbs}, max_seq_len 2048, datamix3, {args.memory_gib:g} GiB per GPU, "
+          "whole backwards; times in s")
+    print(f"{'offload':8} {'pipetune':>9} {'(mbs)':16} {'gap LB':>7} {'search p50/max':>15} {'best static':>12}  (its configuration)")
+    for off, r in runs.items():
+        pt, st = r["pipetune"], r["best-static"]
+        gap = float((pt.iter_s / pt.lower_bound_s - 1).mean())
+        print(f"{'on' if off else 'off':8} {pt.iter_s.mean():9.3f} {str(dict(sorted(pt.mbs.items()))):16} {gap:7.1%} "
+              f"{np.percentile(pt.search_s, 50) * 1e3:7.0f} / {pt.search_s.max() * 1e3:.0f} {st.iter_s.mean():12.3f}  ({st.choice})")
 
 
 if __name__ == "__main__":

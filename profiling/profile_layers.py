@@ -66,6 +66,7 @@ from tqdm import tqdm
 from pipetune.config.model import ModelConfig
 from pipetune.cost.latency_table import Curve, LatencyTable
 from pipetune.files import write_text_atomic
+from profiling.host_link import measure_host_link
 from torchtitan_patches.compat.cpu_allocator import retain_freed_memory
 from torchtitan_patches.models.reference.blocks import decoder_layer_config
 from torchtitan_patches.models.packed_attention import PackedAttention, flash_attn_available, varlen_metadata
@@ -429,6 +430,8 @@ def run_profile(model: ModelConfig, cfg: ProfileConfig, out: str | Path, *, prog
     notes.append("bwd_input: the input-gradient part of each backward, timed alone (autograd.grad towards the inputs)")
 
     notes.append(p2p_note)
+    notes.append("host: one copy to or from pinned host memory, measured with CUDA events" if device.type == "cuda"
+                 else "host: none (a CPU has no link to offload activations over)")
     if cfg.tp > 1:
         notes.append(f"TP={cfg.tp}: one rank's shard was timed; TP collectives are not included")
     varlen = cfg.attention_backend == "flash" or (cfg.attention_backend == "auto" and cfg.dtype != "float32" and flash_attn_available(device))
@@ -447,6 +450,7 @@ def run_profile(model: ModelConfig, cfg: ProfileConfig, out: str | Path, *, prog
         threads=cfg.threads,
         master_weights=cfg.under_autocast,
         notes=tuple(notes),
+        host=measure_host_link(device),
     )
     table.save(out)
     partial.unlink(missing_ok=True)

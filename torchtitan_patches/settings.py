@@ -145,6 +145,13 @@ class PipeTuneSettings(Configurable):
         weight gradient and, from its input gradient on, the output gradient of every weight's
         operation: more memory than 1F1B, which the planner counts."""
 
+        offload: bool = False
+        """Where a plan would not fit ``memory_gib``, copy activations to pinned host memory after
+        their forward and back before their backward, on a copy stream beside the compute
+        (OptPipe's activation offload): the planner chooses which, per iteration, only where memory
+        binds, and compares against plans that keep them. Needs a latency table with a host link
+        (``host``: from the hardware preset in estimates). Co-located layouts only."""
+
         jitter_draws: int = 0
         """Score plans by their expected time over this many draws of per-action jitter (0: the
         deterministic simulation; else >= 2). Needs ``calibration.online_window``: the spread is
@@ -164,7 +171,8 @@ class PipeTuneSettings(Configurable):
             if self.budget_s <= 0 or self.memory_gib <= 0:
                 raise ValueError("pipetune.budget_s and pipetune.memory_gib must be positive")
             check_jitter_draws(self.jitter_draws, "pipetune.jitter_draws")
-            excluded = separated_excluded(split_backward=self.split_backward, jitter_draws=self.jitter_draws) if self.layout == "separated" else []
+            excluded = (separated_excluded(split_backward=self.split_backward, jitter_draws=self.jitter_draws, offload=self.offload)
+                        if self.layout == "separated" else [])
             if excluded:
                 raise ValueError(f"pipetune.layout separated does not run {' and '.join(excluded)}: set those off or a co-located layout")
 
@@ -180,7 +188,7 @@ class PipeTuneSettings(Configurable):
         def planner_config(self, mode: Mode, *, seq_len: int, seed: int, split_backward: SplitBackward, mbs: int | None = None) -> PlannerConfig:
             """The planner settings of this job's planners (``mbs`` None: the largest that fits)."""
             return PlannerConfig(mode=mode, max_seq_len=seq_len, memory_bytes=self.memory_gib * 2**30, max_mbs=self.max_mbs, mbs=mbs,
-                                 seed=seed, jitter_draws=self.jitter_draws, split_backward=split_backward)
+                                 seed=seed, jitter_draws=self.jitter_draws, split_backward=split_backward, offload=self.offload)
 
         def learner(self, profiled: CostModel) -> Learner:
             """A replica lead's learning for this job (``pipetune.serve.learner``)."""

@@ -196,7 +196,7 @@ class PipeTuneTrainer(Trainer):
         calibration = [planner(Mode.BALANCED, k) for k in range(1, tuned.max_mbs + 1)] if pt.calibration.steps else []
         baseline = best_static_planner(self.planning_model, self.profiled, self._sample(config), max_seq_len=seq,
                                        memory_bytes=pt.memory_gib * 2**30, seed=seed, max_mbs=pt.max_mbs, jitter_draws=pt.jitter_draws,
-                                       split_backward=self.split_backward) if pt.guarded else None
+                                       split_backward=self.split_backward, offload=pt.offload) if pt.guarded else None
         if baseline is not None and self.rank == 0:
             fewest = baseline.config.min_micro_batches
             logger.info(f"pipetune guard: baseline = {baseline.config.mode.value} packing at mbs {baseline.fixed_mbs}"

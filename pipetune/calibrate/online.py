@@ -32,8 +32,10 @@ def timeline_observations(timeline: list[TimedAction], plan: IterationPlan, meta
     backward, on its chunk, at the sub-microbatch's charged image count). A stage's forward and
     backward are summed because where the bookkeeping between them is charged is arbitrary; their
     sum is not. Each carries the seconds it overlapped other ranks' actions (the contention fit,
-    ``pipetune.simulate.contention``)."""
+    ``pipetune.simulate.contention``). Activation copies (offload) run beside the compute and are
+    left out of both."""
     shapes = plan.shapes(meta)
+    timeline = [t for t in timeline if not t.action.op.is_copy]
     overlap = overlap_with_others([t.start for t in timeline], [t.end for t in timeline])
     work: dict[tuple[int, int], list[float]] = {}
     out, inputs = [], []

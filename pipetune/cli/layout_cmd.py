@@ -34,6 +34,8 @@ def add_layout_args(p, *, default: str) -> None:
     p.add_argument("--split-backward", default="off", choices=[x.value for x in SplitBackward],
                    help="zero-bubble tables: split backwards into input and weight gradients never, always, or per iteration "
                         "(auto); the best fixed configuration may then split too, and auto layouts are scored with it")
+    p.add_argument("--offload", action="store_true", help="where a plan does not fit memory, offload activations to host memory "
+                   "(OptPipe's; needs a table with a host link: estimates have one); the best fixed configuration may too")
     p.add_argument("--recompute-encoder", action="store_true", help="recompute a trained ViT's activations in the backward")
     p.add_argument("--memory-gib", type=positive_float, help="GPU memory per rank (default: the --hardware preset's)")
 
@@ -65,8 +67,9 @@ def cost_and_layout_from_args(args, model, data):
     )
     split = SplitBackward(args.split_backward)
     search = LayoutSearch(model, cost, sample, max_seq_len=args.max_seq_len, memory_bytes=memory_from_args(args),
-                          split_backward=split, seed=args.data_seed)
-    result = search.search(separated=not separated_excluded(encoder=model.encoder is not None, chunks_per_rank=V, split_backward=split))
+                          split_backward=split, seed=args.data_seed, offload=args.offload)
+    result = search.search(separated=not separated_excluded(encoder=model.encoder is not None, chunks_per_rank=V, split_backward=split,
+                                                            offload=args.offload))
     return cost.with_layout(result.best.layout), result
 
 

@@ -44,7 +44,7 @@ def run(args) -> int:
     memory = memory_from_args(args)
     summary = compare_modes(
         model, cost, data, gbs=args.gbs, max_seq_len=args.max_seq_len, memory_bytes=memory, iters=args.iters,
-        mbs=args.mbs, overlong=args.overlong, seed=args.data_seed, split_backward=SplitBackward(args.split_backward),
+        mbs=args.mbs, overlong=args.overlong, seed=args.data_seed, split_backward=SplitBackward(args.split_backward), offload=args.offload,
     )
     base = float(summary["original"].iter_s.mean())
     out = {mode: s.to_dict(base) for mode, s in summary.items()}
@@ -57,6 +57,7 @@ def run(args) -> int:
               "iters": args.iters, "latencies": source, "hardware": args.hardware if cost.table.estimate else None,
               "layout": args.layout, "layers_per_stage": cost.layout.layers_per_stage(), "separated": cost.layout.is_separated,
               "chunks_per_rank": cost.layout.chunks_per_rank, "chunk_style": cost.layout.style.value, "split_backward": args.split_backward,
+              "offload": args.offload,
               "recompute_encoder": cost.recompute_encoder, "extrapolated": extrapolated}
     if search is not None:
         config["layout_search"] = {"layouts_scored": search.evaluated, "search_s": search.search_s,
@@ -73,6 +74,7 @@ def run(args) -> int:
           f"{','.join(map(str, cost.layout.layers_per_stage()))}"
           + (f", {cost.layout.chunks_per_rank} chunks per rank ({cost.layout.style.value}-style)" if cost.layout.chunks_per_rank > 1 else "")
           + (f"; split backward {args.split_backward}" if args.split_backward != "off" else "")
+          + ("; offload where memory binds" if args.offload else "")
           + (f", separated encoder in {len(cost.layout.encoder_chunks)} chunks" if cost.layout.is_separated else "")
           + (f"; searched {search.evaluated} layouts in {search.search_s:.2f} s, sampled cut vs even {search.cut_vs_even:.1%}"
              if search is not None else "")
@@ -127,6 +129,8 @@ def _separated(args, model, data) -> int:
         raise ValueError("--layout separated compares layouts on one pipeline; leave out --dp")
     if model.encoder is None:
         raise ValueError(f"--layout separated needs a model with a vision encoder; {model.name!r} has none")
+    if args.offload:
+        raise ValueError("--layout separated: the separated layout's planner keeps activations on the device; leave out --offload")
     base = cost_model_from_args(args, model)
     cost = CostModel(base.table, base.layout, recompute_encoder=args.recompute_encoder)
     runs, part = compare_layouts(model, cost, data, gbs=args.gbs, max_seq_len=args.max_seq_len, memory_bytes=memory_from_args(args),

@@ -13,7 +13,8 @@ class HardwareSpec:
 
     ``gemm_half_tokens``: tokens per GEMM (at TP 1) at which a GEMM reaches half its large-size
     rate; ``attention_half_len``: the same for one document's attention. Both describe the
-    under-utilisation of small work (PipeTune Fig. 10).
+    under-utilisation of small work (PipeTune Fig. 10). ``host_*``: a copy between device and
+    pinned host memory, what an activation offload costs each way.
     """
 
     name: str
@@ -30,6 +31,8 @@ class HardwareSpec:
     tp_latency_s: float
     p2p_bytes_per_s: float
     p2p_latency_s: float
+    host_bytes_per_s: float = 25e9  # one way, pinned host memory over PCIe Gen4 x16 (Gen5 hosts: about twice)
+    host_latency_s: float = 10e-6
 
     def __post_init__(self) -> None:
         check_field_types(self, "hardware")

@@ -21,7 +21,8 @@ tensor-parallel degree ``tp`` (all work split evenly over the ``tp`` GPUs of a s
 * Fixed costs per call: kernel launches (``kernel_launch_s`` each) and, with ``tp > 1``, two
   all-reduces of the hidden states per layer and pass (``tp_latency_s + 2 (tp-1)/tp * bytes /
   tp_bytes_per_s``). These make small micro-batches pay, so smaller is not always faster.
-* Pipeline messages: ``p2p_latency_s + bytes / p2p_bytes_per_s``.
+* Pipeline messages: ``p2p_latency_s + bytes / p2p_bytes_per_s``; activation offload copies the same
+  way over ``host_*``.
 * Activation memory per token and layer (BF16, FlashAttention, no recomputation): the saved
   inputs of the layer's matmuls and elementwise ops, ``2 * (6 d + 2 d_kv + 3 f) / tp`` bytes.
 """
@@ -131,6 +132,7 @@ def analytical_table(model: ModelConfig, hw: HardwareSpec, *, tp: int = 1, max_t
         curves=curves,
         memory=memory,
         p2p={"latency_s": hw.p2p_latency_s, "bytes_per_s": hw.p2p_bytes_per_s},
+        host={"latency_s": hw.host_latency_s, "bytes_per_s": hw.host_bytes_per_s},
         device=f"{hw.name} (analytical estimate)",
         dtype="bfloat16",
         tp=tp,

@@ -131,7 +131,8 @@ class StageCosts:
     sub-microbatch (``sub_batches``) and encoder chunk. ``p2p``, ``encoder_p2p`` and
     ``feature_p2p`` are one message of each kind (see the module doc; a gradient costs as much).
     ``bwd_input``: the input-gradient part of ``bwd`` (``CostModel.components``); ``weight_grad_bytes``
-    what a split backward holds from ``I`` to ``W`` (``CostModel.weight_grad_bytes``).
+    what a split backward holds from ``I`` to ``W`` (``CostModel.weight_grad_bytes``); ``copy``: one
+    way of a backbone chunk's activations between device and host (None: the table has no host link).
     ``contention``: the table's (see ``pipetune.simulate.contention``)."""
 
     fwd: np.ndarray
@@ -149,6 +150,7 @@ class StageCosts:
     bwd_input: np.ndarray | None = None
     weight_grad_bytes: np.ndarray | None = None
     contention: float = 0.0
+    copy: np.ndarray | None = None
 
 
 def rank_work(placement, costs) -> np.ndarray:
@@ -411,6 +413,7 @@ class CostModel:
             encoder_p2p = self._message(images * enc.patches_per_image * enc.dim * self.dtype_bytes)
             feature_p2p = self._message(images * enc.tokens_per_image * enc.merged_dim * self.dtype_bytes)
         weight_grad = self.weight_grad_bytes(shapes)
+        activation_bytes = self.activation_bytes(shapes)
         idle = self.input_grad_idle(shapes)
         bwd_input[idle, 0] = 0.0
         weight_grad[idle, 0] = 0.0
@@ -420,7 +423,7 @@ class CostModel:
             bwd_input=bwd_input,
             weight_grad_bytes=weight_grad,
             p2p=self._message(shapes.tokens * model.backbone.dim * self.dtype_bytes) if S > 1 else np.zeros(m),
-            activation_bytes=self.activation_bytes(shapes),
+            activation_bytes=activation_bytes,
             sub_batches=sub,
             encoder=encoder,
             encoder_bwd=encoder_bwd,
@@ -431,4 +434,11 @@ class CostModel:
             image_feature_bytes=images * mem["image_feature_bytes"],
             extrapolated=extrapolated + n1 + n2,
             contention=self.table.contention,
+            copy=self.copy_seconds(activation_bytes),
         )
+
+    def copy_seconds(self, nbytes: np.ndarray) -> np.ndarray | None:
+        """One copy of ``nbytes`` between device and pinned host memory (activation offload), or
+        None when the table has no host link (profiled tables without it: no offload)."""
+        host = self.table.host
+        return None if host is None else host["latency_s"] + np.asarray(nbytes, np.float64) / host["bytes_per_s"]

@@ -23,6 +23,9 @@ File format (JSON, ``format = "pipetune.latency_table"``, ``version = 1``)::
      "master_weights": true,              # optional: timed with float32 weights under autocast to
                                           # dtype (a job without FSDP); its forwards keep weight
                                           # copies (CostModel.weight_copy_bytes); absent = false
+     "host": {"latency_s", "bytes_per_s"},  # optional: one copy between device and pinned host
+                                          # memory (activation offload; profiled on CUDA, from
+                                          # the hardware preset in estimates); absent = no offload
      "notes": [...]}
 
 Curves (seconds per call, per layer where it says so):
@@ -128,6 +131,7 @@ class LatencyTable:
     contention: float = 0.0
     master_weights: bool = False
     notes: tuple[str, ...] = ()
+    host: dict[str, float] | None = None
 
     def to_dict(self) -> dict:
         return {
@@ -149,6 +153,7 @@ class LatencyTable:
             **({"variability": self.variability.to_dict()} if self.variability is not None else {}),
             **({"contention": self.contention} if self.contention else {}),
             **({"master_weights": True} if self.master_weights else {}),
+            **({"host": dict(self.host)} if self.host is not None else {}),
             "notes": list(self.notes),
         }
 
@@ -209,7 +214,7 @@ def table_from_dict(raw: dict, *, where: str = "latency table") -> LatencyTable:
     for key in ("model", "curves", "memory", "p2p", "device", "dtype"):
         if key not in raw:
             fail(f"missing field {key!r}")
-    for key, kind in (("curves", dict), ("memory", dict), ("p2p", dict), ("scales", dict), ("overhead", dict),
+    for key, kind in (("curves", dict), ("memory", dict), ("p2p", dict), ("host", dict), ("scales", dict), ("overhead", dict),
                       ("variability", dict), ("device", str), ("dtype", str), ("torch", str), ("estimate", bool), ("master_weights", bool), ("notes", list)):
         if key in raw and not isinstance(raw[key], kind):
             fail(f"field {key!r} must be a JSON {_JSON_KIND[kind]}, got {raw[key]!r}")
@@ -253,6 +258,9 @@ def table_from_dict(raw: dict, *, where: str = "latency table") -> LatencyTable:
     overhead = {k: _number(raw.get("overhead", {}), k, "overhead", fail) for k in raw.get("overhead", {})}
     if any(k not in OVERHEAD_KEYS for k in overhead):
         fail(f"overhead must hold {OVERHEAD_KEYS} as finite numbers >= 0, got {overhead}")
+    host = {key: _number(raw["host"], key, "host", fail) for key in ("latency_s", "bytes_per_s")} if "host" in raw else None
+    if host is not None and host["bytes_per_s"] == 0:
+        fail("host.bytes_per_s must be a finite positive number, got 0")
     contention = raw.get("contention", 0.0)
     if not (_is_number(contention) and contention >= 0):
         fail(f"contention must be a finite number >= 0 (the slow-down of work while another rank is busy), got {contention!r}")
@@ -273,6 +281,7 @@ def table_from_dict(raw: dict, *, where: str = "latency table") -> LatencyTable:
         contention=float(contention),
         master_weights=raw.get("master_weights", False),
         notes=tuple(str(n) for n in raw.get("notes", ())),
+        host=host,
     )
 
 

@@ -59,13 +59,14 @@ def worst_case_activation_bytes(cost: CostModel, tokens: int, *, split_backward:
     return cost.activation_bytes(shapes)[0] + (cost.weight_grad_bytes(shapes)[0] if split_backward else 0.0)
 
 
-def stage_peak_bytes(cost: CostModel, mbs: int, max_seq_len: int, *, split_backward: bool = False) -> np.ndarray:
+def stage_peak_bytes(cost: CostModel, mbs: int, max_seq_len: int, *, split_backward: bool = False, in_flight: int | None = None) -> np.ndarray:
     """Worst-case peak bytes per rank under 1F1B (interleaved with virtual stages; zero-bubble
     with ``split_backward``) at micro-batch size ``mbs``: each rank's cap of in-flight
-    micro-batches times its costliest chunk's activations."""
+    micro-batches times its costliest chunk's activations; ``in_flight`` sets that count on every
+    rank instead (with offload, 2: the activations being made and the ones reloaded for a gradient)."""
     p = cost.placement()
     caps = np.array(activation_caps(p.num_ranks, p.chunks_per_rank, p.style))
-    in_flight = np.full_like(caps, caps.max()) if split_backward else caps
+    in_flight = np.full_like(caps, in_flight if in_flight is not None else caps.max()) if split_backward or in_flight else caps
     chunk = worst_case_activation_bytes(cost, mbs * max_seq_len, split_backward=split_backward)
     worst = np.zeros(p.num_ranks)
     np.maximum.at(worst, np.array(p.backbone), chunk)
@@ -73,12 +74,12 @@ def stage_peak_bytes(cost: CostModel, mbs: int, max_seq_len: int, *, split_backw
 
 
 def max_micro_batch_size(cost: CostModel, max_seq_len: int, memory_bytes: float, *, reserve: float = 0.1, limit: int = 64,
-                        split_backward: bool = False) -> int:
-    """Largest mbs whose worst case fits ``memory_bytes * (1 - reserve)`` on every rank (0: none)."""
+                        split_backward: bool = False, in_flight: int | None = None) -> int:
+    """Largest mbs whose worst case (``stage_peak_bytes``) fits ``memory_bytes * (1 - reserve)`` on every rank (0: none)."""
     budget = memory_bytes * (1 - reserve)
     best = 0
     for mbs in range(1, limit + 1):
-        if (stage_peak_bytes(cost, mbs, max_seq_len, split_backward=split_backward) > budget).any():
+        if (stage_peak_bytes(cost, mbs, max_seq_len, split_backward=split_backward, in_flight=in_flight) > budget).any():
             break
         best = mbs
     return best

@@ -314,7 +314,7 @@ def in_order(table: ScheduleTable, order: Sequence[int]) -> ScheduleTable:
 
 def place_encoders(table: ScheduleTable, before: dict[int, int], *, validate: bool = True) -> ScheduleTable:
     """Pre-compute encoders (co-located layout): ``before[k] = i`` runs ``E0F{k}`` before the
-    i-th action of its rank that is not an encoder forward (it must still precede ``0F`` of its
+    i-th compute action of its rank that is not an encoder forward (it must still precede ``0F`` of its
     micro-batch); the others stay right before that forward. Encoders moved to the same action run
     in forward order, ahead of that action's own encoder. ``validate=False`` leaves the check of
     the result to the caller (the planner's plans are validated before they run)."""
@@ -326,7 +326,8 @@ def place_encoders(table: ScheduleTable, before: dict[int, int], *, validate: bo
                             "this placement spreads the encoder over chunks of its own")
     rank = p.encoder[0]
     is_enc_fwd = lambda a: a.is_encoder and a.op is Op.FORWARD  # noqa: E731
-    work = [a for a in table.ranks[rank] if not is_enc_fwd(a)]
+    rest = [a for a in table.ranks[rank] if not is_enc_fwd(a)]
+    work = [a for a in rest if not a.op.is_copy]  # positions count compute actions (the simulator's nodes)
     slots: list[list[Action]] = [[] for _ in range(len(work) + 1)]
     fwd_pos = {a.unit: k for k, a in enumerate(work) if a.chunk == 0 and a.op is Op.FORWARD and not a.is_encoder}
     sub_pos = {k: fwd_pos[j] for k, j in enumerate(table.sub_mb_parent)}
@@ -337,8 +338,13 @@ def place_encoders(table: ScheduleTable, before: dict[int, int], *, validate: bo
         slots[target].append(Action(0, Op.FORWARD, sub, Module.ENCODER))
     for k in range(len(work)):  # moved encoders first, the slot's own ones just before their forward
         slots[k].sort(key=lambda e: sub_pos[e.unit] == k)
-    ranks = list(table.ranks)
-    ranks[rank] = tuple(a for k, w in enumerate(work) for a in (*slots[k], w))
+    ranks, out, k = list(table.ranks), [], 0
+    for a in rest:  # a copy stays where it was among the compute actions
+        if not a.op.is_copy:
+            out += slots[k]
+            k += 1
+        out.append(a)
+    ranks[rank] = tuple(out)
     placed = replace(table, ranks=tuple(ranks))
     return placed.validate() if validate else placed
 

@@ -18,6 +18,13 @@ are image sub-microbatches ``0..n-1``, each holding images of exactly one micro-
 
 A frozen encoder has no ``B`` actions. An input produced on another rank is a message.
 
+Activation offload (OptPipe's): a backbone ``(chunk, unit)`` may have an ``O`` (copy its saved
+activations to host memory; needs ``F``) and an ``R`` (copy them back; needs ``O``), and its
+gradient action (``B`` or ``I``) then also needs ``R``. Copies run on the rank's copy engine,
+beside its compute: each starts when its rank's list reaches it (the compute action before it has
+ended) and the copy engine is free, copies run one at a time in list order, and device memory is
+freed when an ``O`` ends and taken again when its rank's list reaches the ``R`` (``pipetune.simulate``).
+
 Split backward (``ScheduleTable.split_backward``, zero-bubble schedules): every backbone ``B`` is
 two actions, ``I(c, u)`` (input gradient: needs ``F(c, u)`` and ``I(c+1, u)``, feeds ``I(c-1, u)``)
 and ``W(c, u)`` (weight gradient: needs ``I(c, u)``, feeds nothing). A chunk's saved activations
@@ -51,7 +58,7 @@ from enum import Enum
 from functools import cached_property
 from typing import NamedTuple
 
-ACTION_RE = re.compile(r"^(E?)(\d+)([FBIW])(\d+)$")
+ACTION_RE = re.compile(r"^(E?)(\d+)([FBIWOR])(\d+)$")
 
 
 class Module(str, Enum):
@@ -68,10 +75,17 @@ class Op(str, Enum):
     BACKWARD = "B"
     BACKWARD_INPUT = "I"
     BACKWARD_WEIGHT = "W"
+    OFFLOAD = "O"
+    RELOAD = "R"
 
     @property
     def is_backward(self) -> bool:
-        return self is not Op.FORWARD
+        return self in (Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
+
+    @property
+    def is_copy(self) -> bool:
+        """A host-device copy of saved activations (pipetune's, not torch's): runs beside compute."""
+        return self in (Op.OFFLOAD, Op.RELOAD)
 
 
 class ChunkStyle(Enum):
@@ -290,9 +304,21 @@ class ScheduleTable(Placed):
         """The action after which a chunk's saved activations are freed: ``W`` for split backbone backwards, else ``B``."""
         return Op.BACKWARD_WEIGHT if self.split_backward and module is Module.BACKBONE else Op.BACKWARD
 
+    @cached_property
+    def offloaded(self) -> frozenset[tuple[int, int]]:
+        """The backbone ``(chunk, unit)`` pairs whose saved activations go to host memory (have an ``O``)."""
+        return frozenset((a.chunk, a.unit) for acts in self.ranks for a in acts if a.op is Op.OFFLOAD)
+
     def producers(self, a: Action) -> tuple[Action, ...]:
         """The actions whose outputs ``a`` consumes (see the module doc)."""
         last = len(self.placement.chunks(a.module)) - 1
+        if a.op.is_copy:
+            return (Action(a.chunk, Op.FORWARD if a.op is Op.OFFLOAD else Op.OFFLOAD, a.unit),)
+        if a.op is self.grad_op(a.module) and not a.is_encoder and (a.chunk, a.unit) in self.offloaded:
+            return (*self._producers(a, last), Action(a.chunk, Op.RELOAD, a.unit))
+        return self._producers(a, last)
+
+    def _producers(self, a: Action, last: int) -> tuple[Action, ...]:
         if a.op is Op.FORWARD:
             if a.chunk > 0:
                 return (Action(a.chunk - 1, Op.FORWARD, a.unit, a.module),)
@@ -311,6 +337,12 @@ class ScheduleTable(Placed):
 
     def consumers(self, a: Action) -> tuple[Action, ...]:
         """The actions that consume ``a``'s outputs (inverse of ``producers``)."""
+        if a.op.is_copy:
+            return (Action(a.chunk, Op.RELOAD, a.unit) if a.op is Op.OFFLOAD else Action(a.chunk, self.grad_op(Module.BACKBONE), a.unit),)
+        copy = (Action(a.chunk, Op.OFFLOAD, a.unit),) if a.op is Op.FORWARD and not a.is_encoder and (a.chunk, a.unit) in self.offloaded else ()
+        return self._consumers(a) + copy
+
+    def _consumers(self, a: Action) -> tuple[Action, ...]:
         last = len(self.placement.chunks(a.module)) - 1
         trained = self.placement.encoder_trained or not a.is_encoder
         if a.op is Op.FORWARD:
@@ -351,11 +383,15 @@ class ScheduleTable(Placed):
         from the encoder forward that makes them there (co-located) or from backbone chunk 0's
         forward that receives them, until backbone chunk 0's backward (the projector keeps them);
         with a split backward, from ``I`` to ``W``, the output gradients of the chunk's weight
-        operations, which the weight gradient still needs (torch keeps them in its parameter groups)."""
+        operations, which the weight gradient still needs (torch keeps them in its parameter groups).
+        An offloaded chunk's activations are two buffers: from ``F`` to ``O``, and from ``R`` on."""
         p = self.placement
         release = self.release_op(Module.BACKBONE)
         out = [(Buffer.ACTIVATION, s, j, Action(s, Op.FORWARD, j), Action(s, release, j))
-               for s in range(p.num_stages) for j in range(self.num_micro_batches)]
+               for s in range(p.num_stages) for j in range(self.num_micro_batches) if (s, j) not in self.offloaded]
+        out += [buf for s, j in sorted(self.offloaded) for buf in (  # on the device until its O, again from its R
+            (Buffer.ACTIVATION, s, j, Action(s, Op.FORWARD, j), Action(s, Op.OFFLOAD, j)),
+            (Buffer.ACTIVATION, s, j, Action(s, Op.RELOAD, j), Action(s, release, j)))]
         if self.split_backward:
             out += [(Buffer.WEIGHT_GRAD, s, j, Action(s, Op.BACKWARD_INPUT, j), Action(s, Op.BACKWARD_WEIGHT, j))
                     for s in range(p.num_stages) for j in range(self.num_micro_batches)]
@@ -407,6 +443,8 @@ class ScheduleTable(Placed):
                                         f"chunks, {m} micro-batches, {self.num_sub_micro_batches} sub-microbatches)")
                 if a.is_encoder and a.op is not Op.FORWARD and not p.encoder_trained:
                     raise ScheduleError(f"{where}: a frozen encoder has no backward actions")
+                if a.op.is_copy and a.is_encoder:
+                    raise ScheduleError(f"{where}: only backbone chunks' activations are offloaded")
                 if a.op in (Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT) and (a.is_encoder or not self.split_backward):
                     raise ScheduleError(f"{where}: split backward actions (I, W) belong to backbone chunks of a split_backward table")
                 if a.op is Op.BACKWARD and not a.is_encoder and self.split_backward:
@@ -421,6 +459,7 @@ class ScheduleTable(Placed):
                         raise ScheduleError(f"{where}: needs {need}, which this rank has not run before it")
                 done.add(a)
         missing = [a for a in self.expected_actions() if a not in seen]
+        missing += [Action(c, Op.RELOAD, u) for c, u in sorted(self.offloaded) if Action(c, Op.RELOAD, u) not in seen]
         if missing:
             raise ScheduleError(f"action {missing[0]} is missing")
         if self.max_in_flight is not None:
@@ -429,7 +468,7 @@ class ScheduleTable(Placed):
                 live = 0
                 for a in actions:
                     if not a.is_encoder:
-                        live += 1 if a.op is Op.FORWARD else -1 if a.op is release else 0
+                        live += 1 if a.op in (Op.FORWARD, Op.RELOAD) else -1 if a.op in (release, Op.OFFLOAD) else 0
                         if live > self.max_in_flight[r]:
                             raise ScheduleError(f"rank {r} holds {live} micro-batches' activations at {a}, over its limit of "
                                                 f"{self.max_in_flight[r]}")
@@ -437,11 +476,11 @@ class ScheduleTable(Placed):
 
     def to_csv(self, *, compute_only: bool = True) -> str:
         """One row per rank, one action per cell: the format of torch's ``_load_csv``
-        (``compute_only`` leaves out encoder actions, which torch does not know)."""
+        (``compute_only`` leaves out encoder actions and copies, which torch does not know)."""
         buf = io.StringIO()
         writer = csv.writer(buf, lineterminator="\n")
         for actions in self.ranks:
-            writer.writerow([str(a) for a in actions if not (compute_only and a.is_encoder)])
+            writer.writerow([str(a) for a in actions if not (compute_only and (a.is_encoder or a.op.is_copy))])
         return buf.getvalue()
 
     @classmethod

@@ -12,6 +12,14 @@ all on one rank: a forward's saved activations until its backward; image feature
 backbone chunk 0 from the encoder forward that makes them there (or from backbone chunk 0's forward
 that receives them) until backbone chunk 0's backward.
 
+Activation offload: a rank's copies (``O``, ``R``) run on a second *lane* of the rank, one after
+another in table order, beside its compute lane. A copy also waits for the last node before it in
+the table (its issue point: a floating action in between is not waited for, which the runtime,
+issuing at the copy's place in the list, does; the planner's tables put moved encoder forwards
+after the copies before their slot), and the gradient action waits for its reload; those inputs
+across lanes are timed like messages of no cost. A table with copies frees and takes memory at
+the copies' times, not in list order (``pipetune.simulate.simulator``).
+
 Nodes are numbered in a topological order that respects every edge and each rank's order, so one
 forward pass over node indices times the whole schedule (the simulator takes it a wave of
 independent nodes at a time, ``CompiledSchedule.waves``). What does not depend on a table's rank
@@ -31,9 +39,13 @@ from pipetune.schedule.lowering import Message, MessageKind
 from pipetune.schedule.table import Action, Module, Op, Placement, ScheduleError, ScheduleTable
 
 KINDS = ((Module.BACKBONE, Op.FORWARD), (Module.BACKBONE, Op.BACKWARD), (Module.ENCODER, Op.FORWARD), (Module.ENCODER, Op.BACKWARD),
-         (Module.BACKBONE, Op.BACKWARD_INPUT), (Module.BACKBONE, Op.BACKWARD_WEIGHT))
+         (Module.BACKBONE, Op.BACKWARD_INPUT), (Module.BACKBONE, Op.BACKWARD_WEIGHT), (Module.BACKBONE, Op.OFFLOAD),
+         (Module.BACKBONE, Op.RELOAD))
 KIND = {k: i for i, k in enumerate(KINDS)}
 MESSAGE_KINDS = tuple(MessageKind)
+COPY_KINDS = (KIND[(Module.BACKBONE, Op.OFFLOAD)], KIND[(Module.BACKBONE, Op.RELOAD)])
+ACROSS_LANES = (-1, -1)
+"""``_Shape.needs`` marker of an input from the rank's other lane (compute or copy): timed, free."""
 
 
 def kind_of(a: Action) -> int:
@@ -68,9 +80,12 @@ class CompiledSchedule:
     """Arrays over nodes (index = node id, topological order), messages, floating actions and buffers.
 
     ``kind``/``chunk``/``unit``/``rank``: what each node runs (``kind`` indexes ``KINDS``).
-    ``edges[n]``: ``(producer node, message index or -1 for a same-rank hand-over)`` pairs.
+    ``edges[n]``: ``(producer node, message index, or -1 for a hand-over on the node's lane, or -2
+    for one from the rank's other lane)`` pairs.
     ``msg_kind``/``msg_unit``: each message's ``MessageKind`` index and the unit sizing it.
-    ``rank_prev``: previous node on the same rank (-1 for a rank's first node).
+    ``rank_prev``: previous node on the same rank and lane (-1 for a lane's first node);
+    ``rank_nodes[r]``: rank ``r``'s compute nodes, ``copy_nodes[r]`` its copies; ``issue_node[n]``:
+    the compute node a copy is issued after (-1: none, or not a copy).
     ``floating``: the floating actions (by module, chunk, unit); ``float_slot[f]``: the node
     before which the table runs floating action ``f``; ``float_first_use[f]``: its first consumer.
     ``buf_*``: memory buffers; ``buf_float[b] >= 0`` means allocated at that floating action's slot.
@@ -88,6 +103,8 @@ class CompiledSchedule:
     msg_unit: np.ndarray
     rank_prev: np.ndarray
     rank_nodes: tuple[np.ndarray, ...]
+    copy_nodes: tuple[np.ndarray, ...]
+    issue_node: np.ndarray
     floating: tuple[Action, ...]
     float_slot: np.ndarray
     float_first_use: np.ndarray
@@ -102,6 +119,10 @@ class CompiledSchedule:
     @property
     def num_nodes(self) -> int:
         return len(self.kind)
+
+    @property
+    def has_copies(self) -> bool:
+        return any(len(nodes) for nodes in self.copy_nodes)
 
     @cached_property
     def float_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -131,11 +152,11 @@ class CompiledSchedule:
             for d, e in deps:
                 if depth[d] > deep:
                     deep = depth[d]
-                if e >= 0:  # a producer on the same rank ends no later than the rank's previous node
+                if e != -1:  # a producer on the same lane ends no later than the lane's previous node
                     nodes.append(n)
                     cols.append(j)
                     into.append(d)
-                    msg.append(N + e)
+                    msg.append(N + e if e >= 0 else N + M)  # from the other lane: no cost
                     j += 1
             depth[n] = deep + 1
         depth = np.array(depth, np.int64)
@@ -236,7 +257,7 @@ def compile_schedule(table: ScheduleTable, *, validate: bool = True) -> Compiled
     ptr = [0] * len(work)
     order: list[Action] = []
     order_rank: list[int] = []
-    needs = shape.needs
+    needs, issue = _with_copies(shape.needs, table, work) if table.offloaded else (shape.needs, {})
     while True:
         progressed = False
         for r, acts in enumerate(work):
@@ -266,14 +287,20 @@ def compile_schedule(table: ScheduleTable, *, validate: bool = True) -> Compiled
         for d, msg in needs[a]:
             if msg is None:
                 mine.append((done[d], -1))
+            elif msg is ACROSS_LANES:
+                mine.append((done[d], -2))
             else:
                 mine.append((done[d], len(msg_kind)))
                 msg_kind.append(msg[0])
                 msg_unit.append(msg[1])
         edges.append(tuple(mine))
-    rank_nodes = tuple(np.array([done[a] for a in acts], np.int64) for acts in work)
+    issue_node = np.full(len(order), -1, np.int64)
+    for a, at_node in issue.items():
+        issue_node[done[a]] = done[at_node]
+    rank_nodes = tuple(np.array([done[a] for a in acts if not a.op.is_copy], np.int64) for acts in work)
+    copy_nodes = tuple(np.array([done[a] for a in acts if a.op.is_copy], np.int64) for acts in work)
     rank_prev = np.full(len(order), -1, np.int64)
-    for nodes in rank_nodes:
+    for nodes in (*rank_nodes, *copy_nodes):
         rank_prev[nodes[1:]] = nodes[:-1]
     slot_of: dict[Action, int] = {}
     for acts in table.ranks:
@@ -281,7 +308,7 @@ def compile_schedule(table: ScheduleTable, *, validate: bool = True) -> Compiled
         for a in acts:
             if a in is_float:
                 pending.append(a)
-            elif pending:
+            elif pending and not a.op.is_copy:
                 slot_of.update((f, done[a]) for f in pending)
                 pending = []
         if pending:
@@ -290,7 +317,8 @@ def compile_schedule(table: ScheduleTable, *, validate: bool = True) -> Compiled
     float_first_use = np.array([min(done[c] for c in shape.consumers[f]) for f in floating], np.int64)
     float_index = {f: i for i, f in enumerate(floating)}
     at = lambda a: (slot_of[a], float_index[a]) if a in float_index else (done[a], -1)  # noqa: E731
-    bufs = np.array([(kind, c, u, *at(alloc), done[free]) for kind, c, u, alloc, free in shape.buffers], np.int64).reshape(-1, 6)
+    buffers = tuple((kind.value, c, u, alloc, free) for kind, c, u, alloc, free in table.buffers()) if table.offloaded else shape.buffers
+    bufs = np.array([(kind, c, u, *at(alloc), done[free]) for kind, c, u, alloc, free in buffers], np.int64).reshape(-1, 6)
     return CompiledSchedule(
         table=table,
         kind=np.array([KIND[(a.module, a.op)] for a in order], np.int8),
@@ -302,6 +330,8 @@ def compile_schedule(table: ScheduleTable, *, validate: bool = True) -> Compiled
         msg_unit=np.array(msg_unit, np.int64),
         rank_prev=rank_prev,
         rank_nodes=rank_nodes,
+        copy_nodes=copy_nodes,
+        issue_node=issue_node,
         floating=floating,
         float_slot=float_slot,
         float_first_use=float_first_use,
@@ -313,3 +343,26 @@ def compile_schedule(table: ScheduleTable, *, validate: bool = True) -> Compiled
         buf_free=bufs[:, 5],
         one_to_one=not table.encoder or table.sub_mb_parent == tuple(range(table.num_micro_batches)),
     )
+
+
+def _with_copies(needs: dict, table: ScheduleTable, work: list[list[Action]]) -> tuple[dict, dict[Action, Action]]:
+    """``needs`` of a table with copies: each copy its data input and its issue point (the last
+    compute node before it in its rank's list), each reloaded gradient action its reload; and
+    each copy's issue point."""
+    needs, issued = dict(needs), {}
+    grad = table.grad_op(Module.BACKBONE)
+    for acts in work:
+        issue = None
+        for a in acts:
+            if not a.op.is_copy:
+                issue = a
+                continue
+            c, u = a.chunk, a.unit
+            data = (Action(c, Op.FORWARD, u), ACROSS_LANES) if a.op is Op.OFFLOAD else (Action(c, Op.OFFLOAD, u), None)
+            needs[a] = (data,) + (((issue, ACROSS_LANES),) if issue is not None and issue != data[0] else ())
+            if issue is not None:
+                issued[a] = issue
+            if a.op is Op.RELOAD:
+                g = Action(c, grad, u)
+                needs[g] = (*needs[g], (a, ACROSS_LANES))
+    return needs, issued

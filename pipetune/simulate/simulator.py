@@ -6,7 +6,9 @@ carries, and sends do not occupy the sender). Floating actions (a co-located enc
 run back to back on their rank just before the node they are attached to. Memory per rank follows
 the rank's own action order, so it does not depend on timing: every buffer of the compiled
 schedule (activations until their backward, image features until backbone chunk 0's backward) is
-added at its allocating node, the peak taken, and freed buffers removed.
+added at its allocating node, the peak taken, and freed buffers removed. A table with activation
+offload is the exception: its copies run beside the compute (``pipetune.simulate.dag``), so its
+memory is counted by time (``_peak_memory_timed``).
 
 Everything is vectorised over ``C`` candidates (the last axis of the internal arrays), so the
 planner times thousands of orders and pre-compute placements per call; one candidate (most of the
@@ -24,7 +26,7 @@ import numpy as np
 from pipetune.schedule.lowering import MessageKind
 from pipetune.schedule.table import Action, Buffer, Module, Op, ScheduleTable
 from pipetune.simulate.contention import concurrent_time, overlaps
-from pipetune.simulate.dag import KINDS, MESSAGE_KINDS, CompiledSchedule, compile_schedule
+from pipetune.simulate.dag import COPY_KINDS, KINDS, MESSAGE_KINDS, CompiledSchedule, compile_schedule
 
 CHUNK = 512  # candidates per pass: [nodes x CHUNK] arrays stay in cache
 
@@ -42,7 +44,9 @@ class Latencies:
     what a split backward's ``I`` action takes (``W`` takes the rest); left out, half of ``bwd``
     (a stage of matmuls: both gradients cost one forward each). ``weight_grad_bytes`` (``[m, S]``):
     what a split backward holds from ``I`` to ``W`` (zeros when left out). ``contention``: the slow-down of work while another rank is busy
-    (``pipetune.simulate.contention``); every makespan adds it times the concurrent time.
+    (``pipetune.simulate.contention``); every makespan adds it times the concurrent time. ``copy``
+    (``[m, S]``): one way of a chunk's activations between device and host, what an offload and a
+    reload each take (left out: infinite, no host link to offload over).
     """
 
     fwd: np.ndarray
@@ -58,6 +62,7 @@ class Latencies:
     bwd_input: np.ndarray | None = field(default=None, kw_only=True)
     weight_grad_bytes: np.ndarray | None = field(default=None, kw_only=True)
     contention: float = field(default=0.0, kw_only=True)
+    copy: np.ndarray | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         m = self.fwd.shape[0]
@@ -66,10 +71,11 @@ class Latencies:
         enc = enc[:, None] if enc.ndim == 1 else enc
         shapes = {"encoder": enc.shape, "p2p": (m,), "activation_bytes": self.fwd.shape, "image_feature_bytes": (n,),
                   "encoder_bwd": enc.shape, "encoder_p2p": (n,), "feature_p2p": (n,), "encoder_activation_bytes": enc.shape,
-                  "weight_grad_bytes": self.fwd.shape}
+                  "weight_grad_bytes": self.fwd.shape, "copy": self.fwd.shape}
         for name, shape in shapes.items():
             given = getattr(self, name)
-            object.__setattr__(self, name, np.zeros(shape) if given is None else np.asarray(given, np.float64).reshape(shape))
+            missing = np.full(shape, np.inf) if name == "copy" else np.zeros(shape)
+            object.__setattr__(self, name, missing if given is None else np.asarray(given, np.float64).reshape(shape))
         bwd_input = 0.5 * np.asarray(self.bwd, np.float64) if self.bwd_input is None else np.asarray(self.bwd_input, np.float64)
         if bwd_input.shape != self.fwd.shape or (bwd_input > self.bwd + 1e-12).any() or (bwd_input < 0).any():
             raise ValueError(f"bwd_input must be [m, S] = {self.fwd.shape} and between 0 and bwd")
@@ -82,7 +88,7 @@ class Latencies:
                    encoder_bwd=costs.encoder_bwd, encoder_p2p=costs.encoder_p2p, feature_p2p=costs.feature_p2p,
                    encoder_activation_bytes=costs.encoder_activation_bytes, bwd_input=costs.bwd_input,
                    weight_grad_bytes=costs.weight_grad_bytes,
-                   contention=costs.contention)
+                   contention=costs.contention, copy=costs.copy)
 
     @classmethod
     def uniform(cls, m: int, S: int, t_f: float, t_b: float, *, t_e: float = 0.0, p2p: float = 0.0) -> "Latencies":
@@ -116,7 +122,8 @@ def durations(lat: Latencies, module: Module, op: Op) -> np.ndarray:
     """Seconds of ``module``'s ``op`` actions, ``[units, chunks]``."""
     if module is Module.ENCODER:
         return lat.encoder if op is Op.FORWARD else lat.encoder_bwd
-    return {Op.FORWARD: lat.fwd, Op.BACKWARD: lat.bwd, Op.BACKWARD_INPUT: lat.bwd_input, Op.BACKWARD_WEIGHT: lat.bwd - lat.bwd_input}[op]
+    return {Op.FORWARD: lat.fwd, Op.BACKWARD: lat.bwd, Op.BACKWARD_INPUT: lat.bwd_input, Op.BACKWARD_WEIGHT: lat.bwd - lat.bwd_input,
+            Op.OFFLOAD: lat.copy, Op.RELOAD: lat.copy}[op]
 
 
 def split_times(lat: Latencies, order: np.ndarray, *, encoder: bool, encoder_trained: bool) -> dict[Op, np.ndarray]:
@@ -222,10 +229,12 @@ def _run_one(w, cost: list[float], dur: list[float]) -> tuple[np.ndarray, np.nda
 
 
 def _busy(dag: CompiledSchedule, start: np.ndarray, end: np.ndarray, pre: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Every busy interval, ``[2N, C]`` starts and ends: each node, and the floating work before it
-    (run from the end of its rank's previous node)."""
+    """Every busy interval of compute, ``[2N, C]`` starts and ends: each node, and the floating work
+    before it (run from the end of its rank's previous node); copies count as empty."""
     prev = dag.rank_prev
     free = np.where((prev >= 0)[:, None], end[np.maximum(prev, 0)], 0.0)
+    if dag.has_copies:
+        end = np.where(np.isin(dag.kind, COPY_KINDS)[:, None], start, end)
     return np.concatenate([start, free]), np.concatenate([end, free + pre])
 
 
@@ -235,8 +244,11 @@ def _makespan(dag: CompiledSchedule, start: np.ndarray, end: np.ndarray, pre: np
     return span + contention * concurrent_time(*_busy(dag, start, end, pre)) if contention else span
 
 
-def _peak_memory(dag: CompiledSchedule, g: _Gathered, slots: np.ndarray) -> np.ndarray:
-    """Peak bytes per rank ``[C, R]``."""
+def _peak_memory(dag: CompiledSchedule, g: _Gathered, slots: np.ndarray, times: tuple[np.ndarray, ...] | None = None) -> np.ndarray:
+    """Peak bytes per rank ``[C, R]``; a table with copies needs its ``times`` (``_run``'s start,
+    end and pre) and is counted by them (``_peak_memory_timed``)."""
+    if dag.has_copies:
+        return _peak_memory_timed(dag, g, slots, *times)
     C = g.buf_bytes.shape[0]
     fixed, freed = dag.buffer_matrices
     alloc = fixed @ g.buf_bytes.T
@@ -249,6 +261,41 @@ def _peak_memory(dag: CompiledSchedule, g: _Gathered, slots: np.ndarray) -> np.n
         if len(nodes):  # held after each node, plus that node's own allocation: the peak is at an allocation
             a, f = alloc[nodes], free[nodes]
             peaks[:, r] = np.maximum((np.cumsum(a - f, axis=0) + f).max(axis=0), 0.0)
+    return peaks
+
+
+def _buffer_times(dag: CompiledSchedule, slots: np.ndarray, start: np.ndarray, end: np.ndarray, pre: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """When each buffer is taken (its allocating node starts, or its floating work, when allocated
+    there; a reload's at its issue point, where the runtime allocates it) and given back (its
+    freeing node ends), ``[B, C]`` each."""
+    taken = start[dag.buf_alloc].copy()
+    reloads = np.flatnonzero(dag.kind[dag.buf_alloc] == COPY_KINDS[1])
+    if len(reloads):
+        issued = dag.issue_node[dag.buf_alloc[reloads]]
+        taken[reloads] = np.where((issued >= 0)[:, None], end[np.maximum(issued, 0)], 0.0)
+    moving = np.flatnonzero(dag.buf_float >= 0)
+    if len(moving):
+        slot = slots[:, dag.buf_float[moving]].T  # [b, C]: the node each candidate runs that floating action before
+        taken[moving] = np.take_along_axis(start, slot, 0) - np.take_along_axis(pre, slot, 0)
+    return taken, end[dag.buf_free]
+
+
+def _peak_memory_timed(dag: CompiledSchedule, g: _Gathered, slots: np.ndarray, start: np.ndarray, end: np.ndarray,
+                       pre: np.ndarray) -> np.ndarray:
+    """Peak bytes per rank ``[C, R]`` by time (``_buffer_times``); at one instant returns come
+    first. Without copies this is the list-order count (tests check it)."""
+    C = g.buf_bytes.shape[0]
+    taken, given = _buffer_times(dag, slots, start, end, pre)
+    size = g.buf_bytes.T
+    owner = dag.rank[dag.buf_free]
+    peaks = np.zeros((C, len(dag.rank_nodes)))
+    for r in range(len(dag.rank_nodes)):
+        mine = np.flatnonzero(owner == r)
+        if len(mine):
+            t = np.concatenate([taken[mine], given[mine]])
+            d = np.concatenate([size[mine], -size[mine]])
+            order = np.lexsort((d, t), axis=0)
+            peaks[:, r] = np.maximum(np.take_along_axis(d, order, 0).cumsum(axis=0).max(axis=0), 0.0)
     return peaks
 
 
@@ -274,6 +321,28 @@ def timelines(dag: CompiledSchedule, lat: Latencies, orders: np.ndarray, float_s
     """Start, end and floating work before every node, ``[N, C]`` each, for ``C`` candidates."""
     o = _orders(dag, orders)
     return _run(dag, _gather(dag, lat, o), np.atleast_2d(float_slots))
+
+
+@dataclass(frozen=True)
+class MemoryTimeline:
+    """One candidate's node times ``[N]`` and its buffers' bytes, owner rank and times ``[B]``."""
+
+    start: np.ndarray
+    end: np.ndarray
+    size: np.ndarray
+    owner: np.ndarray
+    taken: np.ndarray
+    given: np.ndarray
+
+
+def memory_timeline(dag: CompiledSchedule, lat: Latencies, order: np.ndarray, float_slots: np.ndarray | None = None) -> MemoryTimeline:
+    """Node and buffer times of ``dag`` for one micro-batch ``order`` (``evaluate``'s arguments, one row)."""
+    o = _orders(dag, order)
+    slots = np.atleast_2d(dag.float_slot if float_slots is None else float_slots)
+    g = _gather(dag, lat, o)
+    start, end, pre = _run(dag, g, slots)
+    taken, given = _buffer_times(dag, slots, start, end, pre)
+    return MemoryTimeline(start[:, 0], end[:, 0], g.buf_bytes[0], dag.rank[dag.buf_free], taken[:, 0], given[:, 0])
 
 
 @dataclass(frozen=True)
@@ -306,9 +375,10 @@ def evaluate(
     for lo in range(0, len(orders), CHUNK):
         o, slots = orders[lo : lo + CHUNK], float_slots[lo : lo + CHUNK]
         g = _gather(dag, lat, o)
-        spans.append(_makespan(dag, *_run(dag, g, slots), lat.contention))
+        times = _run(dag, g, slots)
+        spans.append(_makespan(dag, *times, lat.contention))
         if memory:
-            peaks.append(_peak_memory(dag, g, slots))
+            peaks.append(_peak_memory(dag, g, slots, times))
     return BatchResult(np.concatenate(spans), np.concatenate(peaks) if memory else None)
 
 
@@ -401,7 +471,7 @@ def simulate(table: ScheduleTable, lat: Latencies) -> SimResult:
         extra = lat.contention * float(concurrent[0])
     makespan = float(end.max()) + extra
     idle = makespan - busy
-    peaks = _peak_memory(dag, g, slots)[0]
+    peaks = _peak_memory(dag, g, slots, (start[:, None], end[:, None], pre[:, None]))[0]
     return SimResult(
         table=table,
         actions=tuple(sorted(timed, key=lambda t: (t.rank, t.start, t.end))),

@@ -7,7 +7,8 @@ with one tag, so gloo matches by order as NCCL does), ``dtype`` (``fp32`` or ``b
 ``trained`` (train the vision encoder: its backward runs as the plan's own encoder backward
 actions); separated scenarios: ``segments`` (K), ``sub_batch`` (B), ``seed`` (of the random order);
 ``interleaved_grads`` (any world size): ``chunks_per_rank`` (V), ``split`` (split backward), ``mbs``,
-``gbs``, ``trained``, ``seed``.
+``gbs``, ``trained``, ``seed``, ``offload`` (activation offload of the first micro-batches in order,
+every chunk; ``lead``: reload that many compute actions ahead).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pipetune.cost import StageLayout
 from pipetune.packing import PackingConfig
 from pipetune.plan.plan import build_plan, plan_from_table
 from pipetune.schedule import Action, Op, onto_ranks, place_encoders
+from pipetune.schedule.offload import with_offload
 from pipetune.schedule.schedules import UNIT_TIME, dual_pipe_v, list_scheduled, zbv_zero_bubble
 from pipetune.schedule.lowering import Direction, MessageKind, Post, Wait, lower
 from pipetune.schedule.table import ChunkStyle, Placement
@@ -248,7 +250,9 @@ def interleaved_plan(model, meta, world: int, opts: dict):
     """Balanced packing at ``mbs``, a random order (``seed``), the planner's interleaved 1F1B or
     zero-bubble table (``split``; its ``W`` placed by uneven durations, as the planner places them
     by a batch's latencies) of ``chunks_per_rank`` chunks per rank in ``style``, or torch's own V
-    table (``torch_table``); a frozen encoder's last two forwards pre-computed."""
+    table (``torch_table``); a frozen encoder's last two forwards pre-computed; with ``offload``,
+    every chunk of the first ``offload`` micro-batches in order (whose activations live longest)
+    offloaded, each reloaded ``lead`` compute actions before its gradient action."""
     mbs = opts.get("mbs", 2)
     packing = PackingConfig(packer="balanced", mbs=mbs, max_seq_len=MAX_SEQ_LEN).build(model)(meta.table.lengths, meta.step)
     groups = [meta.table.ids[g].tolist() for g in packing.groups()]
@@ -265,6 +269,8 @@ def interleaved_plan(model, meta, world: int, opts: dict):
                                                                                                   encoder_trained=trained)
     if not trained and len(order) > 2:
         table = place_encoders(table, {order[-1]: 1, order[-2]: 0})
+    if opts.get("offload"):
+        table = with_offload(table, [(c, u) for u in order[:opts["offload"]] for c in range(table.num_stages)], lead=opts.get("lead", 1))
     return plan_from_table(table, step=meta.step, micro_batches=groups, order=order, mbs=mbs, max_seq_len=MAX_SEQ_LEN).validate()
 
 
@@ -308,7 +314,9 @@ def chunk_bytes_per_token(model, stages, encoder, mb) -> dict:
 def interleaved_grads(rank, world, data, opts):
     """An interleaved (``chunks_per_rank``) and/or split-backward plan against the single-process
     reference: per parameter the norm-wise relative gradient error; the activation memory the run
-    measured and each chunk's bytes per token (for the test's prediction)."""
+    measured and each chunk's bytes per token (for the test's prediction); the copies that ran and
+    the saved bytes around them: per ``O``, before its forward (the action before it), after that
+    and after the ``O``; per ``R``, before and after it."""
     model, stages, ex = interleaved_setup(rank, world, opts)
     gbs = opts.get("gbs", 12)
     meta = loader(model, data, gbs, None).meta(0)
@@ -322,8 +330,13 @@ def interleaved_grads(rank, world, data, opts):
     ref_loss = reference_step(ref_encoder, whole, batch)
     ref = grads({0: whole}, {0: ref_encoder})
     acts = [Action.parse(a) for a in plan.ranks[rank]]
+    ran = [t.action for t in res.timeline]
+    trace = [saved for saved, _ in res.activation_trace]  # trace[i]: before action i of the timeline, trace[i + 1]: after it
+    offloads = [(str(a), str(ran[i - 1]), trace[i - 1], trace[i], trace[i + 1]) for i, a in enumerate(ran) if a.op is Op.OFFLOAD]
+    reloads = [(str(a), trace[i], trace[i + 1]) for i, a in enumerate(ran) if a.op is Op.RELOAD]
     return {
         "stages": sorted(stages), "plan": plan.to_json(), "order": list(plan.order), "loss": res.loss, "loss_ref": ref_loss,
+        "copies_ran": [str(a) for a in ran if a.op.is_copy], "offloads": offloads, "reloads": reloads,
         "errors": {n: rel_err(g, ref[n]) for n, g in got.items()}, "ref_params_here": sorted(n for n in ref if n in got) == sorted(got),
         "zero_grads": [n for n, g in got.items() if not g.abs().max() > 0],
         "ops": sorted({a.op.value for a in acts}), "encoder_backward": sum(a.is_encoder and a.op is Op.BACKWARD for a in acts),

@@ -1,9 +1,10 @@
 """Gloo ranks executing plans: equal gradients (strict message order, fp32 and bf16, even, uneven and
 multi-stage layouts, DIP's separated layout with padded image sub-microbatches, interleaved and
-split-backward plans on 2 and 4 ranks with their activation memory), varying shapes, fail-fast on
-inconsistent plans or data."""
+split-backward plans on 2 and 4 ranks with their activation memory, with and without activation
+offload), varying shapes, fail-fast on inconsistent plans or data."""
 
 import json
+import re
 import socket
 from pathlib import Path
 
@@ -318,6 +319,28 @@ def test_a_model_built_for_another_layout_is_refused_before_any_message(datamix2
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("moved,before,message", [("R", None, "(0B0): needs 0R0"), ("O", "F", "(0O0): needs 0F0")])
+def test_an_offload_plan_with_misplaced_copies_is_refused_before_any_message(datamix2_dir, moved, before, message):
+    """A plan whose ``R`` comes after the backward that needs it (moved to the end of the list), or
+    whose ``O`` comes before its forward, is a ``ScheduleError`` naming the action when the executor lowers it,
+    before any message or collective."""
+    from pipetune.schedule import Action, Op, ScheduleError
+    from pipetune.schedule.offload import with_offload
+    from torchtitan_patches.models.reference.vlm import build_encoder_chunks, build_stages
+    from torchtitan_patches.runtime.executor import ImageShapes, PlanExecutor
+
+    model, batch, plan = _one_rank_separated(datamix2_dir, trained=False)
+    acts = list(with_offload(plan.table(), [(0, 0)]).ranks[0])
+    copy = acts.pop(acts.index(Action(0, Op(moved), 0)))
+    acts.insert(acts.index(Action(0, Op(before), 0)) if before else len(acts), copy)
+    bad = replace(plan, ranks=(tuple(str(a) for a in acts),))
+    chunks = build_encoder_chunks(model, [(0, 1), (1, 3)], [0, 1], seed=0)
+    _, stages = build_stages(model, [(0, 4)], [0], max_seq_len=1024, seed=0, attention_backend="sdpa", colocated_encoder=False)
+    ex = PlanExecutor(stages, chunks, dim=model.backbone.dim, rank=0, image_shapes=ImageShapes.of(model.encoder))
+    with pytest.raises(ScheduleError, match=re.escape(message)):
+        ex.run(batch, bad)  # no process group: a collective would fail
+
+
 def test_each_wait_blocks_on_its_own_message_only(datamix2_dir, tmp_path):
     """Three ranks, 1F1B, strict order: the middle rank posts receives of a forward's activation and
     of a backward's gradient together. With ``batch_isend_irecv`` made to return one work per batch
@@ -364,6 +387,30 @@ def _activation_peaks(plan, ranks: list[dict]) -> tuple[np.ndarray, np.ndarray]:
     return simulate(table, lat).peak_bytes, simulate(table, replace(lat, weight_grad_bytes=held)).peak_bytes
 
 
+def _offload_frees(plan, ranks: list[dict]) -> None:
+    """Offloaded activations as the runtime's tracker sees them (the simulator's copies are not
+    compared here): each ``O``, right after its forward, drops the live saved bytes by what that
+    forward saved (all of it when the chunk's input came as a message; chunk 0 keeps the image
+    features, a chunk fed by a hand-over on its own rank keeps that input: they are other buffers),
+    within 5 % of the chunk's bytes per token times the micro-batch's tokens (what the memory model
+    charges), and its ``R`` takes exactly as many bytes back."""
+    from pipetune.schedule import Action, Op
+
+    per = {k: v for r in ranks for k, v in r["bytes_per_token"].items()}
+    tokens = ranks[0]["tokens"]
+    for r, res in enumerate(ranks):
+        reloaded = {a: after - before for a, before, after in res["reloads"]}
+        assert len(reloaded) == len(res["offloads"]) > 0
+        for o, f, before_f, after_f, after_o in res["offloads"]:
+            a = Action.parse(o)
+            saved, freed = after_f - before_f, after_f - after_o
+            assert f == str(Action(a.chunk, Op.FORWARD, a.unit)), f"rank {r}: {o} right after its forward"
+            by_message = a.chunk > 0 and plan.placement.backbone[a.chunk - 1] != r
+            assert freed == saved if by_message else 0.9 * saved < freed <= saved, f"rank {r}: {o} freed {freed} of {saved}"
+            assert freed == pytest.approx(per[str(a.chunk)] * tokens[a.unit], rel=0.05), f"rank {r}: {o}"
+            assert reloaded[str(Action(a.chunk, Op.RELOAD, a.unit))] == freed, f"rank {r}: {o}"
+
+
 @pytest.mark.parametrize("world,chunks,split,trained,seed,style", [
     (2, 1, False, False, 0, "loop"),  # 1F1B from the list scheduler (memory reference)
     (2, 2, False, False, 0, "loop"),  # interleaved, encoders pre-computed
@@ -378,6 +425,10 @@ def _activation_peaks(plan, ranks: list[dict]) -> tuple[np.ndarray, np.ndarray]:
     (4, 2, False, False, 9, "v"),
     (2, 2, True, True, 10, "DualPipeV"),  # torch's V tables, as the planner may pick them
     (2, 2, True, False, 11, "ZBVZeroBubble"),
+    (2, 1, False, False, 12, "loop+offload"),  # activation offload: every chunk of the first two micro-batches in order
+    (2, 2, True, True, 13, "loop+offload"),
+    (4, 2, True, False, 14, "loop+offload"),
+    (4, 2, False, True, 15, "v+offload"),  # V: the last rank's second chunk gets its input by hand-over, not by message
 ])
 def test_interleaved_and_split_backward_plans_give_the_reference_gradients(datamix2_dir, tmp_path, world, chunks, split, trained, seed,
                                                                             style):
@@ -387,21 +438,25 @@ def test_interleaved_and_split_backward_plans_give_the_reference_gradients(datam
     ``stage_backward_weight``), alone and together, on 2 and 4 gloo ranks, with a random
     micro-batch order, every message on one tag (gloo matches by order, as NCCL does): the loss and
     every parameter's gradient (the encoder's when trained; none zero) equal the single-process
-    reference's, and the table passes the in-order transport simulation.
+    reference's, and the table passes the in-order transport simulation. ``+offload``: the same with
+    every chunk of the first two micro-batches offloaded (``O`` after the forward, ``R`` one compute
+    action ahead of the gradient action): the copies ran, in the plan's order.
 
     Memory, measured per action (``measure_activations``): the saved activations' peak on every
     rank is within 10 % of the simulator's prediction for the same table (they live from ``F`` to
     ``B``, or to ``W``); with a split backward the runtime also holds, from ``I`` to ``W``, the
     output gradients of every weight's operation (torch's parameter groups): the whole measured
     peak is within 10 % of the simulator's with those buffers, whose size per token the cost model
-    counts."""
+    counts. With offload, what each ``O`` frees and its ``R`` takes back instead (``_offload_frees``):
+    the simulator does not model copies yet."""
     from pipetune.plan.plan import IterationPlan
     from unit.test_lowering_fifo import check
 
+    style, _, offload = style.partition("+")
     torch_table = style if style in ("DualPipeV", "ZBVZeroBubble") else None
     style = "v" if torch_table else style
     ranks = run_ranks("interleaved_grads", datamix2_dir, tmp_path, world=world, timeout=90, chunks_per_rank=chunks, split=split,
-                      trained=trained, seed=seed, style=style, torch_table=torch_table)
+                      trained=trained, seed=seed, style=style, torch_table=torch_table, offload=2 if offload else 0)
     plan = IterationPlan.from_json(ranks[0]["plan"])
     check(plan.table())
     assert plan.order != tuple(sorted(plan.order)) and plan.num_micro_batches >= world
@@ -414,15 +469,20 @@ def test_interleaved_and_split_backward_plans_give_the_reference_gradients(datam
     for r, res in enumerate(ranks):
         assert res["stages"] == ([r, 2 * world - 1 - r] if style == "v" else list(range(r, chunks * world, world)))
         want = ({"F", "I", "W"} | ({"B"} if trained and r == 0 else set())) if split else {"F", "B"}
-        assert set(res["ops"]) == want
+        assert set(res["ops"]) == want | ({"O", "R"} if offload else set())
+        assert res["copies_ran"] == [a for a in plan.ranks[r] if a[-2] in "OR"] and (len(res["copies_ran"]) > 0) == bool(offload)
         assert res["ref_params_here"] and not res["zero_grads"] and max(res["errors"].values()) < FP32_TOL, res["errors"]
     assert (ranks[0]["encoder_backward"] > 0) == trained
     assert (ranks[0]["precomputed"] >= 2) == (not trained)
     last = ranks[plan.placement.backbone[-1]]  # the loss's rank: rank 0 in a V
     assert last["loss"] == pytest.approx(last["loss_ref"], rel=1e-5)
-    simulated, with_held = _activation_peaks(plan, ranks)
+    if offload:
+        _offload_frees(plan, ranks)
+    else:
+        simulated, with_held = _activation_peaks(plan, ranks)
     for r, res in enumerate(ranks):
         trace = np.array(res["activation_trace"])
-        assert trace[:, 0].max() == pytest.approx(simulated[r], rel=0.1), f"rank {r}: saved activations"
-        assert res["activation_peak"] == pytest.approx(with_held[r], rel=0.1), f"rank {r}: saved activations and held gradients"
+        if not offload:
+            assert trace[:, 0].max() == pytest.approx(simulated[r], rel=0.1), f"rank {r}: saved activations"
+            assert res["activation_peak"] == pytest.approx(with_held[r], rel=0.1), f"rank {r}: saved activations and held gradients"
         assert (trace[:, 1].max() > 0) == split and trace[-1].sum() < 0.02 * trace[:, 0].max()  # all freed by the step's end

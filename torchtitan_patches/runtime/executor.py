@@ -62,6 +62,11 @@ length, the order is arbitrary, and a rank may hold chunks of two modules whose 
   ``I`` computes nothing and ``W`` runs the whole backward, as torch does for its first stage
   (``_WeightGrad``). Between ``I`` and ``W`` a chunk holds its saved activations and, besides them,
   the output gradient of every weight's operation (the plan's memory model counts both);
+* activation offload (plans with ``O`` and ``R`` actions, ``pipetune.schedule.offload``): the
+  forward of an offloaded backbone ``(chunk, micro-batch)`` saves its tensors through the hooks of
+  ``runtime.offload``; its ``O`` copies them to host memory and its ``R`` back, on a copy stream
+  beside the compute stream (CUDA; on CPU a host copy that saves no memory), and its gradient
+  action waits for its ``R``. Copies are in the timeline, timed on the copy stream;
 * a backbone stage is any module with ``is_first`` / ``is_last`` and the keyword interface of
   ``BackboneStage`` (pipetune's model, or ``torchtitan_patches.models.muse_glimmer.stages.TitanStage`` around a
   TorchTitan model part); an encoder chunk any module with ``is_first`` / ``is_last`` and
@@ -103,6 +108,7 @@ from torchtitan_patches.models.packed_attention import varlen_metadata
 from torchtitan_patches.models.reference.vlm import BackboneStage, token_loss_sum
 from torchtitan_patches.runtime.host_sync import HostSyncCounter
 from torchtitan_patches.runtime.memory import SavedActivations, storage_bytes
+from torchtitan_patches.runtime.offload import ActivationCopies
 from torchtitan_patches.runtime.timing import Clock
 
 MAX_MICRO_BATCHES = 1 << 16
@@ -131,13 +137,13 @@ class ImageShapes:
 @dataclass
 class StepResult:
     """One rank's view of a step. ``loss`` is the loss of this rank's micro-batches (last-stage
-    rank only); ``timeline`` holds this rank's compute actions and ``elapsed_s`` the step's length,
-    both in seconds from the step's start on this rank (``ActionTimeline``: right for ranks on
-    other nodes, whose clocks are unrelated); ``overhead_s`` is the per-step set-up of a new plan
-    on this rank (digest + lowering; the digest exchange itself is a synchronisation point, not
-    counted); ``peak_bytes`` the most memory the device's allocator held during the step (CUDA's
-    ``max_memory_allocated``: weights, gradients and optimizer state included; None on CPU), to
-    set beside the plan's ``peak_bytes``; ``host_syncs`` the host-device synchronisations of the
+    rank only); ``timeline`` holds this rank's actions (its copies ``O`` and ``R`` timed on the copy
+    stream) and ``elapsed_s`` the step's length, both in seconds from the step's start on this rank
+    (``ActionTimeline``: right for ranks on other nodes, whose clocks are unrelated); ``overhead_s``
+    is the per-step set-up of a new plan on this rank (digest + lowering; the digest exchange
+    itself is a synchronisation point, not counted); ``peak_bytes`` the most memory the device's
+    allocator held during the step (CUDA's ``max_memory_allocated``: weights, gradients and
+    optimizer state included; None on CPU), to set beside the plan's ``peak_bytes``; ``host_syncs`` the host-device synchronisations of the
     step's action loop (None: not counted). With ``measure_activations``: ``activation_trace``, after
     each action of ``timeline`` (and first at the step's start), the bytes of activations this rank
     holds: tensors saved for backward still alive (``runtime.memory``) and the output gradients
@@ -239,6 +245,7 @@ class PlanExecutor:
         self.loss_fn = loss_fn or (lambda logits, labels, normaliser: token_loss_sum(logits, labels) / normaliser)
         self.encoder_trained = any(p.requires_grad for chunk in self.encoder.values() for p in chunk.parameters())
         self.clock = Clock(self.device)
+        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.count_host_syncs = count_host_syncs
         self.measure_activations = measure_activations
 
@@ -333,6 +340,8 @@ class PlanExecutor:
         if self.measure_activations:
             st.memory = SavedActivations([*self._weights_and_buffers(), *(t for d in st.dev for t in d.values() if isinstance(t, torch.Tensor))])
             st.res.activation_trace = [(0, 0)]
+        if table.offloaded:
+            st.copies = ActivationCopies(table.offloaded, self.device, self.copy_stream, st.memory)
         with counter or nullcontext(), st.memory or nullcontext():
             done = self._loop(st, steps, timeline)
         st.res.host_syncs = counter.count if counter is not None else None
@@ -346,7 +355,7 @@ class PlanExecutor:
 
     def _loop(self, st: "_StepState", steps: list, timeline) -> list[Action]:
         """The step's hot loop: this rank's lowered steps in order, then its sends' completion;
-        returns the compute actions in the order they ran."""
+        returns the actions (compute and copies) in the order they ran."""
         done = []
         for step in steps:
             match step:
@@ -356,16 +365,19 @@ class PlanExecutor:
                     with timeline.waiting():
                         st.recvs[m][0].wait()
                 case Compute(action=a):
-                    timeline.begin()
-                    if a.op is Op.FORWARD:
-                        (self._encoder_forward if a.is_encoder else self._forward)(st, a)
-                    elif a.is_encoder:
-                        self._encoder_backward(st, a)
-                    elif a.op is Op.BACKWARD_WEIGHT:
-                        st.weight_grads.pop(a).run()
+                    if a.op is Op.OFFLOAD or a.op is Op.RELOAD:
+                        st.copies.run(a, timeline)  # on the copy stream, timed there
                     else:
-                        self._backward(st, a)
-                    timeline.end()
+                        timeline.begin()
+                        if a.op is Op.FORWARD:
+                            (self._encoder_forward if a.is_encoder else self._forward)(st, a)
+                        elif a.is_encoder:
+                            self._encoder_backward(st, a)
+                        elif a.op is Op.BACKWARD_WEIGHT:
+                            st.weight_grads.pop(a).run()
+                        else:
+                            self._backward(st, a)
+                        timeline.end()
                     done.append(a)
                     if st.memory is not None:
                         st.res.activation_trace.append((st.memory.live_bytes(), storage_bytes(
@@ -511,16 +523,31 @@ class PlanExecutor:
         else:
             (x,) = got.values()
             x.requires_grad_(True)
-        with self._autocast():
-            # the residual stream stays fp32 as in the unsplit model; only messages are rounded
-            y = stage(x if stage.is_first else x.float(), **kwargs)
+        offloaded = st.copies is not None and (s, j) in st.copies.pairs
+        with self._offloading(st, a, x, got, kwargs) if offloaded else nullcontext():
+            with self._autocast():
+                # the residual stream stays fp32 as in the unsplit model; only messages are rounded
+                y = stage(x if stage.is_first else x.float(), **kwargs)
+            if stage.is_last:
+                y = self.loss_fn(y, d["labels"], st.batch.num_label_tokens)
         if stage.is_last:
-            y = self.loss_fn(y, d["labels"], st.batch.num_label_tokens)
             st.losses[j] = y.detach()
         else:
             y = y.to(self.compute_dtype)  # the message dtype every rank knows
             self._give(st, a, y.detach())
         st.saved[a] = (x, y)
+
+    def _offloading(self, st: "_StepState", a: Action, x: torch.Tensor, got: dict, kwargs: dict):
+        """Saved-tensor hooks for the forward ``a`` of an offloaded pair (``runtime.offload``): what
+        other chunks share stays on the device (weights, the micro-batch's inputs, image features,
+        hand-overs from this rank's other chunks); a received input moves with the activations."""
+        local = [t for p, t in got.items() if t is not None and st.table.placement.rank_of(p) == self.rank]
+        stage = self.stages[a.chunk]
+        inputs = [t for v in st.dev[a.unit].values() for t in (v if isinstance(v, tuple) else (v,)) if isinstance(t, torch.Tensor)]
+        features = kwargs.get("image_features")
+        keep = [*stage.parameters(), *stage.buffers(), *inputs, *local, *([features] if features is not None else [])]
+        received = None if stage.is_first or local else x  # a chunk > 0's input: received, or handed over by this rank's chunk
+        return st.copies.capture((a.chunk, a.unit), keep, received)
 
     def _backward(self, st: "_StepState", a: Action) -> None:
         """A whole backward ``B``, or a split one's input gradient ``I`` (which leaves its chunk's
@@ -528,6 +555,8 @@ class PlanExecutor:
         chunk, or from chunk 0 the image features' to the last encoder chunk."""
         s, j = a.chunk, a.unit
         x, y = st.saved.pop(Action(s, Op.FORWARD, j))
+        if st.copies is not None and (s, j) in st.copies.pairs:
+            st.copies.ready((s, j))
         grad = None
         if not self.stages[s].is_last:
             (grad,) = self._take(st, a).values()
@@ -603,7 +632,8 @@ class _StepState:
     sent, saved inputs and outputs of forwards for their backward (by forward action), same-rank
     hand-overs between chunks (by message), a trained encoder's feature leaves per micro-batch
     waiting for stage 0's backward, losses, what split backwards' ``W`` actions need (by ``W``
-    action), and the activation tracker (``measure_activations``)."""
+    action), the activation tracker (``measure_activations``) and the offloaded activations
+    (plans with ``O`` / ``R`` actions)."""
 
     batch: GlobalBatch
     plan: IterationPlan
@@ -620,14 +650,16 @@ class _StepState:
     losses: dict = field(default_factory=dict)
     weight_grads: dict = field(default_factory=dict)
     memory: SavedActivations | None = None
+    copies: ActivationCopies | None = None
 
 
 def _precomputed(plan: IterationPlan, rank: int) -> set[Action]:
     """Encoder forwards of ``rank`` that do not sit right before the stage-0 forward that consumes
-    them (pre-computation: a notion of the co-located layout; none in separated plans)."""
+    them (pre-computation: a notion of the co-located layout; none in separated plans). Copies run
+    beside compute: an ``R`` between the two does not make the forward pre-computed."""
     if plan.separated:
         return set()
-    acts = [Action.parse(a) for a in plan.ranks[rank]]
+    acts = [a for a in map(Action.parse, plan.ranks[rank]) if not a.op.is_copy]
     return {
         a
         for k, a in enumerate(acts)

@@ -10,6 +10,8 @@ or, with a split backward, when the weight-gradient action drops the graph the i
 action kept. Not seen: tensors saved inside activation checkpointing (it installs hooks of its
 own, and only the innermost pair runs) and memory that is not a saved tensor (messages in flight,
 the gradients a split backward holds for its weight gradients; the executor counts those itself).
+Activation offload (``runtime.offload``) installs hooks inside the tracker's and reports to it
+(``track``): what it saves and what it reloads; what it copies to the host dies, so it drops out.
 """
 
 from __future__ import annotations
@@ -40,13 +42,17 @@ class SavedActivations:
         self.exclude = {t.untyped_storage().data_ptr() for t in exclude}
         self._live: dict[int, tuple[StorageWeakRef, int]] = {}
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+    def track(self, t: torch.Tensor) -> None:
+        """Follow ``t``'s storage (unless excluded): for hooks that sit inside the tracker's (activation offload's)."""
         s = t.untyped_storage()
         ptr, n = s.data_ptr(), s.nbytes()
         if n and ptr not in self.exclude:
             known = self._live.get(ptr)
             if known is None or known[0].expired():  # a freed storage's address reused
                 self._live[ptr] = (StorageWeakRef(s), n)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.track(t)
         return t.detach()  # holding ``t`` itself would tie a saved output to its own graph node (a cycle)
 
     def __enter__(self) -> "SavedActivations":

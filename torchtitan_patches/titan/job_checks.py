@@ -159,7 +159,7 @@ def _families(config) -> None:
         raise ValueError(f"pipetune.split_backward auto: {name} always splits backwards: use Interleaved1F1B to "
                          "let the planner choose per iteration, or leave pipetune.split_backward off")
     chunks, split, _ = schedule_family(config)
-    excluded = separated_excluded(chunks_per_rank=chunks, split_backward=split) if pt.layout == "separated" else []
+    excluded = separated_excluded(chunks_per_rank=chunks, split_backward=split, offload=pt.offload) if pt.layout == "separated" else []
     if excluded:
         setting = (f"parallelism.pipeline_parallel_schedule {par.pipeline_parallel_schedule}" if chunks > 1
                    else f"pipetune.split_backward {split.value}")

@@ -131,7 +131,7 @@ def layout_search(config, model: ModelConfig, table: LatencyTable, sample: list[
     chunks, split, style = schedule_family(config)
     even = StageLayout.even(model.backbone.n_layers, pp * chunks, chunks_per_rank=chunks, style=style)
     return LayoutSearch(model, CostModel(table, even), sample, max_seq_len=config.training.seq_len, memory_bytes=pt.memory_gib * 2**30,
-                        split_backward=split, max_mbs=pt.max_mbs, seed=config.dataloader.seed)
+                        split_backward=split, max_mbs=pt.max_mbs, seed=config.dataloader.seed, offload=pt.offload)
 
 
 def for_pipetune(parallelize_fn, encoder_chunks=()):
@@ -203,7 +203,7 @@ def choose_layout(config, model: ModelConfig, table: LatencyTable, sample) -> St
     if layout == "separated":
         return search.partition().layout
     excluded = separated_excluded(encoder=model.encoder is not None, chunks_per_rank=chunks_per_rank, split_backward=split,
-                                  jitter_draws=config.pipetune.jitter_draws)
+                                  jitter_draws=config.pipetune.jitter_draws, offload=config.pipetune.offload)
     return search.search(separated=not excluded).best.layout
 
 

@@ -80,19 +80,22 @@ def compare_modes(
     modes=tuple(Mode),
     best_static: bool = True,
     split_backward: SplitBackward = SplitBackward.OFF,
+    offload: bool = False,
 ) -> dict[str, ModeSummary]:
     """Plan ``iters`` batches of ``data`` in each mode (and ``best-static``, see module doc);
-    simulated iteration times and search times. The paper's modes keep whole backwards; pipetune
-    uses ``split_backward``."""
+    simulated iteration times and search times. The paper's modes keep whole backwards and
+    activations on the device; pipetune uses ``split_backward`` and ``offload``, and so may the
+    best static configuration."""
     stream = BatchStream(num_rows=len(data), gbs=gbs, seed=seed)
     split_backward = SplitBackward(split_backward)
     planners = {
         Mode(m).value: PlannerConfig(mode=m, max_seq_len=max_seq_len, memory_bytes=memory_bytes, mbs=mbs, seed=seed,
-                                     split_backward=split_backward if m is Mode.PIPETUNE else SplitBackward.OFF).build(model, cost)
+                                     split_backward=split_backward if m is Mode.PIPETUNE else SplitBackward.OFF,
+                                     offload=offload and m is Mode.PIPETUNE).build(model, cost)
         for m in modes
     }
     static = static_planners(model, cost, max_seq_len=max_seq_len, memory_bytes=memory_bytes, seed=seed,
-                             split_backward=split_backward) if best_static else {}
+                             split_backward=split_backward, offload=offload) if best_static else {}
     rows = {m: [] for m in [*planners, *static]}
     for step in range(iters):
         meta = batch_meta(data, stream, step, images=ImageSizing.for_model(model), max_seq_len=max_seq_len, overlong=overlong)
@@ -106,32 +109,43 @@ def compare_modes(
 
 
 class StaticKey(NamedTuple):
-    """One fixed configuration: packer, micro-batch size, fewest micro-batches, backward split."""
+    """One fixed configuration: packer, micro-batch size, fewest micro-batches, backward split, and
+    whether it offloads activations where a table does not fit otherwise."""
 
     packer: Mode
     mbs: int
     min_micro_batches: int
     split: SplitBackward
+    offload: bool = False
 
     def describe(self) -> str:
         return (f"{self.packer.value} mbs={self.mbs}" + (f" >= {self.min_micro_batches} micro-batches" if self.min_micro_batches > 1 else "")
-                + (f" split backward {self.split.value}" if self.split is not SplitBackward.OFF else ""))
+                + (f" split backward {self.split.value}" if self.split is not SplitBackward.OFF else "")
+                + (" offload where memory binds" if self.offload else ""))
 
 
 def static_planners(model: ModelConfig, cost: CostModel, *, max_seq_len: int, memory_bytes: float, seed: int = 0,
                     max_mbs: int = 64, jitter_draws: int = 0,
-                    split_backward: SplitBackward = SplitBackward.OFF) -> dict[StaticKey, Planner]:
+                    split_backward: SplitBackward = SplitBackward.OFF, offload: bool = False) -> dict[StaticKey, Planner]:
     """One planner per fixed configuration: packer (original or balanced) x every mbs pipetune may
     use (up to the largest any family's memory estimate allows) x each whole/split backward
-    ``split_backward`` allows, and on co-located layouts the balanced packer at mbs 1 with each of
+    ``split_backward`` allows (each offloading where memory binds, with ``offload``), and on co-located layouts the balanced packer at mbs 1 with each of
     the pipetune planner's ``finer_counts`` as its fewest micro-batches; on interleaved layouts every size with each count ``Interleaved1F1B`` accepts up
     to ``STATIC_ROUNDS`` rounds as its fewest, on the separated layout with every count up to that
     (``jitter_draws``: predict expected times, as a jitter-aware planner they are compared with)."""
-    splits = [SplitBackward.ON if split else SplitBackward.OFF for split in SplitBackward(split_backward).families]
-    probes = {split: PlannerConfig(mode=Mode.BALANCED, max_seq_len=max_seq_len, memory_bytes=memory_bytes, max_mbs=max_mbs,
-                                   split_backward=split).build(model, cost) for split in splits}
+    probes = {}
+    for split in (SplitBackward.ON if split else SplitBackward.OFF for split in SplitBackward(split_backward).families):
+        try:
+            probes[split] = PlannerConfig(mode=Mode.BALANCED, max_seq_len=max_seq_len, memory_bytes=memory_bytes, max_mbs=max_mbs,
+                                          split_backward=split, offload=offload).build(model, cost)
+        except ValueError:  # no micro-batch size of this family fits memory: a fixed configuration cannot run it
+            continue
+    if not probes:
+        raise ValueError(f"no fixed configuration fits: not even one micro-batch of {max_seq_len} tokens fits in "
+                         f"{memory_bytes / 2**30:.1f} GiB per GPU")
+    splits = list(probes)
     sizes = range(1, max(probe.max_mbs for probe in probes.values()) + 1)  # pipetune's: a family may fit more than its estimate
-    keys = [StaticKey(packer, size, 1, split) for packer in (Mode.ORIGINAL, Mode.BALANCED) for split in splits for size in sizes]
+    keys = [StaticKey(packer, size, 1, split, offload) for packer in (Mode.ORIGINAL, Mode.BALANCED) for split in splits for size in sizes]
     probe = next(iter(probes.values()))  # ranks, chunks and finer counts are the layout's, the same for every split
     P = probe.num_ranks
     if cost.layout.is_separated:
@@ -140,13 +154,14 @@ def static_planners(model: ModelConfig, cost: CostModel, *, max_seq_len: int, me
         counts = {(1, count) for count in probe.finer_counts}
         if probe.chunks_per_rank > 1:  # the counts torch's Interleaved1F1B runs: a whole number of equal rounds
             counts |= {(size, n) for size in sizes for n in range(P, STATIC_ROUNDS * P + 1) if n % (n // P) == 0}
-    keys += [StaticKey(Mode.BALANCED, size, count, split) for split in splits for size, count in sorted(counts)]
+    keys += [StaticKey(Mode.BALANCED, size, count, split, offload) for split in splits for size, count in sorted(counts)]
     planner_log = logging.getLogger(Planner.__module__)
     level = planner_log.level
     planner_log.setLevel(logging.ERROR)  # sizes over a family's full-row memory estimate are meant: each plan's memory is checked
     try:
         return {k: PlannerConfig(mode=k.packer, max_seq_len=max_seq_len, memory_bytes=memory_bytes, mbs=k.mbs, seed=seed,
-                                 jitter_draws=jitter_draws, split_backward=k.split, min_micro_batches=k.min_micro_batches).build(model, cost)
+                                 jitter_draws=jitter_draws, split_backward=k.split, min_micro_batches=k.min_micro_batches,
+                                 offload=k.offload).build(model, cost)
                 for k in keys}
     finally:
         planner_log.setLevel(level)
@@ -162,10 +177,10 @@ def pick_best_static(static: dict[StaticKey, Planner], rows: dict) -> StaticKey 
 
 def best_static_planner(model: ModelConfig, cost: CostModel, sample: list[BatchMeta], *, max_seq_len: int, memory_bytes: float,
                         seed: int = 0, max_mbs: int = 64, jitter_draws: int = 0,
-                        split_backward: SplitBackward = SplitBackward.OFF) -> Planner:
+                        split_backward: SplitBackward = SplitBackward.OFF, offload: bool = False) -> Planner:
     """The best fixed configuration on ``sample`` (batches drawn apart from the ones it will plan)."""
     static = static_planners(model, cost, max_seq_len=max_seq_len, memory_bytes=memory_bytes, seed=seed, max_mbs=max_mbs,
-                             jitter_draws=jitter_draws, split_backward=split_backward)
+                             jitter_draws=jitter_draws, split_backward=split_backward, offload=offload)
     choice = pick_best_static(static, {k: [p.plan(meta) for meta in sample] for k, p in static.items()})
     if choice is None:
         raise ValueError(f"no fixed micro-batch size fits the sampled batches in {memory_bytes / 2**30:.1f} GiB")

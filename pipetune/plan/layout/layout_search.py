@@ -98,6 +98,7 @@ class LayoutSearch:
         split_backward: SplitBackward = SplitBackward.OFF,
         max_mbs: int = 64,
         seed: int = 0,
+        offload: bool = False,
     ):
         if not sample:
             raise ValueError("layout search needs at least one sampled batch")
@@ -110,7 +111,7 @@ class LayoutSearch:
         self.model = model
         self.planner_config = PlannerConfig(
             mode=Mode.PIPETUNE, max_seq_len=max_seq_len, memory_bytes=memory_bytes, reserve=reserve, schedule=schedule,
-            split_backward=split_backward, max_mbs=max_mbs, seed=seed
+            split_backward=split_backward, max_mbs=max_mbs, seed=seed, offload=offload
         )
         self.style = cost.layout.style
         self.even = StageLayout.even(self.n_layers, self.num_stages, chunks_per_rank=self.chunks_per_rank, style=self.style)
@@ -186,8 +187,9 @@ class LayoutSearch:
         """The best co-located split (module doc); with ``separated`` (a model with an encoder, one
         chunk per rank, whole backwards), also the partitioner's separated layout
         (``pipetune.plan.separated.partitioner``), and the faster of the two."""
-        excluded = separated_excluded(chunks_per_rank=self.chunks_per_rank, split_backward=self.planner_config.split_backward,
-                                      jitter_draws=self.planner_config.jitter_draws) if separated else []
+        cfg = self.planner_config
+        excluded = separated_excluded(chunks_per_rank=self.chunks_per_rank, split_backward=cfg.split_backward,
+                                      jitter_draws=cfg.jitter_draws, offload=cfg.offload) if separated else []
         if excluded:
             raise ValueError(f"the separated layout does not run {' and '.join(excluded)}: search the co-located split only")
         t0 = time.perf_counter()

@@ -36,15 +36,17 @@ def check_jitter_draws(draws: int, name: str = "jitter_draws") -> None:
 
 
 def separated_excluded(*, encoder: bool = True, chunks_per_rank: int = 1, split_backward: SplitBackward | str = SplitBackward.OFF,
-                       jitter_draws: int = 0) -> list[str]:
+                       jitter_draws: int = 0, offload: bool = False) -> list[str]:
     """What keeps a job off DIP's separated layout (empty: it may run it): the layout needs a vision
-    encoder, and its planner runs one chunk per rank with whole backwards and scores deterministic
-    times. The one rule behind ``auto`` (command line and trainer) and every refusal of ``separated``."""
+    encoder, and its planner runs one chunk per rank with whole backwards, scores deterministic
+    times and keeps activations on the device. The one rule behind ``auto`` (command line and
+    trainer) and every refusal of ``separated``."""
     return [why for why, applies in (
         ("a model without a vision encoder", not encoder),
         (f"{chunks_per_rank} chunks per rank", chunks_per_rank > 1),
         ("split backward", SplitBackward(split_backward) is not SplitBackward.OFF),
         ("jitter_draws (the separated layout's planner scores deterministic times only)", bool(jitter_draws)),
+        ("activation offload", offload),
     ) if applies]
 
 
@@ -61,7 +63,10 @@ class PlannerConfig:
     ``SplitBackward`` (co-located 1F1B layouts only; the stage layout's ``chunks_per_rank`` sets
     virtual stages). ``min_micro_batches``: pack every batch into at least that many micro-batches
     (the balanced packer's ``PackingConfig.min_micro_batches``; a fixed choice for the fixed-size
-    modes, a floor for ``pipetune``, which also tries its own counts).
+    modes, a floor for ``pipetune``, which also tries its own counts). ``offload``: where a table
+    does not fit memory, offload activations to host memory until it does
+    (``pipetune.plan.search.offload_choice``); sizes are then tried up to what fits with two
+    micro-batches' activations per rank. Needs a latency table with a host link (``LatencyTable.host``).
     """
 
     mode: Mode = Mode.PIPETUNE
@@ -79,6 +84,7 @@ class PlannerConfig:
     jitter_draws: int = 0
     split_backward: SplitBackward = SplitBackward.OFF
     min_micro_batches: int = 1
+    offload: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", Mode(self.mode))
@@ -102,8 +108,12 @@ class PlannerConfig:
 
     def build(self, model: ModelConfig, cost: CostModel) -> Planner:
         """The planner for ``cost``'s layout: co-located (``Planner``) or separated (``SeparatedPlanner``)."""
+        if self.offload and cost.table.host is None:
+            raise ValueError("offload needs the latency table's host link (host.bytes_per_s): profile the table on the GPU or "
+                             "build it from a hardware preset, or turn offload off")
         if cost.layout.is_separated:
-            excluded = separated_excluded(encoder=model.encoder is not None, split_backward=self.split_backward, jitter_draws=self.jitter_draws)
+            excluded = separated_excluded(encoder=model.encoder is not None, split_backward=self.split_backward, jitter_draws=self.jitter_draws,
+                                          offload=self.offload)
             if excluded:
                 raise ValueError(f"the separated layout does not run {' and '.join(excluded)}: plan a co-located layout, or without them")
             return SeparatedPlanner(self, model, cost)

@@ -83,6 +83,7 @@ from pipetune.data.batch import BatchMeta
 from pipetune.packing.config import PackerKind, PackingConfig
 from pipetune.plan.search.candidate import Candidate
 from pipetune.plan.mode import Mode
+from pipetune.plan.search.offload_choice import offload_to_fit
 from pipetune.plan.search.ordering import candidate_orders
 from pipetune.plan.plan import IterationPlan, plan_from_table
 from pipetune.plan.search.precompute import move_encoders_into_gaps
@@ -127,7 +128,8 @@ class Planner:
         self.states = model_state_bytes(cost)
         self.budget = config.memory_bytes * (1 - config.reserve)
         fit = max(max_micro_batch_size(cost, config.max_seq_len, config.memory_bytes, reserve=config.reserve, limit=config.max_mbs,
-                                       split_backward=split) for split in config.split_backward.families)
+                                       split_backward=split, in_flight=2 if config.offload else None)
+                  for split in config.split_backward.families)
         if fit == 0:
             raise ValueError(
                 f"no micro-batch size fits: model states need up to {self.states.max() / 2**30:.1f} GiB per GPU and "
@@ -146,6 +148,7 @@ class Planner:
         # frozen encoders' pre-computation, on one chunk per rank (module doc)
         self.precompute = self.encoder and config.precompute and not cost.encoder_trainable and self.chunks_per_rank == 1
         self.finer_counts = (self.num_ranks, 2 * self.num_ranks)  # micro-batch counts a batch of few tokens is also spread over
+        self.room = self.budget - self.states  # bytes of activations each rank may hold
         self.correction: dict[int, float] = {}
         self._lock = threading.Lock()
 
@@ -183,11 +186,13 @@ class Planner:
         return self._dags[key]
 
     def _candidate(self, meta: BatchMeta, mbs: int, packer: PackerKind, min_micro_batches: int | None = None, *,
-                   families: tuple[bool, ...] | None = None, bound_above: float = np.inf) -> Candidate:
+                   families: tuple[bool, ...] | None = None, bound_above: float = np.inf, offload_within: float = np.inf) -> Candidate:
         """One packing timed in its packing order on each of ``families`` (default: the planner's).
         Its lower bound is exact unless a cheaper one (the co-located bound, else the first terms of
         the exact one) already reaches ``bound_above``: then that one, since the packing cannot lower
-        a plan's bound of ``bound_above``."""
+        a plan's bound of ``bound_above``. With offload, a family's table that does not fit gets
+        offloads only if its makespan is under ``offload_within`` and the fitting families' (copies
+        only add constraints, so they cannot make it faster)."""
         lengths = meta.table.lengths
         packing = PackingConfig(packer=packer, mbs=mbs, max_seq_len=self.config.max_seq_len, seed=self.config.seed,
                                 min_micro_batches=min_micro_batches or self.config.min_micro_batches).build(self.model)(lengths, meta.step)
@@ -199,6 +204,8 @@ class Planner:
         for split in families or self.families:
             dag = self._dag(packing.num_micro_batches, split)
             span, fits = self._evaluate(dag, lat, noisy, identity[None])
+            if not fits[0] and self.config.offload and span[0] < min([offload_within] + [t[1] for t in timed if not t[0]]):
+                dag, span, fits = self._offloaded(dag, lat, noisy, identity)
             timed.append((not fits[0], float(span[0]), dag))
         unfit, span, dag = min(timed, key=lambda t: t[:2])
         cheap = makespan_lower_bound(lat, self.cost.placement(), split_backward=True in self.families) if bound_above < np.inf else -np.inf
@@ -206,6 +213,22 @@ class Planner:
         c = Candidate(mbs, packing, lat, dag, span, bound, not unfit, noisy)
         c.best_s, c.order, c.slots = (c.base_s if c.fits else np.inf), identity, dag.float_slot.copy()
         return c
+
+    def _top(self, ranked: list[Candidate], k: int) -> list[Candidate]:
+        """The first ``k`` of ``ranked``; with offload, also the first ``k`` of those that offload, so
+        the packings that fit without it get the same search as in a planner that never offloads."""
+        if not self.config.offload:
+            return ranked[:k]
+        return [c for c in ranked if not c.dag.has_copies][:k] + [c for c in ranked if c.dag.has_copies][:k]
+
+    def _offloaded(self, dag: CompiledSchedule, lat: Latencies, noisy: JitteredLatencies | None, order: np.ndarray):
+        """``dag``'s table with offloads until it fits (``offload_to_fit``), compiled, with its
+        makespan and fit for ``order``; ``dag`` itself, unfit, when it cannot be made to fit."""
+        table = offload_to_fit(dag.table, lat, order, self.room)
+        if table is not None:
+            dag = compile_schedule(table, validate=False)
+        span, fits = self._evaluate(dag, lat, noisy, order[None])
+        return dag, span, fits
 
     def _whole_rounds(self, meta: BatchMeta, cands: list[Candidate]) -> list[Candidate]:
         """Interleaved layouts: packings into a whole number of rounds of the ranks between the
@@ -303,6 +326,11 @@ class Planner:
                 continue
             dag = compile_schedule(table, validate=False)
             slots = dag.float_slot[None]
+            if self.config.offload:
+                span, fits = self._evaluate(dag, lat, c.noisy, order[None])
+                if not fits[0] and span[0] < c.best_s:
+                    dag = self._offloaded(dag, lat, c.noisy, order)[0]
+                    slots = dag.float_slot[None]
             if self.precompute:
                 slots = np.vstack([slots, move_encoders_into_gaps(dag, lat, np.tile(order, (len(PRECOMPUTE_OVERFLOWS), 1)),
                                                                   PRECOMPUTE_OVERFLOWS)])
@@ -329,7 +357,8 @@ class Planner:
             for mbs in sizes:
                 if past(deadline):
                     return self._fallback(meta, t0)
-                cands.append(self._candidate(meta, mbs, PackerKind.BALANCED))
+                within = {"offload_within": min((c.best_s for c in cands), default=np.inf)} if self.config.offload else {}
+                cands.append(self._candidate(meta, mbs, PackerKind.BALANCED, **within))  # (the separated planner never offloads)
             if mode is Mode.PIPETUNE:
                 fewest = cands[0].packing.num_micro_batches
                 for count in self.finer_counts:
@@ -338,7 +367,7 @@ class Planner:
             best = min(cands, key=self._score)
             if mode in (Mode.REORDER, Mode.PIPETUNE):
                 searched = {id(best): best}  # the packings searched, each once
-                for c in sorted(cands, key=lambda c: c.base_s * self._factor(c.mbs))[: self.config.top_sizes]:
+                for c in self._top(sorted(cands, key=lambda c: c.base_s * self._factor(c.mbs)), self.config.top_sizes):
                     if not self._may_beat(c, best):
                         continue
                     if past(deadline):
@@ -358,7 +387,7 @@ class Planner:
                         if self._score(c) < self._score(best):
                             best = c
                 if True in self.families:
-                    for c in sorted(searched.values(), key=self._score)[:TIME_WEIGHTED]:
+                    for c in self._top(sorted(searched.values(), key=self._score), TIME_WEIGHTED):
                         if past(deadline) or (c is not best and not self._may_beat(c, best)):
                             continue
                         self._time_weights(c, best)
