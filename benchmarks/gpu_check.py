@@ -9,7 +9,10 @@ Each check prints PASS, FAIL or SKIP with its figures; the exit code is 1 if any
 2. ``table accuracy``: ``benchmarks/latency_accuracy.py`` with that table on real packed
    micro-batches: mean |error| of stage latencies <= 10 % and Spearman >= 0.95 (issue 3's goal).
 3. ``<family> = reference``, for 1F1B, interleaved zero-bubble (two chunks per rank, backwards split
-   into ``I`` and ``W``) and DIP's separated layout (trained encoder): a pipetune plan of that family
+   into ``I`` and ``W``), V-shaped zero-bubble (ZBVZeroBubble's placement), 1F1B with activation
+   offload (every chunk but the last of the first half of the micro-batches copied to pinned host
+   memory and back on the copy stream; the plan's peak re-simulated with its copies) and DIP's
+   separated layout (trained encoder): a pipetune plan of that family
    (the model and table of 1.) for a DataMix2 batch, moved onto this process's one rank (two
    processes cannot share a GPU under NCCL) and run by ``PlanExecutor``, against the
    single-process reference in the same compute dtype: loss within 1e-3 and every gradient
@@ -59,9 +62,11 @@ from pipetune.cost import CostModel, StageLayout
 from pipetune.data import make_mix, write_dataset
 from pipetune.packing import PackingConfig
 from pipetune.plan.layout.planner_config import PlannerConfig
+from pipetune.cost.memory import model_state_bytes
 from pipetune.schedule import onto_ranks
-from pipetune.schedule.table import Module, Op
-from pipetune.simulate.simulator import durations
+from pipetune.schedule.offload import with_offload
+from pipetune.schedule.table import ChunkStyle, Module, Op
+from pipetune.simulate.simulator import durations, simulate
 from profiling.profile_layers import DTYPES, ProfileConfig, run_profile
 from torchtitan_patches.data import DataLoaderConfig
 from torchtitan_patches.models.reference.vlm import build_encoder_chunks, build_stages, build_vlm
@@ -127,6 +132,8 @@ class Family:
     split: bool = False
     segments: int = 0
     trained: bool = False
+    style: ChunkStyle = ChunkStyle.LOOP
+    offload: bool = False
 
     def model(self, base):
         return replace(base, encoder=replace(base.encoder, frozen=not self.trained))
@@ -135,14 +142,28 @@ class Family:
         even = StageLayout.even(model.backbone.n_layers, 2 * self.chunks)
         if self.segments:
             return even.separated(model.encoder.n_layers, self.segments, 2)
-        return replace(even, chunks_per_rank=self.chunks)
+        return replace(even, chunks_per_rank=self.chunks, style=self.style)
 
 
 FAMILIES = (
     Family("1F1B"),
     Family("interleaved ZB", chunks=2, split=True),
+    Family("V-shaped ZB", chunks=2, split=True, style=ChunkStyle.V),
+    Family("1F1B offload", offload=True),
     Family("separated (DIP)", segments=1, trained=True),
 )
+
+
+def offloaded(plan, cost: CostModel, meta):
+    """``plan`` with every backbone chunk but the last offloaded for the first half of its
+    micro-batches (reloaded one action ahead of the gradient), its peaks simulated with the copies
+    (a CPU table has no host link to time them: the plan's own peaks, an upper bound, stay)."""
+    pairs = [(c, u) for c in range(plan.num_stages - 1) for u in plan.order[: max(1, plan.num_micro_batches // 2)]]
+    table = with_offload(plan.table(), pairs, lead=1).validate()
+    peaks = plan.peak_bytes
+    if cost.table.host is not None:
+        peaks = tuple(float(x) for x in simulate(table, plan.latencies(cost, meta)).peak_bytes + model_state_bytes(cost))
+    return replace(plan, ranks=tuple(tuple(str(a) for a in r) for r in table.ranks), peak_bytes=peaks).validate()
 
 
 def executor_check(family: Family, device: torch.device, compute_dtype: torch.dtype, table, work: Path, report: Report) -> None:
@@ -166,7 +187,7 @@ def executor_check(family: Family, device: torch.device, compute_dtype: torch.dt
     # the first batch the planner packs into several micro-batches: a pipeline of one checks little
     batches = (b for b in islice(loader, 50) if plans[b.step].num_micro_batches >= MIN_MICRO_BATCHES)
     batch = next(batches)
-    plan = on_one_rank(plans[batch.step])
+    plan = on_one_rank(offloaded(plans[batch.step], planner.cost, metas[batch.step]) if family.offload else plans[batch.step])
 
     everything = list(range(layout.num_stages))
     if family.segments:
