@@ -47,6 +47,14 @@ the zero-bubble unit-time table (which ranks such counts as their time-weighted 
 the fastest is time-weighted: DataMix3 at PP 8 then runs 20-21 micro-batches, 0.9 % faster than
 the whole rounds' 16. Their bounds count too.
 
+V-shaped layouts (``StageLayout.style``) get the same families on their placement, and their
+time-weighted step also times torch's ZB-V and DualPipeV tables of the order (``torch_v_tables``).
+
+Activation offload (``PlannerConfig.offload``): a family's table that does not fit memory gets
+offloads (``offload_choice.offload_to_fit``) when it could still beat the plan so far, sizes go up
+to what fits with two micro-batches' activations per rank, and the packings that offload and those
+that do not get their order search and time-weighting apart (``_top``).
+
 Modes (the paper's ablation): ``original`` = random first-fit packing at the fixed maximum mbs in
 packing order; ``balanced`` = Alg. 1 at that mbs; ``reorder`` = ``balanced`` + ordering and
 pre-computation; ``pipetune`` = ``reorder`` + adaptive mbs. Every searched mode includes its
