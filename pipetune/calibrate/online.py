@@ -22,7 +22,8 @@ from pipetune.plan.plan import IterationPlan
 from pipetune.schedule.table import Op
 from pipetune.simulate.contention import overlap_with_others
 from pipetune.simulate.jitter import expected_time
-from pipetune.simulate.simulator import SimResult, TimedAction, simulate
+from pipetune.simulate.dag import CompiledSchedule
+from pipetune.simulate.simulator import SimResult, TimedAction, evaluate, simulate
 
 
 def timeline_observations(timeline: list[TimedAction], plan: IterationPlan, meta: BatchMeta) -> list[Observation]:
@@ -91,6 +92,13 @@ class MeasuredStep:
 def simulate_plan(cost: CostModel, plan: IterationPlan, meta: BatchMeta) -> SimResult:
     """``plan`` on ``meta``'s batch, timed by ``cost``."""
     return simulate(plan.table(), plan.latencies(cost, meta))
+
+
+def plan_makespan(cost: CostModel, plan: IterationPlan, meta: BatchMeta, dag: CompiledSchedule) -> float:
+    """``simulate_plan(cost, plan, meta).makespan`` on ``dag``, ``plan``'s compiled schedule (for a
+    caller timing one plan under many models: compiled once), without the per-action detail: the
+    same sums and maxima (``evaluate`` of the plan's one order)."""
+    return float(evaluate(dag, plan.latencies(cost, meta), np.arange(plan.num_micro_batches)).makespan[0])
 
 
 def fit_steps(base: CostModel, steps: Sequence[MeasuredStep], *, anchors: Sequence[MeasuredStep] = (), jitter_draws: int = 0,

@@ -1,7 +1,9 @@
+import functools
 import json
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pytest
@@ -30,8 +32,14 @@ def setup13b():
     return model, cost
 
 
+@functools.cache
+def mix_rows(mix, seed):
+    """The mix's 20k rows, made once: the tests only read them."""
+    return make_mix(mix, 20_000, seed)
+
+
 def metas(mix, gbs=128, n=6, seed=0, max_seq_len=8192, overlong="truncate"):
-    table = make_mix(mix, 20_000, seed)
+    table = mix_rows(mix, seed)
     stream = BatchStream(num_rows=len(table), gbs=gbs, seed=seed)
     return [batch_meta(table, stream, s, images=square_images(576), max_seq_len=max_seq_len, overlong=overlong) for s in range(n)]
 
@@ -157,7 +165,12 @@ def test_deadline_gives_the_balanced_fallback_at_the_last_good_mbs(setup13b):
 
 def test_async_planner_plans_ahead_and_honours_its_budget(setup13b):
     ms = metas("datamix2", n=5)
-    ap = AsyncPlanner(planner(setup13b), ms.__getitem__, budget_s=None, lookahead=2)
+
+    def start(budget_s, lookahead):
+        return AsyncPlanner(planner(setup13b), ms.__getitem__, budget_s=budget_s, lookahead=lookahead)
+
+    with ThreadPoolExecutor(2) as pool:  # both processes start at once
+        ap, hurried = pool.map(start, (None, 0.0), (2, 0))
     groups = ap(ms[0])
     assert sorted(ap._requests) == [1, 2]  # the next two steps queued, their metadata read in the process
     plan = ap.pop(0)
@@ -168,7 +181,6 @@ def test_async_planner_plans_ahead_and_honours_its_budget(setup13b):
     ap(ms[1])
     assert ap.pop(1).micro_batches == planner(setup13b).plan(ms[1]).micro_batches
     ap.close()
-    hurried = AsyncPlanner(planner(setup13b), ms.__getitem__, budget_s=0.0, lookahead=0)
     hurried(ms[3])
     assert hurried.pop(3).fallback and not hurried._requests  # no look-ahead: only the asked step is planned
     hurried.close()
@@ -390,8 +402,12 @@ def test_a_replica_whose_planner_dies_or_is_late_falls_back_alone(setup13b):
     the same split, saying why, replica 0 its searched plan, and the three partition the batch."""
     ms = metas("datamix2", n=2)
     shares = [ReplicaShare(3, r, ShareCost(setup13b[1], packed_tokens=8192)) for r in range(3)]
-    sources = [PlanSource(AsyncPlanner(SharePlanner(planner(setup13b), s), ms.__getitem__, budget_s=0.0 if s.replica == 2 else None,
-                                       lookahead=0), read=ms.__getitem__, share=s) for s in shares]
+
+    def start(s):
+        return AsyncPlanner(SharePlanner(planner(setup13b), s), ms.__getitem__, budget_s=0.0 if s.replica == 2 else None, lookahead=0)
+
+    with ThreadPoolExecutor(3) as pool:  # the three processes start at once, as the replicas' leads start theirs
+        sources = [PlanSource(tuned, read=ms.__getitem__, share=s) for tuned, s in zip(pool.map(start, shares), shares)]
     os.kill(sources[1].tuned._proc.pid, signal.SIGKILL)
     made = [src(1) for src in sources]
     plans = [m.plan for m in made]

@@ -142,6 +142,7 @@ def _rule_by_rule(problem, prio, limit):
     for i, edges in enumerate(problem.out):
         for j, comm in edges:
             producers[j].append((i, comm))
+    on_rank = [[i for i in range(n) if problem.rank[i] == r] for r in range(R)]
     end, done = [None] * n, [False] * n
     t_last, last_fwd, held = [0.0] * R, [False] * R, [0.0] * R
     admitted = set()
@@ -150,8 +151,8 @@ def _rule_by_rule(problem, prio, limit):
         best = None
         for r in range(R):
             kinds = {True: [], False: []}
-            for i in range(n):
-                if done[i] or problem.rank[i] != r or any(end[p] is None for p, _ in producers[i]):
+            for i in on_rank[r]:
+                if done[i] or any(end[p] is None for p, _ in producers[i]):
                     continue
                 g = problem.group[i]
                 if problem.forward[i] and limit is not None and g not in admitted and any(
