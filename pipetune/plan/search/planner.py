@@ -223,8 +223,8 @@ class Planner:
         return c
 
     def _top(self, ranked: list[Candidate], k: int) -> list[Candidate]:
-        """The first ``k`` of ``ranked``; with offload, also the first ``k`` of those that offload, so
-        the packings that fit without it get the same search as in a planner that never offloads."""
+        """The first ``k`` of ``ranked``; with offload, the first ``k`` of those that fit without
+        copies and the first ``k`` of those that offload, so the second do not crowd out the first."""
         if not self.config.offload:
             return ranked[:k]
         return [c for c in ranked if not c.dag.has_copies][:k] + [c for c in ranked if c.dag.has_copies][:k]
