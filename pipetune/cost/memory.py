@@ -66,7 +66,7 @@ def stage_peak_bytes(cost: CostModel, mbs: int, max_seq_len: int, *, split_backw
     rank instead (with offload, 2: the activations being made and the ones reloaded for a gradient)."""
     p = cost.placement()
     caps = np.array(activation_caps(p.num_ranks, p.chunks_per_rank, p.style))
-    in_flight = np.full_like(caps, in_flight if in_flight is not None else caps.max()) if split_backward or in_flight else caps
+    in_flight = np.full_like(caps, in_flight) if in_flight else np.full_like(caps, caps.max()) if split_backward else caps
     chunk = worst_case_activation_bytes(cost, mbs * max_seq_len, split_backward=split_backward)
     worst = np.zeros(p.num_ranks)
     np.maximum.at(worst, np.array(p.backbone), chunk)

@@ -120,7 +120,7 @@ class CompiledSchedule:
     def num_nodes(self) -> int:
         return len(self.kind)
 
-    @property
+    @cached_property
     def has_copies(self) -> bool:
         return any(len(nodes) for nodes in self.copy_nodes)
 

@@ -85,13 +85,13 @@ def _cover(tl, window: dict[int, tuple[float, float]], mine: np.ndarray, room: f
     t = np.concatenate([tl.taken[mine], tl.given[mine]])
     d = np.concatenate([tl.size[mine], -tl.size[mine]])
     at = np.lexsort((d, t))
-    held = np.cumsum(d[at])
+    t, held = t[at], np.cumsum(d[at])
     over = np.flatnonzero(held > room)
     if not len(over):
         return None
     chosen: list[int] = []
     for i in over.tolist():
-        now = float(t[at][i])
+        now = float(t[i])
         freed = sum(tl.size[b] for b in chosen if window[b][0] <= now < window[b][1])
         need = held[i] - room - freed
         live = [b for b in mine.tolist() if b in window and b not in chosen and window[b][0] <= now < window[b][1]]
